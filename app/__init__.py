@@ -1,0 +1,1 @@
+"""dsec control plane: schemas, Kafka plumbing, scheduler, projector, SDK and CLI."""

@@ -1,0 +1,144 @@
+"""The Kafka adapter: topics, a publisher and statically assigned consumers.
+
+Consumers here never join a consumer group: partitions are assigned statically and
+positions are kept by the owner (Postgres for the projector and the scheduler, the
+end of the partition for a trainer waiting for replies). Group joins on Tansu take
+10-30 s, and offsets stored next to the data they produced are what gives exactly
+once anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+from pydantic import BaseModel
+
+from app.codec import encode
+from app.config import Settings
+from app.errors import ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+#: Latency-sensitive consumers must not let the broker hold a fetch for 500 ms.
+FETCH_MAX_WAIT_MS = 10
+
+
+def _servers(settings: Settings) -> list[str]:
+    return [s.strip() for s in settings.kafka_bootstrap.split(",") if s.strip()]
+
+
+def ensure_topics(settings: Settings) -> None:
+    """Create the platform's topics if they do not exist yet."""
+    wanted = {
+        settings.topic_requests: settings.topic_partitions,
+        settings.topic_events: settings.topic_partitions,
+        settings.topic_replies: settings.reply_partitions,
+        settings.topic_dead_letters: 1,
+    }
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=_servers(settings), request_timeout_ms=10_000)
+    except KafkaError as exc:
+        raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+    try:
+        existing = set(admin.list_topics())
+        for name, partitions in wanted.items():
+            if name in existing:
+                continue
+            try:
+                admin.create_topics([NewTopic(name, partitions, 1)])
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        admin.close()
+
+
+class Publisher:
+    """Sends typed messages; thread-safe (one per process is enough)."""
+
+    def __init__(self, settings: Settings, *, linger_ms: int = 0) -> None:
+        try:
+            self._producer = KafkaProducer(
+                bootstrap_servers=_servers(settings),
+                acks="all",
+                linger_ms=linger_ms,
+                max_request_size=max(settings.max_message_bytes * 2, 1 << 20),
+                retries=5,
+            )
+        except KafkaError as exc:
+            raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+
+    def publish(
+        self,
+        topic: str,
+        key: str,
+        message: BaseModel | bytes,
+        *,
+        partition: int | None = None,
+        wait: bool = False,
+    ) -> None:
+        """Send one message; with ``wait`` block until the broker acknowledged it."""
+        value = message if isinstance(message, bytes) else encode(message)
+        try:
+            future = self._producer.send(
+                topic, key=key.encode(), value=value, partition=partition
+            )
+            if wait:
+                future.get(timeout=30)
+        except KafkaError as exc:
+            raise ServiceUnavailable(f"publish to {topic}: {exc}") from exc
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Block until every message sent so far is acknowledged."""
+        try:
+            self._producer.flush(timeout=timeout_s)
+        except KafkaError as exc:
+            raise ServiceUnavailable(f"flush: {exc}") from exc
+
+    def close(self) -> None:
+        """Flush and close."""
+        self._producer.close(timeout=10)
+
+
+def make_consumer(settings: Settings, **overrides: Any) -> KafkaConsumer:
+    """A consumer without group membership and without auto-commit."""
+    options: dict[str, Any] = {
+        "bootstrap_servers": _servers(settings),
+        "group_id": None,
+        "enable_auto_commit": False,
+        "fetch_max_wait_ms": FETCH_MAX_WAIT_MS,
+        "auto_offset_reset": "earliest",
+        "max_partition_fetch_bytes": max(settings.max_message_bytes * 2, 1 << 20),
+    }
+    options.update(overrides)
+    try:
+        return KafkaConsumer(**options)
+    except KafkaError as exc:
+        raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+
+
+def partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
+    """All partitions of ``topic`` (raises if the topic does not exist)."""
+    ids: Iterable[int] | None = consumer.partitions_for_topic(topic)
+    if not ids:
+        raise ServiceUnavailable(f"topic {topic} does not exist (is the stack up?)")
+    return [TopicPartition(topic, p) for p in sorted(ids)]
+
+
+def topic_id(consumer: KafkaConsumer, topic: str) -> uuid.UUID:
+    """The broker's id for this incarnation of ``topic``.
+
+    A broker that lost its data (the embedded one keeps topics in memory) recreates
+    topics under the same names with new ids and offsets from zero; the id is how a
+    consumer holding offsets in Postgres tells the two apart.
+    """
+    # kafka-python keeps topic ids from metadata responses on its cluster object.
+    found = consumer._client.cluster.topic_id(topic)
+    if found is None:
+        return uuid.uuid5(uuid.NAMESPACE_URL, f"kafka-topic:{topic}")
+    return found if isinstance(found, uuid.UUID) else uuid.UUID(str(found))

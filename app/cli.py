@@ -1,0 +1,185 @@
+"""The ``dsec`` command line: run the stack, look at it, and drive sandboxes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from app.config import get_settings
+
+cli = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training.")
+run_cli = typer.Typer(no_args_is_help=True, help="Run one service in the foreground.")
+cli.add_typer(run_cli, name="run")
+console = Console()
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _table(title: str, rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rows, default=str, indent=2))
+        return
+    table = Table(title=title)
+    for column in rows[0].keys() if rows else ["(none)"]:
+        table.add_column(str(column))
+    for row in rows:
+        table.add_row(*("" if v is None else str(v) for v in row.values()))
+    console.print(table)
+
+
+def _logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+@cli.command()
+def up(nodes: Annotated[int, typer.Option(help="Node workers to start.")] = 1) -> None:
+    """Start the embedded stack (reusing whatever already runs)."""
+    from app import stack
+
+    stack.up(get_settings(), nodes=nodes, log=lambda m: console.print(f"[green]✓[/] {m}"))
+    status(as_json=False)
+
+
+@cli.command()
+def down() -> None:
+    """Stop the processes the stack started."""
+    from app import stack
+
+    stack.down(get_settings(), log=lambda m: console.print(f"[yellow]■[/] {m}"))
+
+
+@cli.command()
+def status(as_json: JsonOpt = False) -> None:
+    """What runs, where, and how to reach it."""
+    from app import stack
+
+    settings = get_settings()
+    rows = []
+    for service in stack.services(settings, nodes=stack._known_nodes(settings)):
+        pid = service.pid(settings)
+        alive = pid is not None or (service.ready is not None and service.ready())
+        rows.append(
+            {
+                "service": service.name,
+                "state": "running" if alive else "stopped",
+                "pid": pid,
+                "endpoint": service.endpoint,
+                "log": str(service.logfile(settings)),
+            }
+        )
+    rows.append({"service": "postgres", "state": "external", "pid": None,
+                 "endpoint": settings.database_url, "log": ""})
+    rows.append({"service": "redis", "state": "external", "pid": None,
+                 "endpoint": settings.celery_broker_url, "log": ""})
+    _table("dsec stack", rows, as_json)
+
+
+@run_cli.command("projector")
+def run_projector(
+    partitions: Annotated[str, typer.Option(help="Comma-separated partitions (default all).")] = "",
+) -> None:
+    """Events topic -> Postgres log and projections."""
+    from app import projector
+
+    _logging()
+    parts = [int(p) for p in partitions.split(",") if p.strip()] or None
+    projector.main(get_settings(), parts)
+
+
+@run_cli.command("scheduler")
+def run_scheduler() -> None:
+    """Requests topic -> placement and node tasks."""
+    from app import scheduler
+
+    _logging()
+    scheduler.main(get_settings())
+
+
+@run_cli.command("worker")
+def run_worker(
+    node: Annotated[str, typer.Option(help="Node id.")] = "",
+    concurrency: Annotated[int, typer.Option(help="Task threads.")] = 16,
+) -> None:
+    """The node agent: a Celery worker driving rootless Podman."""
+    from workers import main as worker_main
+
+    _logging()
+    worker_main.run(node or get_settings().node_id, concurrency)
+
+
+@cli.command()
+def ps(
+    as_json: JsonOpt = False,
+    all_: Annotated[bool, typer.Option("--all", help="Include ended sandboxes.")] = False,
+    tenant: Annotated[str, typer.Option(help="Only this tenant.")] = "",
+    job: Annotated[str, typer.Option(help="Only this job.")] = "",
+    limit: Annotated[int, typer.Option(help="At most this many rows.")] = 50,
+) -> None:
+    """Sandboxes, newest first."""
+    from sqlalchemy import select
+
+    from app.db.engine import transaction
+    from app.db.tables import sandboxes as t
+    from app.domain.sandbox_state import LIVE
+
+    query = select(
+        t.c.sandbox_id, t.c.tenant, t.c.job_id, t.c.image, t.c.node_id, t.c.state,
+        t.c.started_at, t.c.ended_at, t.c.end_reason, t.c.commands,
+    ).order_by(t.c.requested_at.desc().nulls_last()).limit(limit)
+    if not all_:
+        query = query.where(t.c.state.in_([s.value for s in LIVE]))
+    if tenant:
+        query = query.where(t.c.tenant == tenant)
+    if job:
+        query = query.where(t.c.job_id == job)
+    with transaction(get_settings().database_url) as conn:
+        rows = [dict(r._mapping) for r in conn.execute(query)]
+    _table("sandboxes", rows, as_json)
+
+
+@cli.command()
+def events(sandbox_id: str, as_json: JsonOpt = False) -> None:
+    """The log of one sandbox, in order."""
+    from sqlalchemy import select
+
+    from app.db.engine import transaction
+    from app.db.tables import events as t
+
+    query = select(t.c.position, t.c.occurred_at, t.c.type, t.c.node_id, t.c.payload).where(
+        t.c.sandbox_id == sandbox_id
+    ).order_by(t.c.position)
+    with transaction(get_settings().database_url) as conn:
+        rows = [dict(r._mapping) for r in conn.execute(query)]
+    if not as_json:
+        for row in rows:
+            row["payload"] = json.dumps(row["payload"])[:100]
+    _table(f"events of {sandbox_id}", rows, as_json)
+
+
+@cli.command()
+def demo(
+    sandboxes: Annotated[int, typer.Option(help="Sandboxes to run.")] = 20,
+    commands: Annotated[int, typer.Option(help="Commands per sandbox.")] = 5,
+    concurrency: Annotated[int, typer.Option(help="Sandboxes in flight at once.")] = 10,
+) -> None:
+    """A trainer-like workload on the running stack, with a summary."""
+    from app import demo as demo_mod
+
+    demo_mod.run(get_settings(), sandboxes, commands, concurrency, console)
+
+
+def main() -> None:
+    """Entry point of the ``dsec`` console script."""
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The one settings object. Every endpoint and path comes from here (``DSEC_*``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Platform configuration, read from ``DSEC_*`` environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="DSEC_", extra="ignore")
+
+    kafka_bootstrap: str = Field("127.0.0.1:19092", description="Kafka bootstrap servers, comma separated.")
+    database_url: str = Field(
+        "postgresql+psycopg://dsec_app@127.0.0.1:5432/dsec",
+        description="SQLAlchemy URL the services use (least-privilege role).",
+    )
+    admin_database_url: str = Field(
+        "postgresql+psycopg://postgres@127.0.0.1:5432/dsec",
+        description="SQLAlchemy URL for migrations and setup (owner role).",
+    )
+    celery_broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker URL.")
+    node_id: str = Field("node0", description="Id of the node this worker drives.")
+    state_dir: Path = Field(Path("/var/lib/dsec"), description="Logs, pid files, node homes.")
+    layer_store: Path = Field(
+        Path("/var/lib/dsec/store"), description="Shared read-only Podman image store."
+    )
+    topic_prefix: str = Field("dsec", description="Prefix of every Kafka topic name.")
+    topic_partitions: int = Field(8, description="Partitions for requests and events topics.")
+    reply_partitions: int = Field(16, description="Partitions of the replies topic.")
+    flower_port: int = Field(5555, description="Celery Flower HTTP port.")
+    metrics_port: int = Field(9464, description="First Prometheus metrics port of the services.")
+    node_capacity_sandboxes: int = Field(2000, description="Sandboxes a node accepts.")
+    node_capacity_cpus: float = Field(0.0, description="Declared CPUs of a node (0: detect).")
+    node_capacity_memory_mb: int = Field(0, description="Declared memory of a node (0: detect).")
+    default_image: str = Field("dsec/busybox:latest", description="Image used when none is named.")
+    max_message_bytes: int = Field(1_048_576, description="Largest accepted Kafka message.")
+
+    @property
+    def topic_requests(self) -> str:
+        return f"{self.topic_prefix}.requests"
+
+    @property
+    def topic_events(self) -> str:
+        return f"{self.topic_prefix}.events"
+
+    @property
+    def topic_replies(self) -> str:
+        return f"{self.topic_prefix}.replies"
+
+    @property
+    def topic_dead_letters(self) -> str:
+        return f"{self.topic_prefix}.deadletters"
+
+    def node_queue(self, node_id: str | None = None) -> str:
+        """Celery queue a node's worker consumes."""
+        return f"node.{node_id or self.node_id}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Settings of this process (read once)."""
+    return Settings()

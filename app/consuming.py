@@ -1,0 +1,114 @@
+"""A consumer whose position lives in Postgres, beside the data it produced."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from kafka import TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+
+from app import bus
+from app.codec import DeadLetterReason
+from app.config import Settings
+from app.db.log import StoredOffset
+from app.domain.dead_letter import DeadLetter
+
+log = logging.getLogger(__name__)
+
+
+class PositionedConsumer:
+    """Reads assigned partitions of one topic from offsets the caller stored.
+
+    Position is never committed to Kafka: the owner writes it to Postgres in the same
+    transaction as its effects and hands it back here on start.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        topic: str,
+        name: str,
+        partitions: Sequence[int] | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.settings = settings
+        self.topic = topic
+        self.name = name
+        self._consumer = bus.make_consumer(settings, **overrides)
+        all_parts = bus.partitions(self._consumer, topic)
+        self.partitions = (
+            [tp for tp in all_parts if tp.partition in set(partitions)] if partitions else all_parts
+        )
+        self.topic_id: uuid.UUID = bus.topic_id(self._consumer, topic)
+        self._consumer.assign(self.partitions)
+
+    def seek(self, stored: dict[int, StoredOffset]) -> list[str]:
+        """Seek every partition to its stored offset; return warnings about resets.
+
+        Stored offsets of another topic incarnation, or past the end of the partition,
+        mean the broker lost its data (the embedded broker keeps it in memory): those
+        partitions restart at their beginning and the caller is told.
+        """
+        warnings: list[str] = []
+        ends: dict[TopicPartition, int] = self._consumer.end_offsets(self.partitions)
+        for tp in self.partitions:
+            saved = stored.get(tp.partition)
+            if saved is None:
+                self._consumer.seek_to_beginning(tp)
+                continue
+            if saved.topic_id != self.topic_id or saved.next_offset > ends[tp]:
+                warnings.append(
+                    f"{self.name}: {tp.topic}[{tp.partition}] stored offset {saved.next_offset} "
+                    f"belongs to another incarnation of the topic (broker restarted empty?); "
+                    f"reading the new one from its beginning"
+                )
+                self._consumer.seek_to_beginning(tp)
+            else:
+                self._consumer.seek(tp, saved.next_offset)
+        for warning in warnings:
+            log.warning(warning)
+        return warnings
+
+    def poll(self, timeout_ms: int = 200, max_records: int = 2000) -> list[ConsumerRecord]:
+        """The next records across assigned partitions, in order within each."""
+        batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        out: list[ConsumerRecord] = []
+        for records in batches.values():
+            out.extend(records)
+        return out
+
+    def close(self) -> None:
+        """Leave cleanly."""
+        self._consumer.close()
+
+
+def dead_letter(
+    publisher: bus.Publisher,
+    settings: Settings,
+    consumer: str,
+    record: ConsumerRecord,
+    reason: DeadLetterReason,
+    detail: str,
+) -> None:
+    """Send a refused record to the dead-letter topic with its reason and bytes."""
+    key = record.key.decode(errors="replace") if record.key else None
+    original = record.value or b""
+    # Keep the dead letter itself under the broker's size limit.
+    kept = original[: settings.max_message_bytes // 2]
+    letter = DeadLetter(
+        consumer=consumer,
+        topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        reason=reason.value,
+        detail=detail[:2000],
+        original_b64=base64.b64encode(kept).decode(),
+        original_size=len(original),
+        original_truncated=len(kept) < len(original),
+        key=key,
+    )
+    publisher.publish(settings.topic_dead_letters, key or "", letter)

@@ -1,0 +1,1 @@
+"""Postgres adapter: tables, engine, the event log and its projections."""

@@ -1,0 +1,1 @@
+"""The domain: messages, states and rules. Imports no driver and does no I/O."""

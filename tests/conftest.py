@@ -1,0 +1,65 @@
+"""Shared fixtures: the embedded stack, started once per session and reused.
+
+A service that cannot be brought up fails the session with a message naming it;
+nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, text
+
+from app.config import Settings, get_settings
+from app.db.engine import transaction
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    return get_settings()
+
+
+@pytest.fixture(scope="session")
+def stack(settings: Settings) -> Settings:
+    """The embedded stack, up (idempotent: reuses what `make test` started)."""
+    from app import stack as stack_mod
+
+    try:
+        stack_mod.up(settings, log=lambda _m: None)
+    except Exception as exc:  # name the service in the failure, never skip
+        pytest.fail(f"the embedded stack is not available: {exc}", pytrace=False)
+    return settings
+
+
+@pytest.fixture(scope="session")
+def client(stack: Settings) -> Iterator[Any]:
+    from app.sdk import Client
+
+    with Client(stack, tenant="tests", job_id=f"tests-{uuid.uuid4().hex[:6]}", actor="pytest") as c:
+        yield c
+
+
+@pytest.fixture
+def db(stack: Settings) -> Callable[[], Any]:
+    """Open a transaction as the service role: ``with db() as conn``."""
+    return lambda: transaction(stack.database_url)
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition") -> Any:
+    """Poll until ``check`` returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def scalar(conn: Connection, sql: str, **params: Any) -> Any:
+    """One value from SQL."""
+    return conn.execute(text(sql), params).scalar()

@@ -1,0 +1,58 @@
+"""Decoding refuses bad bytes with a named reason (no services needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.codec import DeadLetterReason, DecodeError, decode_event, decode_request, encode
+from app.domain.events import SandboxStopped, StoppedPayload
+from app.domain.requests import CreateSandbox, Exec
+
+
+def test_event_round_trip() -> None:
+    event = SandboxStopped(sandbox_id="sb-1", payload=StoppedPayload(reason="oom"))
+    assert decode_event(encode(event)) == event
+
+
+def test_request_round_trip_keeps_type() -> None:
+    request = Exec(sandbox_id="sb-1", tenant="t", command=["echo", "hi"])
+    decoded = decode_request(encode(request))
+    assert isinstance(decoded, Exec)
+    assert decoded == request
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"{not json", DeadLetterReason.MALFORMED_JSON),
+        (b"\xff\xfe", DeadLetterReason.MALFORMED_JSON),
+        (b"[1, 2]", DeadLetterReason.NOT_AN_OBJECT),
+        (b'{"type": "Teleport"}', DeadLetterReason.UNKNOWN_TYPE),
+        (json.dumps({"type": "Exec", "version": 99}).encode(), DeadLetterReason.UNSUPPORTED_VERSION),
+        (json.dumps({"type": "Exec", "sandbox_id": "sb-1"}).encode(), DeadLetterReason.INVALID),
+        (b"x" * 2000, DeadLetterReason.TOO_LARGE),
+    ],
+)
+def test_bad_requests_are_refused_with_reason(raw: bytes, reason: DeadLetterReason) -> None:
+    with pytest.raises(DecodeError) as info:
+        decode_request(raw, max_bytes=1000)
+    assert info.value.reason == reason
+
+
+def test_unknown_fields_are_refused() -> None:
+    body = json.loads(encode(CreateSandbox(sandbox_id="sb-1", tenant="t")))
+    body["privileged"] = True
+    with pytest.raises(DecodeError) as info:
+        decode_request(json.dumps(body).encode())
+    assert info.value.reason == DeadLetterReason.INVALID
+    assert "privileged" in info.value.detail
+
+
+def test_impossible_resources_are_invalid() -> None:
+    body = json.loads(encode(CreateSandbox(sandbox_id="sb-1", tenant="t")))
+    body["cpus"] = -2
+    with pytest.raises(DecodeError) as info:
+        decode_request(json.dumps(body).encode())
+    assert "cpus" in info.value.detail

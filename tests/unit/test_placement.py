@@ -1,0 +1,63 @@
+"""Placement never oversubscribes a node and prefers nodes holding the image."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from app.domain.base import RejectReason
+from app.domain.placement import Allocation, NodeView, Placement
+
+
+def node(node_id: str, sandboxes: int = 10, cpus: float = 4, memory: int = 4096, images: frozenset[str] = frozenset()) -> NodeView:
+    return NodeView(node_id, f"node.{node_id}", sandboxes, cpus, memory, images)
+
+
+def test_no_nodes_is_its_own_reason() -> None:
+    assert Placement().place("sb-1", "img", 1, 128) == RejectReason.NO_NODES
+
+
+def test_prefers_node_with_image() -> None:
+    placement = Placement()
+    placement.upsert_node(node("a"))
+    placement.upsert_node(node("b", images=frozenset({"img"})))
+    placed = placement.place("sb-1", "img", 1, 128)
+    assert isinstance(placed, Allocation) and placed.node_id == "b"
+
+
+def test_release_frees_room() -> None:
+    placement = Placement()
+    placement.upsert_node(node("a", sandboxes=1))
+    assert isinstance(placement.place("sb-1", "img", 1, 128), Allocation)
+    assert placement.place("sb-2", "img", 1, 128) == RejectReason.CAPACITY
+    placement.release("sb-1")
+    assert isinstance(placement.place("sb-2", "img", 1, 128), Allocation)
+
+
+def test_lost_node_gets_nothing_and_reports_its_sandboxes() -> None:
+    placement = Placement()
+    placement.upsert_node(node("a"))
+    placement.place("sb-1", "img", 1, 128)
+    assert placement.mark_lost("a") == ["sb-1"]
+    assert placement.place("sb-2", "img", 1, 128) == RejectReason.NO_NODES
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0.1, 4), st.integers(16, 2048), st.booleans()), min_size=1, max_size=200
+    )
+)
+def test_capacity_is_never_exceeded(ops: list[tuple[float, int, bool]]) -> None:
+    placement = Placement()
+    for name in ("a", "b", "c"):
+        placement.upsert_node(node(name, sandboxes=5, cpus=6, memory=4096))
+    live: list[str] = []
+    for i, (cpus, memory, release) in enumerate(ops):
+        if release and live:
+            placement.release(live.pop(0))
+        elif isinstance(placement.place(f"sb-{i}", "img", cpus, memory), Allocation):
+            live.append(f"sb-{i}")
+        for view in placement.nodes.values():
+            assert view.used_sandboxes <= view.capacity_sandboxes
+            assert view.used_cpus <= view.capacity_cpus + 1e-6
+            assert view.used_memory_mb <= view.capacity_memory_mb
