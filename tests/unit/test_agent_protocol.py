@@ -1,0 +1,227 @@
+"""Round-trips and malformed frames of the host <-> dsec-agent wire protocol (no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from workers.agent.errors import AgentProtocolError
+from workers.agent.protocol import (
+    HEADER_LEN,
+    MAX_REQUEST_FRAME,
+    ErrorReply,
+    ExecRequest,
+    ExecResult,
+    Hello,
+    Op,
+    PingRequest,
+    Pong,
+    ReadFileRequest,
+    ReadFileResult,
+    Request,
+    Response,
+    WriteFileRequest,
+    WriteFileResult,
+    decode_hello,
+    decode_request,
+    decode_response,
+    encode_hello,
+    encode_request,
+    encode_response,
+    frame,
+    frame_length,
+    op_of,
+)
+
+
+def _payload(framed: bytes) -> bytes:
+    assert frame_length(framed[:HEADER_LEN], len(framed)) == len(framed) - HEADER_LEN
+    return framed[HEADER_LEN:]
+
+
+def _request_roundtrip(request: Request) -> Request:
+    return decode_request(_payload(encode_request(request)))
+
+
+def _response_roundtrip(op: Op, response: Response) -> Response:
+    return decode_response(op, _payload(encode_response(response)))
+
+
+# -------------------------------------------------------------- round trips
+
+# No lone surrogates: they are not text (only surrogateescape'd bytes are encodable).
+_text = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\0"), max_size=40)
+_env_entry = st.builds(
+    lambda k, v: f"{k}={v}",
+    st.text(alphabet="ABCXYZ_", min_size=1, max_size=8),
+    _text,
+)
+
+
+@given(
+    argv=st.lists(_text, min_size=1, max_size=5),
+    env=st.lists(_env_entry, max_size=5),
+    cwd=_text,
+    timeout_ms=st.integers(0, 2**32 - 1),
+    max_output=st.integers(0, 2**32 - 1),
+    stdin=st.binary(max_size=300),
+)
+def test_exec_request_roundtrips(
+    argv: list[str], env: list[str], cwd: str, timeout_ms: int, max_output: int, stdin: bytes
+) -> None:
+    request = ExecRequest(tuple(argv), tuple(env), cwd, timeout_ms, max_output, stdin)
+    assert _request_roundtrip(request) == request
+
+
+@given(path=_text, data=st.binary(max_size=600), mode=st.integers(0, 0o7777))
+def test_file_requests_roundtrip(path: str, data: bytes, mode: int) -> None:
+    write = WriteFileRequest(path, data, mode)
+    read = ReadFileRequest(path, len(data))
+    assert _request_roundtrip(write) == write
+    assert _request_roundtrip(read) == read
+
+
+def test_ping_and_hello_roundtrip() -> None:
+    assert _request_roundtrip(PingRequest()) == PingRequest()
+    hello = Hello(version=1, pid=12345)
+    assert decode_hello(_payload(encode_hello(hello))) == hello
+    assert encode_hello(hello) == bytes.fromhex("00000009100000000100003039")
+
+
+def test_all_256_byte_values_survive_as_data_and_as_path() -> None:
+    data = bytes(range(256)) * 3
+    # A path that is not valid UTF-8 still round-trips (surrogateescape).
+    path = "/workspace/" + bytes(range(1, 256)).decode("utf-8", "surrogateescape")
+    request = WriteFileRequest(path, data, 0o600)
+    assert _request_roundtrip(request) == request
+    reply = ReadFileResult(data, truncated=False)
+    assert _response_roundtrip(Op.READ_FILE, reply) == reply
+
+
+@given(
+    exit_code=st.integers(-(2**31), 2**31 - 1),
+    stdout=st.binary(max_size=200),
+    stderr=st.binary(max_size=200),
+    flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+    duration_ns=st.integers(0, 10**15),
+)
+def test_exec_result_roundtrips(
+    exit_code: int,
+    stdout: bytes,
+    stderr: bytes,
+    flags: tuple[bool, bool, bool],
+    duration_ns: int,
+) -> None:
+    result = ExecResult(exit_code, stdout, stderr, *flags, duration_s=duration_ns / 1e9)
+    decoded = _response_roundtrip(Op.EXEC, result)
+    assert isinstance(decoded, ExecResult)
+    assert decoded == ExecResult(exit_code, stdout, stderr, *flags, duration_s=decoded.duration_s)
+    assert decoded.duration_s == pytest.approx(result.duration_s, abs=1e-9)
+
+
+def test_other_responses_roundtrip() -> None:
+    assert _response_roundtrip(Op.PING, Pong()) == Pong()
+    assert _response_roundtrip(Op.WRITE_FILE, WriteFileResult(2**40)) == WriteFileResult(2**40)
+    assert _response_roundtrip(Op.READ_FILE, ReadFileResult(b"", True)) == ReadFileResult(b"", True)
+    error = ErrorReply(errno=2, message="cannot open /x: No such file or directory")
+    for op in (Op.PING, Op.EXEC, Op.WRITE_FILE, Op.READ_FILE):
+        assert _response_roundtrip(op, error) == error
+
+
+def test_exec_ok_property() -> None:
+    assert ExecResult(0, b"", b"").ok
+    assert not ExecResult(1, b"", b"").ok
+    assert not ExecResult(0, b"", b"", timed_out=True).ok
+
+
+def test_op_of_matches_the_encoded_op_byte() -> None:
+    requests: list[Request] = [
+        PingRequest(),
+        ExecRequest(("true",)),
+        WriteFileRequest("/a", b""),
+        ReadFileRequest("/a", 1),
+    ]
+    for request in requests:
+        assert encode_request(request)[HEADER_LEN] == op_of(request)
+
+
+def test_exec_wire_layout_is_what_the_c_agent_parses() -> None:
+    # Pinned bytes: the C side reads exactly this layout.
+    framed = encode_request(ExecRequest(("ls", "-l"), ("A=1",), "/w", 1500, 4096, b"in"))
+    assert framed == bytes.fromhex(
+        "00000030"  # frame length 48
+        "02"  # EXEC
+        "00000002"
+        "00000002"
+        "6c73"
+        "00000002"
+        "2d6c"  # argv
+        "00000001"
+        "00000003"
+        "413d31"  # env
+        "00000002"
+        "2f77"  # cwd
+        "000005dc"
+        "00001000"  # timeout_ms, max_output
+        "00000002"
+        "696e"  # stdin
+    )
+
+
+# -------------------------------------------------------- malformed frames
+
+
+def test_frame_length_refuses_zero_oversized_and_short_headers() -> None:
+    assert frame_length(b"\x00\x00\x01\x00", 256) == 256
+    with pytest.raises(AgentProtocolError):
+        frame_length(b"\x00\x00\x00\x00", 256)
+    with pytest.raises(AgentProtocolError):
+        frame_length(b"\x00\x00\x01\x01", 256)
+    with pytest.raises(AgentProtocolError):
+        frame_length(b"\x00\x01", 256)
+
+
+def test_truncated_and_padded_payloads_are_protocol_errors() -> None:
+    payload = _payload(encode_request(ExecRequest(("echo", "hi"))))
+    for cut in range(len(payload)):
+        with pytest.raises(AgentProtocolError):
+            decode_request(payload[:cut])
+    with pytest.raises(AgentProtocolError):
+        decode_request(payload + b"\x00")
+
+
+def test_unknown_op_status_and_non_hello_are_refused() -> None:
+    with pytest.raises(AgentProtocolError, match="unknown op"):
+        decode_request(b"\x7f")
+    with pytest.raises(AgentProtocolError, match="unknown status"):
+        decode_response(Op.PING, b"\x02")
+    with pytest.raises(AgentProtocolError, match="HELLO"):
+        decode_hello(b"\x01" + bytes(8))
+
+
+def test_huge_list_count_is_refused_before_allocating() -> None:
+    # Given an EXEC claiming 2**32-1 argv entries in a tiny frame
+    payload = bytes([Op.EXEC]) + b"\xff\xff\xff\xff"
+    # Then decoding fails fast instead of looping or allocating
+    with pytest.raises(AgentProtocolError, match="cannot fit"):
+        decode_request(payload)
+
+
+def test_encoding_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="NUL"):
+        encode_request(ExecRequest(("echo", "a\0b")))
+    with pytest.raises(ValueError):  # UnicodeEncodeError: not text, not escaped bytes
+        encode_request(ReadFileRequest("/\ud800", 1))
+    with pytest.raises(ValueError, match="argv"):
+        encode_request(ExecRequest(()))
+    with pytest.raises(ValueError, match="K=V"):
+        encode_request(ExecRequest(("env",), ("NOEQUALS",)))
+    with pytest.raises(ValueError, match="out of range"):
+        encode_request(ExecRequest(("true",), timeout_ms=2**32))
+    with pytest.raises(ValueError, match="exceeds"):
+        encode_request(WriteFileRequest("/big", bytes(MAX_REQUEST_FRAME)))
+
+
+def test_frame_prefixes_length() -> None:
+    assert frame(b"abc") == b"\x00\x00\x00\x03abc"

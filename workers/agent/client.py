@@ -1,0 +1,594 @@
+"""Host side of the in-sandbox agent: listen for it, talk to it, keep one per sandbox.
+
+The host listens on ``<run_dir>/agent.sock`` (``run_dir`` is host-owned and mounted
+read-only at ``/.dsec/run``); the agent connects out. So the host only ever opens paths
+in its own directories and never follows a symlink the sandbox made. Anything that
+arrives on the socket is still untrusted: frames are size-checked before allocation
+and a HELLO must arrive within a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import select
+import selectors
+import socket
+import stat
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workers.agent.errors import (
+    AgentError,
+    AgentProtocolError,
+    AgentRefused,
+    AgentTimeout,
+    AgentUnavailable,
+)
+from workers.agent.protocol import (
+    HEADER_LEN,
+    HELLO_PAYLOAD_LEN,
+    MAX_RESPONSE_FRAME,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    ExecRequest,
+    ExecResult,
+    Hello,
+    PingRequest,
+    ReadFileRequest,
+    ReadFileResult,
+    Request,
+    Response,
+    WriteFileRequest,
+    WriteFileResult,
+    decode_hello,
+    decode_response,
+    encode_request,
+    frame_length,
+    op_of,
+)
+from workers.sandbox_spec import AGENT_SOCKET_NAME
+
+log = logging.getLogger(__name__)
+
+#: Added to a command's timeout for the socket wait: the agent needs up to ~2.1 s after
+#: the deadline (kill, wait for the process, linger for the pipes) plus transfer time.
+EXEC_MARGIN_S = 5.0
+#: Socket timeout for PING and file transfers (at most 64 MiB each).
+IO_TIMEOUT_S = 30.0
+_HELLO_FRAME_LEN = HEADER_LEN + HELLO_PAYLOAD_LEN
+_UCRED = struct.Struct("3i")
+_DEAD_EVENTS = select.POLLHUP | select.POLLERR | select.POLLRDHUP | select.POLLNVAL
+
+
+def _check_hello(raw: bytes | bytearray) -> Hello:
+    frame_length(raw[:HEADER_LEN], HELLO_PAYLOAD_LEN)
+    hello = decode_hello(raw[HEADER_LEN:])
+    if hello.version != PROTOCOL_VERSION:
+        raise AgentProtocolError(
+            f"agent speaks protocol {hello.version}, host speaks {PROTOCOL_VERSION}"
+        )
+    return hello
+
+
+class AgentConnection:
+    """One connected agent. Thread-safe: a lock keeps one request in flight, which is
+    all the agent serves. Any socket failure closes the connection (the agent then
+    reconnects); an agent-side refusal (:class:`AgentRefused`) leaves it usable."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        hello: Hello,
+        *,
+        io_timeout_s: float = IO_TIMEOUT_S,
+        exec_margin_s: float = EXEC_MARGIN_S,
+    ) -> None:
+        self._sock = sock
+        self._sock.setblocking(True)
+        self.hello = hello
+        self.io_timeout_s = io_timeout_s
+        self.exec_margin_s = exec_margin_s
+        # RLock: a failing request closes the connection while holding it.
+        self._lock = threading.RLock()
+        self._closed = False
+        try:
+            pid, uid, _gid = _UCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
+        except OSError:
+            pid, uid = 0, -1
+        #: The agent's pid as the host sees it (SO_PEERCRED), to check against the
+        #: container's init pid; ``hello.pid`` is the pid inside the sandbox.
+        self.peer_pid: int = pid
+        #: The agent's uid as the host sees it (the sandbox's mapped uid).
+        self.peer_uid: int = uid
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection was closed (by us or after a failure)."""
+        return self._closed
+
+    def is_alive(self) -> bool:
+        """Cheap check that the peer has not hung up (no data is consumed)."""
+        if self._closed:
+            return False
+        poller = select.poll()
+        try:
+            poller.register(self._sock.fileno(), select.POLLRDHUP)
+            events = poller.poll(0)
+        except (OSError, ValueError):
+            return False
+        return not any(mask & _DEAD_EVENTS for _, mask in events)
+
+    def ping(self) -> None:
+        """Round-trip an empty request."""
+        self.request(PingRequest(), self.io_timeout_s)
+
+    def exec(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        max_output: int = 1 << 20,
+        stdin: bytes = b"",
+    ) -> ExecResult:
+        """Run ``argv`` in the sandbox and wait for it.
+
+        ``env`` overrides entries of the sandbox's environment; ``cwd`` defaults to
+        /workspace. After ``timeout_s`` the command's process group is killed and the
+        result has ``timed_out``; ``None`` waits without limit (the host too).
+        ``max_output`` caps stdout and stderr separately. A program that cannot be
+        started exits 127 (not found) or 126, with the reason on stderr.
+        """
+        if isinstance(argv, str | bytes):
+            raise TypeError("argv must be a sequence of strings, not a string")
+        timeout_ms = 0
+        if timeout_s is not None:
+            timeout_ms = max(1, math.ceil(timeout_s * 1000))
+        request = ExecRequest(
+            argv=tuple(argv),
+            env=tuple(f"{key}={value}" for key, value in (env or {}).items()),
+            cwd=cwd or "",
+            timeout_ms=timeout_ms,
+            max_output=max_output,
+            stdin=stdin,
+        )
+        wait = None if timeout_s is None else timeout_s + self.exec_margin_s
+        result = self.request(request, wait)
+        assert isinstance(result, ExecResult)
+        return result
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        """Create or truncate ``path`` (absolute, no ``..``, no symlinks; parents are
+        created) with ``data``; returns the bytes written."""
+        result = self.request(WriteFileRequest(path, data, mode), self.io_timeout_s)
+        assert isinstance(result, WriteFileResult)
+        return result.bytes_written
+
+    def read_file(self, path: str, max_bytes: int) -> tuple[bytes, bool]:
+        """Read at most ``max_bytes`` of the regular file ``path``; returns the data
+        and whether the file holds more. A missing file raises :class:`AgentRefused`
+        with ``errno == errno.ENOENT``."""
+        result = self.request(ReadFileRequest(path, max_bytes), self.io_timeout_s)
+        assert isinstance(result, ReadFileResult)
+        return result.data, result.truncated
+
+    def request(self, request: Request, timeout_s: float | None) -> Response:
+        """Send one request and return its response; the lower-level form of the
+        methods above. ``timeout_s`` bounds the whole round trip."""
+        data = encode_request(request)  # bad arguments fail here, connection untouched
+        with self._lock:
+            if self._closed:
+                raise AgentUnavailable("agent connection is closed")
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            try:
+                self._sock.settimeout(timeout_s)
+                self._sock.sendall(data)
+                length = frame_length(self._recv_exact(HEADER_LEN, deadline), MAX_RESPONSE_FRAME)
+                response = decode_response(op_of(request), self._recv_exact(length, deadline))
+            except TimeoutError as exc:
+                # A late answer would desynchronise the stream; closing also makes the
+                # agent kill the command.
+                self._close_locked()
+                raise AgentTimeout(f"agent did not answer within {timeout_s} s") from exc
+            except AgentError:
+                self._close_locked()
+                raise
+            except OSError as exc:
+                self._close_locked()
+                raise AgentUnavailable(f"agent connection broke: {exc}") from exc
+        if isinstance(response, ErrorReply):
+            raise AgentRefused(response.message, response.errno)
+        return response
+
+    def _recv_exact(self, n: int, deadline: float | None) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        pos = 0
+        while pos < n:
+            if pos and deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                self._sock.settimeout(remaining)
+            got = self._sock.recv_into(view[pos:])
+            if got == 0:
+                raise AgentUnavailable("agent closed the connection")
+            pos += got
+        return buf
+
+    def _close_locked(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def close(self) -> None:
+        """Close the connection; a request in flight in another thread fails at once."""
+        self._closed = True
+        # shutdown() wakes a thread blocked in recv on this socket; close() would not.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:
+            self._close_locked()
+
+
+class AgentListener:
+    """The listening socket of one sandbox: ``<run_dir>/agent.sock``, mode 0666 so the
+    sandbox's unprivileged mapped uid can connect (``run_dir`` is created if missing;
+    it must be host-owned and is mounted read-only into the sandbox)."""
+
+    def __init__(self, run_dir: Path, *, socket_name: str = AGENT_SOCKET_NAME) -> None:
+        run_dir = Path(run_dir)
+        # 0755: the sandbox's mapped uid must traverse it to reach the socket.
+        run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self.path = run_dir / socket_name
+        if len(os.fsencode(self.path)) >= 108:
+            raise AgentError(f"socket path too long for AF_UNIX (max 107 bytes): {self.path}")
+        with contextlib.suppress(FileNotFoundError):
+            # The run dir is host-owned: whatever is here is a stale socket of ours.
+            if stat.S_ISDIR(os.lstat(self.path).st_mode):
+                raise AgentError(f"{self.path} is a directory")
+            os.unlink(self.path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(os.fspath(self.path))
+            os.chmod(self.path, 0o666)
+            st = os.lstat(self.path)
+            self._identity = (st.st_dev, st.st_ino)
+            self._sock.listen(16)
+        except OSError:
+            self._sock.close()
+            raise
+
+    def fileno(self) -> int:
+        """The listening socket's descriptor (for selectors)."""
+        return self._sock.fileno()
+
+    def accept(
+        self, timeout_s: float | None, *, io_timeout_s: float = IO_TIMEOUT_S
+    ) -> AgentConnection:
+        """Wait for an agent to connect and send a valid HELLO.
+
+        Raises :class:`AgentUnavailable` if none does within ``timeout_s``.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._sock.settimeout(timeout_s)
+        try:
+            sock, _ = self._sock.accept()
+        except TimeoutError as exc:
+            raise AgentUnavailable(f"no agent connected to {self.path} in {timeout_s} s") from exc
+        try:
+            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+            sock.settimeout(remaining)
+            raw = bytearray()
+            while len(raw) < _HELLO_FRAME_LEN:
+                chunk = sock.recv(_HELLO_FRAME_LEN - len(raw))
+                if not chunk:
+                    raise AgentUnavailable("agent hung up before HELLO")
+                raw += chunk
+            hello = _check_hello(raw)
+        except TimeoutError as exc:
+            sock.close()
+            raise AgentUnavailable("agent connected but sent no HELLO in time") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return AgentConnection(sock, hello, io_timeout_s=io_timeout_s)
+
+    def accept_nowait(self) -> socket.socket | None:
+        """A pending raw connection, or None (non-blocking; for :class:`AgentPool`)."""
+        self._sock.setblocking(False)
+        try:
+            sock, _ = self._sock.accept()
+        except BlockingIOError:
+            return None
+        sock.setblocking(False)
+        return sock
+
+    def close(self) -> None:
+        """Stop listening and remove the socket file (if it is still ours)."""
+        self._sock.close()
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(self.path)
+
+
+@dataclass(eq=False)
+class _Slot:
+    sandbox_id: str
+    listener: AgentListener
+    conn: AgentConnection | None = None
+    pending: set[_Pending] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Pending:
+    slot: _Slot
+    sock: socket.socket
+    deadline: float
+    raw: bytearray = field(default_factory=bytearray)
+
+
+class AgentPool:
+    """The agents of all sandboxes of one worker process, usable from many threads.
+
+    One background thread accepts on every listener (``selectors``) and completes the
+    HELLO handshakes without blocking; callers get the live connection with
+    :meth:`connection`. Per sandbox there is one connection and hence, through its
+    lock, one request in flight. The newest valid connection of a sandbox replaces the
+    older one (the agent only reconnects after losing its connection, so an older one
+    is dead or stale).
+    """
+
+    def __init__(
+        self,
+        *,
+        hello_timeout_s: float = 5.0,
+        io_timeout_s: float = IO_TIMEOUT_S,
+        max_pending: int = 4,
+        verify: Callable[[str, AgentConnection], bool] | None = None,
+    ) -> None:
+        """``verify(sandbox_id, conn)`` may reject a connection, e.g. when
+        ``conn.peer_pid`` is not the container's init process."""
+        self.hello_timeout_s = hello_timeout_s
+        self.io_timeout_s = io_timeout_s
+        self.max_pending = max_pending
+        self._verify = verify
+        # Guards _slots and every slot's conn; waiters in connection() sleep on it.
+        self._cond = threading.Condition(threading.Lock())
+        self._slots: dict[str, _Slot] = {}
+        # Handshakes in progress; touched only by the loop thread.
+        self._pending: set[_Pending] = set()
+        self._calls: deque[tuple[Callable[[], object], threading.Event]] = deque()
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="dsec-agent-pool", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> AgentPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ public API
+
+    def register(self, sandbox_id: str, run_dir: Path) -> Path:
+        """Listen for the agent of ``sandbox_id`` in ``run_dir`` (before the container
+        starts); returns the socket path. Registering again replaces the listener."""
+        listener = AgentListener(run_dir)
+        slot = _Slot(sandbox_id, listener)
+        with self._cond:
+            old = self._slots.pop(sandbox_id, None)
+            self._slots[sandbox_id] = slot
+        if old is not None:
+            self._drop(old)
+        self._call_in_loop(
+            lambda: self._selector.register(listener.fileno(), selectors.EVENT_READ, slot)
+        )
+        return listener.path
+
+    def unregister(self, sandbox_id: str) -> None:
+        """Stop listening for ``sandbox_id`` and close its connection (idempotent)."""
+        with self._cond:
+            slot = self._slots.pop(sandbox_id, None)
+            self._cond.notify_all()
+        if slot is not None:
+            self._drop(slot)
+
+    def connection(self, sandbox_id: str, wait_s: float) -> AgentConnection:
+        """The live connection of ``sandbox_id``, waiting up to ``wait_s`` for the agent
+        to (re)connect. Raises :class:`AgentUnavailable` if it does not, or if the
+        sandbox is not registered."""
+        deadline = time.monotonic() + wait_s
+        dead: list[AgentConnection] = []
+        try:
+            with self._cond:
+                while True:
+                    slot = self._slots.get(sandbox_id)
+                    if slot is None:
+                        raise AgentUnavailable(f"sandbox {sandbox_id} has no agent listener")
+                    conn = slot.conn
+                    if conn is not None:
+                        if conn.is_alive():
+                            return conn
+                        slot.conn = None
+                        dead.append(conn)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise AgentUnavailable(
+                            f"agent of sandbox {sandbox_id} not connected after {wait_s} s"
+                        )
+                    self._cond.wait(remaining)
+        finally:
+            for conn in dead:  # outside the pool lock: close() may wait for a request
+                conn.close()
+
+    def is_registered(self, sandbox_id: str) -> bool:
+        """True if the pool listens for ``sandbox_id``'s agent."""
+        with self._cond:
+            return sandbox_id in self._slots
+
+    def is_connected(self, sandbox_id: str) -> bool:
+        """True if ``sandbox_id`` has a live connection right now."""
+        with self._cond:
+            slot = self._slots.get(sandbox_id)
+            conn = slot.conn if slot else None
+        return conn is not None and conn.is_alive()
+
+    def close(self) -> None:
+        """Unregister everything and stop the background thread."""
+        with self._cond:
+            slots = list(self._slots.values())
+            self._slots.clear()
+            self._cond.notify_all()
+        for slot in slots:
+            self._drop(slot)
+        self._stopping = True
+        self._wake()
+        self._thread.join(timeout=5)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -------------------------------------------------------- loop plumbing
+
+    def _drop(self, slot: _Slot) -> None:
+        conn, slot.conn = slot.conn, None
+        if conn is not None:
+            conn.close()
+
+        def remove() -> None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(slot.listener.fileno())
+            slot.listener.close()
+            for pending in list(slot.pending):
+                self._forget(pending)
+
+        self._call_in_loop(remove)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"x")
+
+    def _call_in_loop(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the selector thread (the selector is not thread-safe) and wait."""
+        if self._stopping or threading.current_thread() is self._thread:
+            fn()
+            return
+        done = threading.Event()
+        self._calls.append((fn, done))
+        self._wake()
+        if not done.wait(timeout=10):
+            raise AgentError("agent pool thread is not responding")
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                self._step()
+            except Exception:  # the loop must survive one bad connection
+                log.exception("agent pool loop error")
+        while self._calls:  # nobody waits forever on a call queued during shutdown
+            fn, done = self._calls.popleft()
+            with contextlib.suppress(Exception):
+                fn()
+            done.set()
+
+    def _step(self) -> None:
+        timeout = 1.0
+        now = time.monotonic()
+        for pending in list(self._pending):
+            if pending.deadline <= now:
+                self._forget(pending)
+            else:
+                timeout = min(timeout, pending.deadline - now)
+        for key, _ in self._selector.select(timeout):
+            data = key.data
+            if data is None:
+                with contextlib.suppress(BlockingIOError):
+                    while self._wake_r.recv(4096):
+                        pass
+            elif isinstance(data, _Slot):
+                self._accept(data)
+            elif isinstance(data, _Pending):
+                self._read_hello(data)
+        while self._calls:
+            fn, done = self._calls.popleft()
+            try:
+                fn()
+            finally:
+                done.set()
+
+    def _accept(self, slot: _Slot) -> None:
+        while (sock := slot.listener.accept_nowait()) is not None:
+            if len(slot.pending) >= self.max_pending:
+                sock.close()  # a sandbox flooding its own socket only hurts itself
+                continue
+            pending = _Pending(slot, sock, time.monotonic() + self.hello_timeout_s)
+            slot.pending.add(pending)
+            self._pending.add(pending)
+            self._selector.register(sock, selectors.EVENT_READ, pending)
+
+    def _forget(self, pending: _Pending) -> None:
+        pending.slot.pending.discard(pending)
+        self._pending.discard(pending)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(pending.sock)
+        pending.sock.close()
+
+    def _read_hello(self, pending: _Pending) -> None:
+        try:
+            chunk = pending.sock.recv(_HELLO_FRAME_LEN - len(pending.raw))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._forget(pending)
+            return
+        pending.raw += chunk
+        if len(pending.raw) < _HELLO_FRAME_LEN:
+            return
+        slot = pending.slot
+        slot.pending.discard(pending)
+        self._pending.discard(pending)
+        self._selector.unregister(pending.sock)
+        try:
+            hello = _check_hello(pending.raw)
+        except AgentProtocolError as exc:
+            log.warning("sandbox %s: bad agent handshake: %s", slot.sandbox_id, exc)
+            pending.sock.close()
+            return
+        conn = AgentConnection(pending.sock, hello, io_timeout_s=self.io_timeout_s)
+        try:
+            accepted = self._verify is None or self._verify(slot.sandbox_id, conn)
+        except Exception:
+            log.exception("sandbox %s: verify() failed", slot.sandbox_id)
+            accepted = False
+        if not accepted:
+            log.warning("sandbox %s: agent connection rejected by verify()", slot.sandbox_id)
+            conn.close()
+            return
+        old: AgentConnection | None
+        with self._cond:
+            if self._slots.get(slot.sandbox_id) is not slot:
+                old = conn  # unregistered meanwhile
+            else:
+                old, slot.conn = slot.conn, conn
+                self._cond.notify_all()
+        if old is not None:
+            old.close()

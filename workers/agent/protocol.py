@@ -1,0 +1,450 @@
+"""Wire protocol between the host and ``dsec-agent``, version 1: encode/decode only, no I/O.
+
+All integers are big-endian. ``frame`` = u32 length + payload; ``bytes`` = u32 length
++ bytes (strings are UTF-8, ``surrogateescape`` so any POSIX byte string round-trips,
+and may not contain NUL); ``list`` = u32 count + items.
+
+On connect the agent sends HELLO: ``u8 0x10, u32 version, u32 pid``. Then the host sends
+one request at a time (payload ``u8 op`` + fields) and reads one response (payload
+``u8 status`` + body):
+
+=========== ========================================= ================================
+op          request fields                             ok body (status 0)
+=========== ========================================= ================================
+0x01 PING   (none)                                     (empty)
+0x02 EXEC   list argv, list env ("K=V"), bytes cwd     i32 exit_code (-N: signal N),
+            ("" = /workspace), u32 timeout_ms (0 =     u8 flags (1 timed_out, 2 stdout
+            none), u32 max_output (per stream),        truncated, 4 stderr truncated),
+            bytes stdin                                u64 duration_ns, bytes stdout,
+                                                       bytes stderr
+0x03 WRITE  bytes path, u32 mode, bytes data           u64 bytes_written
+0x04 READ   bytes path, u32 max_bytes                  u8 truncated, bytes data
+=========== ========================================= ================================
+
+An error (status 1, any op) carries ``u32 errno`` (0 if not an OS error) and ``bytes
+message``. The agent refuses request frames above :data:`MAX_REQUEST_FRAME` (and then
+closes the connection) and clamps ``max_output``/``max_bytes`` to
+:data:`MAX_OUTPUT_BYTES`. Closing the connection during an EXEC cancels it. The C side
+(``dsec_agent.c``) documents the same protocol in its header; keep them in step.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from workers.agent.errors import AgentProtocolError
+
+#: Version the agent announces in HELLO; the host refuses any other.
+PROTOCOL_VERSION = 1
+#: The agent refuses larger request frames (so at most this much file data per write).
+MAX_REQUEST_FRAME = 64 << 20
+#: The agent clamps per-stream EXEC output and READ_FILE sizes to this.
+MAX_OUTPUT_BYTES = 64 << 20
+#: Largest response a well-behaved agent can send (two full output streams + headers).
+MAX_RESPONSE_FRAME = 2 * MAX_OUTPUT_BYTES + 64
+#: HELLO's payload length (op + version + pid).
+HELLO_PAYLOAD_LEN = 9
+#: Length of the frame header.
+HEADER_LEN = 4
+
+_U32_MAX = 0xFFFFFFFF
+_FLAG_TIMED_OUT = 1
+_FLAG_STDOUT_TRUNCATED = 2
+_FLAG_STDERR_TRUNCATED = 4
+
+
+class Op(IntEnum):
+    """Operation codes (first payload byte of HELLO and of every request)."""
+
+    PING = 0x01
+    EXEC = 0x02
+    WRITE_FILE = 0x03
+    READ_FILE = 0x04
+    HELLO = 0x10
+
+
+class Status(IntEnum):
+    """First payload byte of every response."""
+
+    OK = 0
+    ERROR = 1
+
+
+# ---------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The agent's first frame on every connection."""
+
+    version: int
+    """Protocol version the agent speaks."""
+    pid: int
+    """The agent's pid in its own pid namespace (1 inside a sandbox)."""
+
+
+@dataclass(frozen=True)
+class PingRequest:
+    """Liveness check; answered with :class:`Pong`."""
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """Run one command to completion."""
+
+    argv: tuple[str, ...]
+    """Program and arguments; the program is looked up in PATH."""
+    env: tuple[str, ...] = ()
+    """``K=V`` entries overriding the sandbox's environment."""
+    cwd: str = ""
+    """Working directory; empty means ``/workspace``."""
+    timeout_ms: int = 0
+    """Kill the command's process group after this long; 0 means no limit."""
+    max_output: int = 1 << 20
+    """Keep at most this many bytes of stdout and (separately) of stderr."""
+    stdin: bytes = b""
+    """Fed to the command's stdin, which is then closed."""
+
+
+@dataclass(frozen=True)
+class WriteFileRequest:
+    """Create or truncate a regular file (parents are created) and write ``data``."""
+
+    path: str
+    """Absolute path without ``..``; no symlink is followed."""
+    data: bytes
+    """The whole new content."""
+    mode: int = 0o644
+    """Permission bits set on the file."""
+
+
+@dataclass(frozen=True)
+class ReadFileRequest:
+    """Read a regular file, up to ``max_bytes``."""
+
+    path: str
+    """Absolute path without ``..``; no symlink is followed."""
+    max_bytes: int
+    """Read at most this much; more sets ``truncated``."""
+
+
+Request = PingRequest | ExecRequest | WriteFileRequest | ReadFileRequest
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Answer to :class:`PingRequest`."""
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """How a command ended and what it printed."""
+
+    exit_code: int
+    """Exit status, or ``-N`` when killed by signal N (``-9`` after a timeout)."""
+    stdout: bytes
+    """Captured stdout, at most ``max_output`` bytes."""
+    stderr: bytes
+    """Captured stderr, at most ``max_output`` bytes."""
+    timed_out: bool = False
+    """The timeout expired and the process group was killed."""
+    stdout_truncated: bool = False
+    """stdout exceeded ``max_output``; the rest was discarded."""
+    stderr_truncated: bool = False
+    """stderr exceeded ``max_output``; the rest was discarded."""
+    duration_s: float = 0.0
+    """Wall time from start to the end of output collection, as the agent saw it."""
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited 0 within its timeout."""
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class WriteFileResult:
+    """Answer to :class:`WriteFileRequest`."""
+
+    bytes_written: int
+    """Bytes written (the length of the data)."""
+
+
+@dataclass(frozen=True)
+class ReadFileResult:
+    """Answer to :class:`ReadFileRequest`."""
+
+    data: bytes
+    """The file's first ``max_bytes`` bytes (or all of it)."""
+    truncated: bool
+    """The file holds more than ``max_bytes``."""
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """Status 1: the agent refused or failed the request."""
+
+    errno: int
+    """OS error number, 0 if the refusal is not an OS error."""
+    message: str
+    """Human-readable reason."""
+
+
+Response = Pong | ExecResult | WriteFileResult | ReadFileResult | ErrorReply
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _u32(value: int, what: str) -> bytes:
+    if not 0 <= value <= _U32_MAX:
+        raise ValueError(f"{what} out of range: {value}")
+    return value.to_bytes(4, "big")
+
+
+def _bytes(data: bytes) -> bytes:
+    return _u32(len(data), "length") + data
+
+
+def _str(text: str, what: str) -> bytes:
+    raw = text.encode("utf-8", "surrogateescape")
+    if b"\0" in raw:
+        raise ValueError(f"{what} contains a NUL byte: {text!r}")
+    return _bytes(raw)
+
+
+def _str_list(items: tuple[str, ...], what: str) -> bytes:
+    return _u32(len(items), what) + b"".join(_str(item, what) for item in items)
+
+
+def frame(payload: bytes) -> bytes:
+    """Prefix ``payload`` with its u32 length."""
+    return _u32(len(payload), "frame length") + payload
+
+
+def frame_length(header: bytes | bytearray | memoryview, limit: int) -> int:
+    """Length announced by a 4-byte frame header; refuses 0 and anything above ``limit``."""
+    if len(header) != HEADER_LEN:
+        raise AgentProtocolError(f"frame header must be 4 bytes, got {len(header)}")
+    length = int.from_bytes(header, "big")
+    if length == 0 or length > limit:
+        raise AgentProtocolError(f"frame of {length} bytes refused (limit {limit})")
+    return length
+
+
+def encode_hello(hello: Hello) -> bytes:
+    """HELLO as a complete frame (what the agent sends first)."""
+    return frame(bytes([Op.HELLO]) + _u32(hello.version, "version") + _u32(hello.pid, "pid"))
+
+
+def encode_request(request: Request) -> bytes:
+    """A request as a complete frame, ready to send."""
+    match request:
+        case PingRequest():
+            payload = bytes([Op.PING])
+        case ExecRequest():
+            if not request.argv:
+                raise ValueError("argv must not be empty")
+            for entry in request.env:
+                if "=" not in entry or entry.startswith("="):
+                    raise ValueError(f"env entry is not K=V: {entry!r}")
+            payload = b"".join(
+                (
+                    bytes([Op.EXEC]),
+                    _str_list(request.argv, "argv"),
+                    _str_list(request.env, "env"),
+                    _str(request.cwd, "cwd"),
+                    _u32(request.timeout_ms, "timeout_ms"),
+                    _u32(request.max_output, "max_output"),
+                    _bytes(request.stdin),
+                )
+            )
+        case WriteFileRequest():
+            payload = b"".join(
+                (
+                    bytes([Op.WRITE_FILE]),
+                    _str(request.path, "path"),
+                    _u32(request.mode, "mode"),
+                    _bytes(request.data),
+                )
+            )
+        case ReadFileRequest():
+            payload = (
+                bytes([Op.READ_FILE])
+                + _str(request.path, "path")
+                + _u32(request.max_bytes, "max_bytes")
+            )
+    if len(payload) > MAX_REQUEST_FRAME:
+        raise ValueError(f"request of {len(payload)} bytes exceeds {MAX_REQUEST_FRAME}")
+    return frame(payload)
+
+
+def encode_response(response: Response) -> bytes:
+    """A response as a complete frame (what the agent sends; used by fakes and tests)."""
+    ok = bytes([Status.OK])
+    match response:
+        case Pong():
+            payload = ok
+        case ExecResult():
+            flags = (
+                (_FLAG_TIMED_OUT if response.timed_out else 0)
+                | (_FLAG_STDOUT_TRUNCATED if response.stdout_truncated else 0)
+                | (_FLAG_STDERR_TRUNCATED if response.stderr_truncated else 0)
+            )
+            payload = b"".join(
+                (
+                    ok,
+                    struct.pack(
+                        ">iBQ", response.exit_code, flags, round(response.duration_s * 1e9)
+                    ),
+                    _bytes(response.stdout),
+                    _bytes(response.stderr),
+                )
+            )
+        case WriteFileResult():
+            payload = ok + struct.pack(">Q", response.bytes_written)
+        case ReadFileResult():
+            payload = ok + bytes([response.truncated]) + _bytes(response.data)
+        case ErrorReply():
+            payload = (
+                bytes([Status.ERROR])
+                + _u32(response.errno, "errno")
+                + _bytes(response.message.encode("utf-8", "replace"))
+            )
+    return frame(payload)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+class _Reader:
+    """Cursor over one payload; every shortfall is a protocol error."""
+
+    def __init__(self, payload: bytes | bytearray | memoryview) -> None:
+        self._view = memoryview(payload)
+        self._pos = 0
+
+    def take(self, n: int) -> memoryview:
+        end = self._pos + n
+        if end > len(self._view):
+            raise AgentProtocolError("frame ends in the middle of a field")
+        chunk = self._view[self._pos : end]
+        self._pos = end
+        return chunk
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def u32(self) -> int:
+        return int.from_bytes(self.take(4), "big")
+
+    def unpack(self, fmt: struct.Struct) -> tuple[int, ...]:
+        return fmt.unpack(self.take(fmt.size))
+
+    def blob(self) -> bytes:
+        return bytes(self.take(self.u32()))
+
+    def text(self) -> str:
+        raw = self.blob()
+        if b"\0" in raw:
+            raise AgentProtocolError("string contains a NUL byte")
+        return raw.decode("utf-8", "surrogateescape")
+
+    def text_list(self) -> tuple[str, ...]:
+        count = self.u32()
+        if count * 4 > len(self._view) - self._pos:
+            raise AgentProtocolError(f"list of {count} items cannot fit in the frame")
+        return tuple(self.text() for _ in range(count))
+
+    def end(self) -> None:
+        if self._pos != len(self._view):
+            raise AgentProtocolError(f"{len(self._view) - self._pos} trailing bytes in frame")
+
+
+_EXEC_HEAD = struct.Struct(">iBQ")
+_U64 = struct.Struct(">Q")
+
+
+def decode_hello(payload: bytes | bytearray | memoryview) -> Hello:
+    """Parse a HELLO payload (without its frame header)."""
+    r = _Reader(payload)
+    if r.u8() != Op.HELLO:
+        raise AgentProtocolError("first frame is not HELLO")
+    hello = Hello(version=r.u32(), pid=r.u32())
+    r.end()
+    return hello
+
+
+def decode_request(payload: bytes | bytearray | memoryview) -> Request:
+    """Parse a request payload (without its frame header)."""
+    r = _Reader(payload)
+    op = r.u8()
+    request: Request
+    if op == Op.PING:
+        request = PingRequest()
+    elif op == Op.EXEC:
+        request = ExecRequest(
+            argv=r.text_list(),
+            env=r.text_list(),
+            cwd=r.text(),
+            timeout_ms=r.u32(),
+            max_output=r.u32(),
+            stdin=r.blob(),
+        )
+    elif op == Op.WRITE_FILE:
+        request = WriteFileRequest(path=r.text(), mode=r.u32(), data=r.blob())
+    elif op == Op.READ_FILE:
+        request = ReadFileRequest(path=r.text(), max_bytes=r.u32())
+    else:
+        raise AgentProtocolError(f"unknown op 0x{op:02x}")
+    r.end()
+    return request
+
+
+def decode_response(op: Op, payload: bytes | bytearray | memoryview) -> Response:
+    """Parse the response payload to a request with operation ``op``."""
+    r = _Reader(payload)
+    status = r.u8()
+    response: Response
+    if status == Status.ERROR:
+        errno = r.u32()
+        response = ErrorReply(errno=errno, message=r.blob().decode("utf-8", "replace"))
+    elif status != Status.OK:
+        raise AgentProtocolError(f"unknown status {status}")
+    elif op == Op.PING:
+        response = Pong()
+    elif op == Op.EXEC:
+        exit_code, flags, duration_ns = r.unpack(_EXEC_HEAD)
+        response = ExecResult(
+            exit_code=exit_code,
+            timed_out=bool(flags & _FLAG_TIMED_OUT),
+            stdout_truncated=bool(flags & _FLAG_STDOUT_TRUNCATED),
+            stderr_truncated=bool(flags & _FLAG_STDERR_TRUNCATED),
+            duration_s=duration_ns / 1e9,
+            stdout=r.blob(),
+            stderr=r.blob(),
+        )
+    elif op == Op.WRITE_FILE:
+        (written,) = r.unpack(_U64)
+        response = WriteFileResult(bytes_written=written)
+    elif op == Op.READ_FILE:
+        truncated = r.u8()
+        response = ReadFileResult(truncated=bool(truncated), data=r.blob())
+    else:
+        raise AgentProtocolError(f"no response defined for op {op!r}")
+    r.end()
+    return response
+
+
+def op_of(request: Request) -> Op:
+    """The operation code of ``request`` (to decode its response)."""
+    match request:
+        case PingRequest():
+            return Op.PING
+        case ExecRequest():
+            return Op.EXEC
+        case WriteFileRequest():
+            return Op.WRITE_FILE
+        case ReadFileRequest():
+            return Op.READ_FILE
