@@ -9,6 +9,7 @@ once anyway.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Iterable
@@ -50,10 +51,8 @@ def ensure_topics(settings: Settings) -> None:
         for name, partitions in wanted.items():
             if name in existing:
                 continue
-            try:
+            with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent `up`
                 admin.create_topics([NewTopic(name, partitions, 1)])
-            except TopicAlreadyExistsError:
-                pass
     finally:
         admin.close()
 
@@ -85,9 +84,7 @@ class Publisher:
         """Send one message; with ``wait`` block until the broker acknowledged it."""
         value = message if isinstance(message, bytes) else encode(message)
         try:
-            future = self._producer.send(
-                topic, key=key.encode(), value=value, partition=partition
-            )
+            future = self._producer.send(topic, key=key.encode(), value=value, partition=partition)
             if wait:
                 future.get(timeout=30)
         except KafkaError as exc:

@@ -35,7 +35,9 @@ def _table(title: str, rows: list[dict[str, Any]], as_json: bool) -> None:
 
 def _logging() -> None:
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
 
 
@@ -75,10 +77,24 @@ def status(as_json: JsonOpt = False) -> None:
                 "log": str(service.logfile(settings)),
             }
         )
-    rows.append({"service": "postgres", "state": "external", "pid": None,
-                 "endpoint": settings.database_url, "log": ""})
-    rows.append({"service": "redis", "state": "external", "pid": None,
-                 "endpoint": settings.celery_broker_url, "log": ""})
+    rows.append(
+        {
+            "service": "postgres",
+            "state": "external",
+            "pid": None,
+            "endpoint": settings.database_url,
+            "log": "",
+        }
+    )
+    rows.append(
+        {
+            "service": "redis",
+            "state": "external",
+            "pid": None,
+            "endpoint": settings.celery_broker_url,
+            "log": "",
+        }
+    )
     _table("dsec stack", rows, as_json)
 
 
@@ -130,10 +146,22 @@ def ps(
     from app.db.tables import sandboxes as t
     from app.domain.sandbox_state import LIVE
 
-    query = select(
-        t.c.sandbox_id, t.c.tenant, t.c.job_id, t.c.image, t.c.node_id, t.c.state,
-        t.c.started_at, t.c.ended_at, t.c.end_reason, t.c.commands,
-    ).order_by(t.c.requested_at.desc().nulls_last()).limit(limit)
+    query = (
+        select(
+            t.c.sandbox_id,
+            t.c.tenant,
+            t.c.job_id,
+            t.c.image,
+            t.c.node_id,
+            t.c.state,
+            t.c.started_at,
+            t.c.ended_at,
+            t.c.end_reason,
+            t.c.commands,
+        )
+        .order_by(t.c.requested_at.desc().nulls_last())
+        .limit(limit)
+    )
     if not all_:
         query = query.where(t.c.state.in_([s.value for s in LIVE]))
     if tenant:
@@ -153,9 +181,11 @@ def events(sandbox_id: str, as_json: JsonOpt = False) -> None:
     from app.db.engine import transaction
     from app.db.tables import events as t
 
-    query = select(t.c.position, t.c.occurred_at, t.c.type, t.c.node_id, t.c.payload).where(
-        t.c.sandbox_id == sandbox_id
-    ).order_by(t.c.position)
+    query = (
+        select(t.c.position, t.c.occurred_at, t.c.type, t.c.node_id, t.c.payload)
+        .where(t.c.sandbox_id == sandbox_id)
+        .order_by(t.c.position)
+    )
     with transaction(get_settings().database_url) as conn:
         rows = [dict(r._mapping) for r in conn.execute(query)]
     if not as_json:
@@ -174,6 +204,65 @@ def demo(
     from app import demo as demo_mod
 
     demo_mod.run(get_settings(), sandboxes, commands, concurrency, console)
+
+
+@cli.command()
+def audit(
+    sandbox: Annotated[str, typer.Option(help="Only this sandbox.")] = "",
+    tenant: Annotated[str, typer.Option(help="Only this tenant.")] = "",
+    job: Annotated[str, typer.Option(help="Only this job.")] = "",
+    since: Annotated[
+        str, typer.Option(help="Only events since: 30m, 2h, 7d ago or an ISO time (UTC).")
+    ] = "",
+    limit: Annotated[int, typer.Option(help="The latest this many events.")] = 100,
+    fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+) -> None:
+    """Who did what to which sandbox, when, from which node (oldest first)."""
+    from app import reports
+    from app.db.engine import transaction
+
+    try:
+        output = reports.Format(fmt)
+        since_at = reports.parse_since(since) if since else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    with transaction(get_settings().database_url) as conn:
+        rows = reports.audit(
+            conn,
+            sandbox_id=sandbox or None,
+            tenant=tenant or None,
+            job_id=job or None,
+            since=since_at,
+            limit=limit,
+        )
+    reports.render(rows, output, "audit trail", console, reports.AUDIT_COLUMNS)
+
+
+@cli.command()
+def bill(
+    tenant: Annotated[str, typer.Option(help="Only this tenant.")] = "",
+    job: Annotated[str, typer.Option(help="Only this job.")] = "",
+    day_from: Annotated[
+        str, typer.Option("--from", help="First UTC day: 2026-11-29, yesterday or 7d (ago).")
+    ] = "",
+    day_to: Annotated[str, typer.Option("--to", help="Last UTC day, included.")] = "",
+    fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+) -> None:
+    """Usage per tenant, job and UTC day: sandboxes, sandbox/core/GB-seconds, commands."""
+    from app import reports
+    from app.db.engine import transaction
+
+    try:
+        output = reports.Format(fmt)
+        first = reports.parse_day(day_from) if day_from else None
+        last = reports.parse_day(day_to) if day_to else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    with transaction(get_settings().database_url) as conn:
+        rows = reports.bill(
+            conn, tenant=tenant or None, job_id=job or None, day_from=first, day_to=last
+        )
+    reports.render(rows, output, "bill (UTC days)", console, reports.BILL_COLUMNS)
 
 
 def main() -> None:

@@ -14,7 +14,9 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="DSEC_", extra="ignore")
 
-    kafka_bootstrap: str = Field("127.0.0.1:19092", description="Kafka bootstrap servers, comma separated.")
+    kafka_bootstrap: str = Field(
+        "127.0.0.1:19092", description="Kafka bootstrap servers, comma separated."
+    )
     database_url: str = Field(
         "postgresql+psycopg://dsec_app@127.0.0.1:5432/dsec",
         description="SQLAlchemy URL the services use (least-privilege role).",

@@ -63,7 +63,9 @@ def rollout(client: Client, commands: int, tally: Tally) -> None:
         program = b"echo solving $1; test $1 -lt 99\n"
         sandbox.write_file("/workspace/task.sh", program)
         for i in range(commands):
-            command = "sh /workspace/task.sh 99" if i == commands - 1 else f"sh /workspace/task.sh {i}"
+            command = (
+                "sh /workspace/task.sh 99" if i == commands - 1 else f"sh /workspace/task.sh {i}"
+            )
             t0 = time.perf_counter()
             result = sandbox.exec(command, timeout_s=30)
             tally.exec_s.append(time.perf_counter() - t0)
@@ -79,15 +81,23 @@ def rollout(client: Client, commands: int, tally: Tally) -> None:
         tally.destroy_s.append(time.perf_counter() - t0)
 
 
-def run(settings: Settings, sandboxes: int, commands: int, concurrency: int, console: Console) -> Tally:
+def run(
+    settings: Settings, sandboxes: int, commands: int, concurrency: int, console: Console
+) -> Tally:
     """Run the workload and print its summary; raise if any rollout failed."""
     job = f"demo-{uuid.uuid4().hex[:8]}"
     tally = Tally()
     started = time.perf_counter()
-    with Client(settings, tenant="demo", job_id=job, actor="dsec-demo") as client, Progress(
-        TextColumn("[bold]rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console,
-    ) as progress:
+    with (
+        Client(settings, tenant="demo", job_id=job, actor="dsec-demo") as client,
+        Progress(
+            TextColumn("[bold]rollouts"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress,
+    ):
         bar = progress.add_task("rollouts", total=sandboxes)
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             futures = [pool.submit(rollout, client, commands, tally) for _ in range(sandboxes)]
@@ -101,9 +111,15 @@ def run(settings: Settings, sandboxes: int, commands: int, concurrency: int, con
     table = Table(title=f"dsec demo — job {job}")
     for column in ("what", "count", "p50 ms", "p99 ms", "max ms"):
         table.add_column(column, justify="right" if column != "what" else "left")
-    for name, values in (("create", tally.create_s), ("exec", tally.exec_s), ("destroy", tally.destroy_s)):
+    for name, values in (
+        ("create", tally.create_s),
+        ("exec", tally.exec_s),
+        ("destroy", tally.destroy_s),
+    ):
         s = summary_ms(values)
-        table.add_row(name, str(len(values)), f"{s['p50']:.1f}", f"{s['p99']:.1f}", f"{s['max']:.1f}")
+        table.add_row(
+            name, str(len(values)), f"{s['p50']:.1f}", f"{s['p99']:.1f}", f"{s['max']:.1f}"
+        )
     console.print(table)
     console.print(
         f"{len(tally.create_s)} sandboxes, {tally.commands} commands in {wall:.1f}s "
@@ -129,7 +145,9 @@ def run(settings: Settings, sandboxes: int, commands: int, concurrency: int, con
     for column in ("tenant", "job", "sandboxes", "sandbox-seconds", "commands"):
         billing.add_column(column)
     if bill is not None:
-        billing.add_row("demo", job, str(bill.sandboxes), str(bill.sandbox_seconds), str(bill.commands))
+        billing.add_row(
+            "demo", job, str(bill.sandboxes), str(bill.sandbox_seconds), str(bill.commands)
+        )
     console.print(billing)
     for failure in tally.failures[:10]:
         console.print(f"[red]failure:[/] {failure}")

@@ -27,7 +27,7 @@ from app.consuming import PositionedConsumer, dead_letter
 from app.db import log as event_log
 from app.db.engine import transaction
 from app.db.tables import nodes, sandboxes
-from app.domain.base import RejectReason, StopReason, derived_id, utcnow
+from app.domain.base import RejectReason, derived_id, utcnow
 from app.domain.events import (
     NodeHeartbeat,
     NodeLost,
@@ -151,12 +151,18 @@ class Scheduler:
 
     # --- requests ---------------------------------------------------------------
 
-    def _emit(self, out: Outbox, event: SandboxRequested | SandboxScheduled | SandboxRejected) -> None:
+    def _emit(
+        self, out: Outbox, event: SandboxRequested | SandboxScheduled | SandboxRejected
+    ) -> None:
         out.events.append((event.key, encode(event)))
 
     def _reject(
-        self, out: Outbox, request: Request | None, raw: dict[str, object],
-        reason: RejectReason, detail: str,
+        self,
+        out: Outbox,
+        request: Request | None,
+        raw: dict[str, object],
+        reason: RejectReason,
+        detail: str,
     ) -> None:
         request_id = request.request_id if request else _uuid_or_none(raw.get("request_id"))
         sandbox_id = request.sandbox_id if request else _str_or_none(raw.get("sandbox_id"))
@@ -175,7 +181,10 @@ class Scheduler:
         reply_to = request.reply_to if request else _reply_to_or_none(raw.get("reply_to"))
         if reply_to is not None and request_id is not None:
             reply = ErrorReply(
-                request_id=request_id, sandbox_id=sandbox_id or "", reason=reason.value, detail=detail
+                request_id=request_id,
+                sandbox_id=sandbox_id or "",
+                reason=reason.value,
+                detail=detail,
             )
             out.replies.append((reply_to, sandbox_id or "", encode(reply)))
 
@@ -184,12 +193,20 @@ class Scheduler:
         placed = self.placement.place(
             request.sandbox_id, request.image, request.cpus, request.memory_mb
         )
-        if placed == RejectReason.NO_NODES and pending is not None and time.monotonic() < pending.deadline_s:
+        if (
+            placed == RejectReason.NO_NODES
+            and pending is not None
+            and time.monotonic() < pending.deadline_s
+        ):
             return False
         if isinstance(placed, RejectReason):
             self._reject(out, request, {}, placed, _why(placed, request))
             return True
-        common = {"sandbox_id": request.sandbox_id, "tenant": request.tenant, "job_id": request.job_id}
+        common = {
+            "sandbox_id": request.sandbox_id,
+            "tenant": request.tenant,
+            "job_id": request.job_id,
+        }
         self._emit(
             out,
             SandboxRequested(
@@ -237,7 +254,9 @@ class Scheduler:
             if request.sandbox_id in self.placement.allocations:
                 return  # a redelivered create: already placed, its task already sent
             pending = Pending(
-                request, record.partition, record.offset,
+                request,
+                record.partition,
+                record.offset,
                 time.monotonic() + NO_NODE_GRACE.total_seconds(),
             )
             if not self._create(out, request, pending):
@@ -246,7 +265,10 @@ class Scheduler:
         node = self.placement.node_of(request.sandbox_id)
         if node is None:
             self._reject(
-                out, request, {}, RejectReason.UNKNOWN_SANDBOX,
+                out,
+                request,
+                {},
+                RejectReason.UNKNOWN_SANDBOX,
                 f"sandbox {request.sandbox_id} is not live on any node",
             )
             return
@@ -298,8 +320,11 @@ class Scheduler:
 
     def run(self) -> None:
         """Until stopped."""
-        log.info("scheduler: %d nodes, %d live sandboxes recovered",
-                 len(self.placement.nodes), len(self.placement.allocations))
+        log.info(
+            "scheduler: %d nodes, %d live sandboxes recovered",
+            len(self.placement.nodes),
+            len(self.placement.allocations),
+        )
         while not self._stop.is_set():
             try:
                 self.run_once()

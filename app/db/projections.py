@@ -6,7 +6,7 @@ Each function is a pure mapping from one event to upserts, so the live projector
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, case, delete, literal, select, update
+from sqlalchemy import ColumnElement, Connection, case, delete, literal, select, update
 from sqlalchemy.dialects.postgresql import insert
 
 from app.db.tables import nodes, sandboxes
@@ -28,11 +28,13 @@ from app.domain.sandbox_state import SandboxState, rank
 PROJECTION_TABLES = (sandboxes, nodes)
 
 
-def _rank_sql(column):  # type: ignore[no-untyped-def]
+def _rank_sql(column: ColumnElement[str]) -> ColumnElement[int]:
     return case({s.value: rank(s) for s in SandboxState}, value=column, else_=-1)
 
 
-def _set_state(conn: Connection, event: Event, state: SandboxState, position: int, **cols: object) -> None:
+def _set_state(
+    conn: Connection, event: Event, state: SandboxState, position: int, **cols: object
+) -> None:
     """Upsert the sandbox row, moving its state forward only."""
     assert event.sandbox_id is not None
     base = {
@@ -74,28 +76,51 @@ def apply(conn: Connection, event: Event, position: int) -> None:
             )
         case SandboxScheduled(payload=p):
             _set_state(
-                conn, event, SandboxState.SCHEDULED, position,
-                node_id=p.node_id, scheduled_at=event.occurred_at,
+                conn,
+                event,
+                SandboxState.SCHEDULED,
+                position,
+                node_id=p.node_id,
+                scheduled_at=event.occurred_at,
             )
         case SandboxStarted():
             _set_state(
-                conn, event, SandboxState.RUNNING, position,
-                node_id=event.node_id, started_at=event.occurred_at,
+                conn,
+                event,
+                SandboxState.RUNNING,
+                position,
+                node_id=event.node_id,
+                started_at=event.occurred_at,
             )
         case SandboxStopped(payload=p):
             _set_state(
-                conn, event, SandboxState.STOPPED, position,
-                ended_at=event.occurred_at, end_reason=p.reason.value, detail=p.detail,
+                conn,
+                event,
+                SandboxState.STOPPED,
+                position,
+                ended_at=event.occurred_at,
+                end_reason=p.reason.value,
+                detail=p.detail,
             )
         case SandboxRejected(payload=p) if p.request_type == "CreateSandbox":
             _set_state(
-                conn, event, SandboxState.REJECTED, position,
-                ended_at=event.occurred_at, end_reason=p.reason.value, detail=p.detail,
+                conn,
+                event,
+                SandboxState.REJECTED,
+                position,
+                ended_at=event.occurred_at,
+                end_reason=p.reason.value,
+                detail=p.detail,
             )
         case SandboxFailed(payload=p) if p.request_type == "CreateSandbox":
             _set_state(
-                conn, event, SandboxState.FAILED, position,
-                ended_at=event.occurred_at, end_reason=p.reason.value, detail=p.detail,
+                conn,
+                event,
+                SandboxState.FAILED,
+                position,
+                ended_at=event.occurred_at,
+                end_reason=p.reason.value,
+                detail=p.detail,
             )
         case CommandCompleted():
             conn.execute(

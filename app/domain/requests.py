@@ -26,6 +26,7 @@ class ReplyTo(Message):
 class RequestBase(Message):
     """Fields every request carries."""
 
+    type: str = Field(description="Request type (the discriminator).")
     request_id: uuid.UUID = Field(default_factory=new_id, description="Idempotency key.")
     version: Literal[1] = Field(SCHEMA_VERSION, description="Schema version.")
     sandbox_id: SandboxId = Field(description="Target sandbox; also the Kafka key.")
@@ -58,7 +59,9 @@ class Exec(RequestBase):
     command: str | list[str] = Field(description="Shell string, or argv list.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment.")
     cwd: SandboxPath | None = Field(None, description="Working directory (default /workspace).")
-    timeout_s: float = Field(60.0, gt=0, le=86_400, description="Kills the command, not the sandbox.")
+    timeout_s: float = Field(
+        60.0, gt=0, le=86_400, description="Kills the command, not the sandbox."
+    )
     max_output_bytes: int = Field(1 << 20, ge=0, le=16 << 20, description="Cap per stream.")
     stdin_b64: str = Field("", description="Standard input, base64.")
     trajectory_id: Name | None = Field(None, description="Trajectory this step belongs to.")

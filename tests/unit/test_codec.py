@@ -30,7 +30,10 @@ def test_request_round_trip_keeps_type() -> None:
         (b"\xff\xfe", DeadLetterReason.MALFORMED_JSON),
         (b"[1, 2]", DeadLetterReason.NOT_AN_OBJECT),
         (b'{"type": "Teleport"}', DeadLetterReason.UNKNOWN_TYPE),
-        (json.dumps({"type": "Exec", "version": 99}).encode(), DeadLetterReason.UNSUPPORTED_VERSION),
+        (
+            json.dumps({"type": "Exec", "version": 99}).encode(),
+            DeadLetterReason.UNSUPPORTED_VERSION,
+        ),
         (json.dumps({"type": "Exec", "sandbox_id": "sb-1"}).encode(), DeadLetterReason.INVALID),
         (b"x" * 2000, DeadLetterReason.TOO_LARGE),
     ],

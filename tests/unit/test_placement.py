@@ -9,7 +9,13 @@ from app.domain.base import RejectReason
 from app.domain.placement import Allocation, NodeView, Placement
 
 
-def node(node_id: str, sandboxes: int = 10, cpus: float = 4, memory: int = 4096, images: frozenset[str] = frozenset()) -> NodeView:
+def node(
+    node_id: str,
+    sandboxes: int = 10,
+    cpus: float = 4,
+    memory: int = 4096,
+    images: frozenset[str] = frozenset(),
+) -> NodeView:
     return NodeView(node_id, f"node.{node_id}", sandboxes, cpus, memory, images)
 
 

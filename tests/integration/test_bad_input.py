@@ -1,0 +1,87 @@
+"""Bad input gets a clear error and nothing is lost; no consumer dies of it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from typing import Any
+
+import pytest
+from kafka import TopicPartition
+
+from app import bus
+from app.codec import encode
+from app.config import Settings
+from app.domain.requests import CreateSandbox
+from tests.conftest import scalar, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _dead_letters_after(settings: Settings, send: Any) -> list[dict[str, Any]]:
+    consumer = bus.make_consumer(settings)
+    tp = TopicPartition(settings.topic_dead_letters, 0)
+    consumer.assign([tp])
+    consumer.seek_to_end(tp)
+    consumer.position(tp)
+    send()
+    letters: list[dict[str, Any]] = []
+    for _ in range(50):
+        for records in consumer.poll(timeout_ms=200).values():
+            letters.extend(json.loads(r.value) for r in records)
+        if letters:
+            break
+    consumer.close()
+    return letters
+
+
+def test_malformed_request_goes_to_dead_letters(stack: Settings) -> None:
+    publisher = bus.Publisher(stack)
+    garbage = b"{this is not json"
+    letters = _dead_letters_after(
+        stack, lambda: publisher.publish(stack.topic_requests, "sb-garbage", garbage, wait=True)
+    )
+    publisher.close()
+    ours = [d for d in letters if base64.b64decode(d["original_b64"]) == garbage]
+    assert ours and ours[0]["reason"] == "malformed_json" and ours[0]["consumer"] == "scheduler"
+
+
+def test_malformed_event_goes_to_dead_letters(stack: Settings) -> None:
+    publisher = bus.Publisher(stack)
+    garbage = json.dumps({"type": "SandboxExploded", "version": 1}).encode()
+    letters = _dead_letters_after(
+        stack, lambda: publisher.publish(stack.topic_events, "x", garbage, wait=True)
+    )
+    publisher.close()
+    ours = [d for d in letters if base64.b64decode(d["original_b64"]) == garbage]
+    assert ours and ours[0]["reason"] == "unknown_type" and ours[0]["consumer"] == "projector"
+
+
+def test_invalid_request_is_rejected_then_next_request_works(
+    stack: Settings, client: Any, db: Any
+) -> None:
+    # Given a create asking for an impossible amount of CPU, sent by a raw Kafka client
+    request = CreateSandbox(sandbox_id=f"sb-bad-{uuid.uuid4().hex[:8]}", tenant="tests")
+    body = json.loads(encode(request))
+    body["cpus"] = -4
+    publisher = bus.Publisher(stack)
+    publisher.publish(
+        stack.topic_requests, request.sandbox_id, json.dumps(body).encode(), wait=True
+    )
+    publisher.close()
+    # Then a Rejected event says why
+    with db() as conn:
+        detail = wait_for(
+            lambda: scalar(
+                conn,
+                "SELECT payload->>'detail' FROM events"
+                " WHERE sandbox_id = :s AND type = 'SandboxRejected'",
+                s=request.sandbox_id,
+            ),
+            what="SandboxRejected in the log",
+        )
+    assert "cpus" in detail
+    # And the next good request still works
+    with client.create() as sandbox:
+        assert sandbox.exec("echo ok").stdout == b"ok\n"

@@ -1,0 +1,416 @@
+"""What a node does for each request. Celery tasks are thin wrappers over this.
+
+Every handler is idempotent: the sandbox id names the container, events carry ids
+derived from the request id, and an exec's request id is claimed in Redis before it
+runs, so a redelivered task never runs a command twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import redis
+
+from app.config import Settings
+from app.domain.base import FailReason, StopReason, derived_id, utcnow
+from app.domain.events import (
+    CommandCompleted,
+    CommandPayload,
+    FailedPayload,
+    FilePayload,
+    FileRead,
+    FileWritten,
+    SandboxFailed,
+    SandboxStarted,
+    SandboxStopped,
+    StartedPayload,
+    StoppedPayload,
+)
+from app.domain.replies import Done, ErrorReply, ExecOutput, FileContent, SandboxReady
+from app.domain.requests import (
+    CreateSandbox,
+    DestroySandbox,
+    Exec,
+    ReadFile,
+    RequestBase,
+    WriteFile,
+)
+from workers.agent.client import AgentPool
+from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
+from workers.errors import ImageNotFound, NodeError
+from workers.events_out import Outlet
+from workers.podman_driver import PodmanDriver
+from workers.sandbox_spec import SandboxSpec
+
+log = logging.getLogger(__name__)
+
+#: Bytes of each output stream copied into the audit event.
+AUDIT_HEAD = 256
+#: How long a create waits for the in-sandbox agent to call home.
+AGENT_CONNECT_S = 15.0
+#: How long an exec waits for a sandbox's agent (reconnecting after a worker restart).
+AGENT_WAIT_S = 10.0
+#: How long the node remembers an exec request id (redelivery window).
+DEDUPE_TTL_S = 7 * 86_400
+
+LABEL_SANDBOX = "dsec.sandbox_id"
+LABEL_TENANT = "dsec.tenant"
+LABEL_JOB = "dsec.job_id"
+LABEL_EXPIRES = "dsec.expires_at"
+LABEL_NODE = "dsec.node_id"
+
+
+def _reason_for(exc: Exception) -> FailReason:
+    if isinstance(exc, ImageNotFound):
+        return FailReason.IMAGE_NOT_FOUND
+    if isinstance(exc, AgentTimeout):
+        return FailReason.TIMEOUT
+    if isinstance(exc, AgentRefused):
+        return FailReason.REFUSED
+    if isinstance(exc, AgentUnavailable):
+        return FailReason.AGENT_UNAVAILABLE
+    if isinstance(exc, NodeError | AgentError):
+        return FailReason.RUNTIME_ERROR
+    return FailReason.INTERNAL
+
+
+class Node:
+    """One node's sandboxes: Podman, their agents and what the node tells the log."""
+
+    def __init__(
+        self, settings: Settings, node_id: str, driver: PodmanDriver, agents: AgentPool
+    ) -> None:
+        self.settings = settings
+        self.node_id = node_id
+        self.driver = driver
+        self.agents = agents
+        self.outlet = Outlet(settings)
+        self.redis = redis.Redis.from_url(settings.celery_broker_url)
+        self.sandbox_root = settings.state_dir / "nodes" / node_id / "sandboxes"
+        self.agent_dir = settings.state_dir / "agent"
+        # Sandboxes being created or destroyed right now: the reconciler leaves them
+        # alone, or it would see a half-made or half-removed container as failed.
+        self._busy: set[str] = set()
+        self._busy_lock = threading.Lock()
+
+    @contextmanager
+    def busy(self, sandbox_id: str) -> Iterator[None]:
+        """Mark a sandbox as in a lifecycle transition."""
+        with self._busy_lock:
+            self._busy.add(sandbox_id)
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._busy.discard(sandbox_id)
+
+    def is_busy(self, sandbox_id: str) -> bool:
+        """In a lifecycle transition now."""
+        with self._busy_lock:
+            return sandbox_id in self._busy
+
+    # --- helpers ----------------------------------------------------------------
+
+    def run_dir(self, sandbox_id: str) -> Path:
+        """Host-owned directory mounted read-only at /.dsec/run in the sandbox."""
+        return self.sandbox_root / sandbox_id
+
+    def _fail(self, request: RequestBase, exc: Exception) -> None:
+        reason = _reason_for(exc)
+        detail = str(exc)[:1000] or type(exc).__name__
+        log.warning("%s %s failed: %s: %s", request.type, request.sandbox_id, reason, detail)
+        self.outlet.event(
+            SandboxFailed(
+                event_id=derived_id(request.request_id, "failed"),
+                sandbox_id=request.sandbox_id,
+                node_id=self.node_id,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                payload=FailedPayload(
+                    request_id=request.request_id,
+                    request_type=request.type,
+                    reason=reason,
+                    detail=detail,
+                ),
+            )
+        )
+        self.outlet.reply(
+            request.reply_to,
+            ErrorReply(
+                request_id=request.request_id,
+                sandbox_id=request.sandbox_id,
+                reason=reason.value,
+                detail=detail,
+            ),
+        )
+
+    def _claim(self, request: RequestBase) -> bool:
+        """True the first time a request id is seen on this node."""
+        key = f"dsec:done:{request.request_id}"
+        return bool(self.redis.set(key, self.node_id, nx=True, ex=DEDUPE_TTL_S))
+
+    # --- lifecycle --------------------------------------------------------------
+
+    def spec_for(self, request: CreateSandbox) -> SandboxSpec:
+        """The container a create asks for, with the node's mounts and labels."""
+        expires = utcnow() + timedelta(seconds=request.ttl_s)
+        return SandboxSpec(
+            sandbox_id=request.sandbox_id,
+            image=request.image,
+            cpus=request.cpus,
+            memory_mb=request.memory_mb,
+            pids_limit=request.pids_limit,
+            disk_mb=request.disk_mb,
+            network=request.network,
+            env=dict(request.env),
+            labels={
+                LABEL_SANDBOX: request.sandbox_id,
+                LABEL_TENANT: request.tenant,
+                LABEL_JOB: request.job_id,
+                LABEL_EXPIRES: expires.isoformat(),
+                LABEL_NODE: self.node_id,
+            },
+            agent_bin_dir=self.agent_dir,
+            run_dir=self.run_dir(request.sandbox_id),
+        )
+
+    def create(self, request: CreateSandbox) -> None:
+        """Create and start the sandbox, wait for its agent, say so."""
+        with self.busy(request.sandbox_id):
+            self._create(request)
+
+    def _create(self, request: CreateSandbox) -> None:
+        spec = self.spec_for(request)
+        try:
+            spec.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+            self.agents.register(request.sandbox_id, spec.run_dir)
+            container_id = self.driver.create_and_start(spec)
+            self.agents.connection(request.sandbox_id, AGENT_CONNECT_S).ping()
+        except Exception as exc:
+            self._fail(request, exc)
+            self._discard(request.sandbox_id)
+            return
+        self.outlet.event(
+            SandboxStarted(
+                event_id=derived_id(request.request_id, "started"),
+                sandbox_id=request.sandbox_id,
+                node_id=self.node_id,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                payload=StartedPayload(request_id=request.request_id, container_id=container_id),
+            )
+        )
+        self.outlet.reply(
+            request.reply_to,
+            SandboxReady(
+                request_id=request.request_id, sandbox_id=request.sandbox_id, node_id=self.node_id
+            ),
+        )
+
+    def _discard(self, sandbox_id: str) -> bool:
+        """Remove the container, its agent listener and run dir; True if it existed."""
+        existed = False
+        try:
+            existed = self.driver.remove(sandbox_id)
+        except NodeError:
+            log.exception("removing %s", sandbox_id)
+        self.agents.unregister(sandbox_id)
+        shutil.rmtree(self.run_dir(sandbox_id), ignore_errors=True)
+        return existed
+
+    def stop(
+        self,
+        sandbox_id: str,
+        tenant: str,
+        job_id: str,
+        reason: StopReason,
+        detail: str = "",
+        request: RequestBase | None = None,
+    ) -> None:
+        """End a sandbox for ``reason`` and append Stopped."""
+        self._discard(sandbox_id)
+        self.outlet.event(
+            SandboxStopped(
+                event_id=derived_id(
+                    request.request_id if request else _NS, f"{sandbox_id}:stopped"
+                ),
+                sandbox_id=sandbox_id,
+                node_id=self.node_id,
+                tenant=tenant,
+                job_id=job_id,
+                payload=StoppedPayload(
+                    reason=reason, detail=detail, request_id=request.request_id if request else None
+                ),
+            )
+        )
+
+    def destroy(self, request: DestroySandbox) -> None:
+        """Destroy on request; a second destroy is answered without a second Stopped."""
+        with self.busy(request.sandbox_id):
+            known = any(c.sandbox_id == request.sandbox_id for c in self.driver.list_sandboxes())
+            if known:
+                self.stop(
+                    request.sandbox_id,
+                    request.tenant,
+                    request.job_id,
+                    StopReason.DESTROYED,
+                    f"destroyed by {request.actor}",
+                    request,
+                )
+        self.outlet.reply(
+            request.reply_to,
+            Done(
+                request_id=request.request_id,
+                sandbox_id=request.sandbox_id,
+                detail="destroyed" if known else "already gone",
+            ),
+        )
+
+    # --- work inside a sandbox --------------------------------------------------
+
+    def exec(self, request: Exec) -> None:
+        """Run one command through the sandbox's agent, at most once per request id."""
+        if not self._claim(request):
+            log.info("exec %s already ran on this node; skipping", request.request_id)
+            return
+        argv = (
+            ["/bin/sh", "-c", request.command]
+            if isinstance(request.command, str)
+            else request.command
+        )
+        try:
+            result = self.agents.connection(request.sandbox_id, AGENT_WAIT_S).exec(
+                argv,
+                env=dict(request.env) or None,
+                cwd=request.cwd,
+                timeout_s=request.timeout_s,
+                max_output=request.max_output_bytes,
+                stdin=base64.b64decode(request.stdin_b64),
+            )
+        except Exception as exc:
+            self._fail(request, exc)
+            return
+        duration_ms = result.duration_s * 1000
+        truncated = result.stdout_truncated or result.stderr_truncated
+        self.outlet.event(
+            CommandCompleted(
+                event_id=derived_id(request.request_id, "completed"),
+                sandbox_id=request.sandbox_id,
+                node_id=self.node_id,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                payload=CommandPayload(
+                    request_id=request.request_id,
+                    actor=request.actor,
+                    command=request.command,
+                    exit_code=result.exit_code,
+                    duration_ms=duration_ms,
+                    stdout_bytes=len(result.stdout),
+                    stderr_bytes=len(result.stderr),
+                    stdout_head=result.stdout[:AUDIT_HEAD].decode(errors="replace"),
+                    stderr_head=result.stderr[:AUDIT_HEAD].decode(errors="replace"),
+                    timed_out=result.timed_out,
+                    truncated=truncated,
+                    trajectory_id=request.trajectory_id,
+                    step=request.step,
+                ),
+            )
+        )
+        self.outlet.reply(
+            request.reply_to,
+            ExecOutput(
+                request_id=request.request_id,
+                sandbox_id=request.sandbox_id,
+                exit_code=result.exit_code,
+                stdout_b64=base64.b64encode(result.stdout).decode(),
+                stderr_b64=base64.b64encode(result.stderr).decode(),
+                duration_ms=duration_ms,
+                timed_out=result.timed_out,
+                stdout_truncated=result.stdout_truncated,
+                stderr_truncated=result.stderr_truncated,
+            ),
+        )
+
+    def write_file(self, request: WriteFile) -> None:
+        """Write a file through the agent (which refuses links and traversal)."""
+        data = base64.b64decode(request.data_b64)
+        try:
+            conn = self.agents.connection(request.sandbox_id, AGENT_WAIT_S)
+            size = conn.write_file(request.path, data, request.mode)
+        except Exception as exc:
+            self._fail(request, exc)
+            return
+        self.outlet.event(
+            FileWritten(
+                event_id=derived_id(request.request_id, "written"),
+                sandbox_id=request.sandbox_id,
+                node_id=self.node_id,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                payload=FilePayload(
+                    request_id=request.request_id, actor=request.actor, path=request.path, size=size
+                ),
+            )
+        )
+        self.outlet.reply(
+            request.reply_to,
+            Done(
+                request_id=request.request_id, sandbox_id=request.sandbox_id, detail=f"{size} bytes"
+            ),
+        )
+
+    def read_file(self, request: ReadFile) -> None:
+        """Read a file through the agent."""
+        try:
+            conn = self.agents.connection(request.sandbox_id, AGENT_WAIT_S)
+            data, truncated = conn.read_file(request.path, request.max_bytes)
+        except Exception as exc:
+            self._fail(request, exc)
+            return
+        self.outlet.event(
+            FileRead(
+                event_id=derived_id(request.request_id, "read"),
+                sandbox_id=request.sandbox_id,
+                node_id=self.node_id,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                payload=FilePayload(
+                    request_id=request.request_id,
+                    actor=request.actor,
+                    path=request.path,
+                    size=len(data),
+                ),
+            )
+        )
+        self.outlet.reply(
+            request.reply_to,
+            FileContent(
+                request_id=request.request_id,
+                sandbox_id=request.sandbox_id,
+                data_b64=base64.b64encode(data).decode(),
+                truncated=truncated,
+            ),
+        )
+
+
+#: Namespace of ids for facts the node finds on its own (no request behind them).
+_NS = uuid.uuid5(uuid.NAMESPACE_URL, "dsec-node")
+
+
+def expired(labels: dict[str, str], now: datetime | None = None) -> bool:
+    """The sandbox's TTL label says it should be gone."""
+    raw = labels.get(LABEL_EXPIRES)
+    if not raw:
+        return False
+    try:
+        return datetime.fromisoformat(raw) <= (now or datetime.now(UTC))
+    except ValueError:
+        return False

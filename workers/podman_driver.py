@@ -1,0 +1,334 @@
+"""The node's one way to Podman: podman-py against the node user's REST socket.
+
+No podman CLI at runtime: mixing it with the API can start a second rootless user
+namespace, after which exec into API-created containers fails. Every podman-py and
+requests exception is mapped to :mod:`workers.errors` here; callers never see them.
+
+Containers are named ``dsec-<sandbox_id>`` and labelled ``dsec.sandbox_id``, and are
+secure by default: no network, all capabilities dropped, no-new-privileges, read-only
+root, tmpfs /tmp and /workspace, pids/memory/CPU limits (rootless Podman ignores the
+last three on cgroup v1 hosts; they hold on cgroup v2), no tty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import podman
+import podman.errors
+import requests
+
+from workers.errors import ImageNotFound, NodeError, PodmanUnavailable, SandboxCreateFailed
+from workers.sandbox_spec import (
+    AGENT_BIN_MOUNT,
+    AGENT_RUN_MOUNT,
+    AGENT_SOCKET_NAME,
+    WORKDIR,
+    SandboxSpec,
+)
+
+#: Label every sandbox container carries; the value is the sandbox id.
+LABEL_SANDBOX_ID = "dsec.sandbox_id"
+#: What a sandbox runs unless told otherwise: the in-sandbox agent calling home.
+DEFAULT_COMMAND: tuple[str, ...] = (
+    f"{AGENT_BIN_MOUNT}/dsec-agent",
+    f"{AGENT_RUN_MOUNT}/{AGENT_SOCKET_NAME}",
+)
+_CPU_PERIOD_US = 100_000
+#: Open files per sandbox process. Set here because Podman 4.3's REST API ignores
+#: containers.conf ``default_ulimits`` (only its CLI applies them); without it a
+#: sandbox inherits the service's limit. NPROC is left to the service: the kernel
+#: counts it per user across all of a node's sandboxes, so it is no per-sandbox cap.
+NOFILE = 1024
+
+
+@dataclass(frozen=True)
+class SandboxContainer:
+    """A sandbox container as Podman reports it."""
+
+    sandbox_id: str
+    container_id: str
+    name: str
+    image: str
+    #: Podman's state: created, running, exited, stopped, paused, ...
+    state: str
+    exit_code: int | None
+    oom_killed: bool
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def running(self) -> bool:
+        """The container's process is alive."""
+        return self.state == "running"
+
+
+class PodmanDriver:
+    """Creates, lists and removes sandbox containers on one node's Podman service.
+
+    Thread-safe: each thread gets its own podman-py client (HTTP session).
+    """
+
+    def __init__(
+        self,
+        socket_url: str,
+        *,
+        command: Sequence[str] = DEFAULT_COMMAND,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.socket_url = socket_url
+        self.command = list(command)
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    # --- sandboxes -----------------------------------------------------------------
+
+    def create_and_start(self, spec: SandboxSpec, command: Sequence[str] | None = None) -> str:
+        """Create and start the sandbox's container; return its id.
+
+        Idempotent: a container of that name is reused (started if it is not running).
+        A container this call created and could not start is removed again.
+        """
+        name = spec.container_name
+        with self._mapped(SandboxCreateFailed, f"create {name}"):
+            client = self._client()
+            existing = self._get(client, name)
+            if existing is None:
+                try:
+                    existing = client.containers.create(
+                        spec.image, list(command or self.command), **container_args(spec)
+                    )
+                except podman.errors.APIError as exc:
+                    # Podman 4.3 answers both a name taken meanwhile (a redelivered
+                    # task racing this one) and a missing image with a bare 500; newer
+                    # ones with 409/404. Ask rather than parse messages.
+                    existing = self._get(client, name)
+                    if existing is None:
+                        if not client.images.exists(spec.image):
+                            msg = f"image {spec.image!r} is not on this node"
+                            raise ImageNotFound(msg) from exc
+                        raise
+                else:
+                    self._start_new(client, existing, name)
+                    return str(existing.id)
+            if existing.status != "running":
+                existing.start()
+            return str(existing.id)
+
+    def remove(self, sandbox_id: str) -> bool:
+        """Kill and remove the sandbox's container at once; False if there was none."""
+        name = _name(sandbox_id)
+        with self._mapped(NodeError, f"remove {name}"):
+            response = self._client().api.delete(
+                f"/containers/{name}", params={"force": True, "timeout": 0, "volumes": True}
+            )
+            if response.status_code == 404:
+                return False
+            response.raise_for_status()
+            return True
+
+    def list_sandboxes(self) -> list[SandboxContainer]:
+        """Every container of this node that carries the sandbox label."""
+        with self._mapped(NodeError, "list sandboxes"):
+            client = self._client()
+            found = []
+            for c in client.containers.list(all=True, filters={"label": LABEL_SANDBOX_ID}):
+                attrs = c.attrs
+                state = str(attrs.get("State", ""))
+                oom = False
+                if state not in ("running", "created"):
+                    # Only a full inspect says whether the kernel OOM-killed it.
+                    full = self._inspect(client, c.id)
+                    oom = bool(full and full.get("State", {}).get("OOMKilled"))
+                found.append(_from_list(attrs, oom))
+            return found
+
+    def get(self, sandbox_id: str) -> SandboxContainer | None:
+        """The sandbox's container, or None."""
+        data = self.inspect(sandbox_id)
+        return None if data is None else _from_inspect(data)
+
+    def inspect(self, sandbox_id: str) -> dict[str, Any] | None:
+        """Podman's full inspect document of the sandbox's container, or None."""
+        with self._mapped(NodeError, f"inspect {_name(sandbox_id)}"):
+            return self._inspect(self._client(), _name(sandbox_id))
+
+    def logs(self, sandbox_id: str, tail: int | None = None) -> str | None:
+        """What the sandbox's PID 1 wrote (stdout and stderr, capped by Podman), or None."""
+        with self._mapped(NodeError, f"logs of {_name(sandbox_id)}"):
+            container = self._get(self._client(), _name(sandbox_id))
+            if container is None:
+                return None
+            chunks = container.logs(stdout=True, stderr=True, tail=tail)
+            raw = chunks if isinstance(chunks, bytes) else b"".join(chunks)
+            return raw.decode(errors="replace")
+
+    # --- images and the service ----------------------------------------------------
+
+    def image_exists(self, image: str) -> bool:
+        """The node can run ``image`` (its own store or the shared layer store)."""
+        with self._mapped(NodeError, f"look up image {image}"):
+            return bool(self._client().images.exists(image))
+
+    def list_images(self) -> list[str]:
+        """Names of the images the node can run, ``localhost/`` dropped as users write them."""
+        with self._mapped(NodeError, "list images"):
+            names: set[str] = set()
+            for image in self._client().images.list():
+                for n in image.attrs.get("Names") or image.tags or ():
+                    names.add(n.removeprefix("localhost/"))
+            return sorted(names)
+
+    def ping(self) -> bool:
+        """The service answers."""
+        try:
+            return bool(self._client().ping())
+        except (podman.errors.APIError, requests.exceptions.RequestException, OSError):
+            return False
+
+    def close(self) -> None:
+        """Close this thread's client."""
+        client = getattr(self._local, "client", None)
+        if client is not None:
+            client.close()
+            self._local.client = None
+
+    # --- internals -----------------------------------------------------------------
+
+    def _client(self) -> podman.PodmanClient:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = podman.PodmanClient(base_url=self.socket_url, timeout=self.timeout_s)
+            self._local.client = client
+        return client
+
+    @staticmethod
+    def _get(client: podman.PodmanClient, name: str) -> Any:
+        try:
+            return client.containers.get(name)
+        except podman.errors.NotFound:
+            return None
+
+    @staticmethod
+    def _inspect(client: podman.PodmanClient, key: str) -> dict[str, Any] | None:
+        response = client.api.get(f"/containers/{key}/json")
+        if response.status_code == 404:
+            return None
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+    def _start_new(self, client: podman.PodmanClient, container: Any, name: str) -> None:
+        try:
+            container.start()
+        except Exception:
+            # A container that never ran is of no use to a retry: leave no trace.
+            # The original error is the one worth reporting.
+            with contextlib.suppress(Exception):
+                client.api.delete(f"/containers/{name}", params={"force": True, "timeout": 0})
+            raise
+
+    @contextmanager
+    def _mapped(self, fallback: type[NodeError], what: str) -> Iterator[None]:
+        """Turn podman-py and requests errors into :mod:`workers.errors`."""
+        try:
+            yield
+        except NodeError:
+            raise
+        except podman.errors.APIError as exc:
+            if exc.response is None:  # podman-py wraps connection failures this way
+                raise PodmanUnavailable(f"{what}: no Podman at {self.socket_url}: {exc}") from exc
+            raise fallback(f"{what}: {exc}") from exc
+        except requests.exceptions.RequestException as exc:
+            raise PodmanUnavailable(f"{what}: no Podman at {self.socket_url}: {exc}") from exc
+        except (podman.errors.PodmanError, ValueError, TypeError, KeyError) as exc:
+            raise fallback(f"{what}: {exc}") from exc
+
+
+def container_args(spec: SandboxSpec) -> dict[str, Any]:
+    """podman-py ``containers.create`` keyword arguments for ``spec`` (no I/O)."""
+    return {
+        "name": spec.container_name,
+        "labels": {**spec.labels, LABEL_SANDBOX_ID: spec.sandbox_id},
+        "environment": dict(spec.env),
+        "working_dir": WORKDIR,
+        "network_mode": "slirp4netns" if spec.network else "none",
+        "cap_drop": ["ALL"],
+        "no_new_privileges": True,
+        "read_only": True,
+        # No automatic tmpfs on /run, /tmp, /var/tmp: only the ones below are writable.
+        "read_write_tmpfs": False,
+        "mounts": [
+            _tmpfs("/tmp", spec.tmp_mb, "1777"),
+            _tmpfs(WORKDIR, spec.disk_mb, "755"),
+            _bind(spec.agent_bin_dir, AGENT_BIN_MOUNT),
+            _bind(spec.run_dir, AGENT_RUN_MOUNT),
+        ],
+        "pids_limit": spec.pids_limit,
+        "mem_limit": f"{spec.memory_mb}m",
+        "memswap_limit": f"{spec.memory_mb}m",
+        "cpu_period": _CPU_PERIOD_US,
+        "cpu_quota": max(1000, int(spec.cpus * _CPU_PERIOD_US)),
+        "ulimits": [{"Name": "nofile", "Soft": NOFILE, "Hard": NOFILE}],
+        "tty": False,
+        "stdin_open": False,
+        # A PID 1 that ignores SIGTERM would make every stop wait: kill at once.
+        "stop_signal": int(signal.SIGKILL),
+        "stop_timeout": 0,
+    }
+
+
+def _tmpfs(target: str, size_mb: int, mode: str) -> dict[str, Any]:
+    return {
+        "type": "tmpfs",
+        "source": "tmpfs",
+        "target": target,
+        "size": f"{size_mb}m",
+        "mode": mode,
+    }
+
+
+def _bind(source: Any, target: str) -> dict[str, Any]:
+    return {"type": "bind", "source": str(source), "target": target, "read_only": True}
+
+
+def _name(sandbox_id: str) -> str:
+    # Same as SandboxSpec.container_name, for calls that only have the id.
+    return f"dsec-{sandbox_id}"
+
+
+def _from_list(attrs: dict[str, Any], oom_killed: bool) -> SandboxContainer:
+    labels = dict(attrs.get("Labels") or {})
+    names = attrs.get("Names") or [""]
+    state = str(attrs.get("State", ""))
+    return SandboxContainer(
+        sandbox_id=labels.get(LABEL_SANDBOX_ID, ""),
+        container_id=str(attrs.get("Id", "")),
+        name=str(names[0]),
+        image=str(attrs.get("Image", "")),
+        state=state,
+        exit_code=None if state in ("running", "created") else int(attrs.get("ExitCode") or 0),
+        oom_killed=oom_killed,
+        labels=labels,
+    )
+
+
+def _from_inspect(data: dict[str, Any]) -> SandboxContainer:
+    st = data.get("State") or {}
+    labels = dict((data.get("Config") or {}).get("Labels") or {})
+    state = str(st.get("Status", ""))
+    return SandboxContainer(
+        sandbox_id=labels.get(LABEL_SANDBOX_ID, ""),
+        container_id=str(data.get("Id", "")),
+        name=str(data.get("Name", "")),
+        image=str(data.get("ImageName") or data.get("Image", "")),
+        state=state,
+        exit_code=None if state in ("running", "created") else int(st.get("ExitCode") or 0),
+        oom_killed=bool(st.get("OOMKilled")),
+        labels=labels,
+    )
