@@ -1,0 +1,481 @@
+"""The audit and billing views against figures computed by hand.
+
+Events are appended straight into ``events`` as the service role, inside a transaction
+that is rolled back at the end of each test: the append-only log keeps nothing, and a
+fresh tenant per test keeps other data out of the figures. Only Postgres is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from rich.console import Console
+from sqlalchemy import Connection, insert, text
+from typer.testing import CliRunner
+
+from app import reports
+from app.config import Settings, get_settings
+from app.db.engine import engine_for
+from app.db.log import SourcedEvent, event_row
+from app.db.setup import ensure_database, migrate
+from app.db.tables import events
+from app.domain.base import FailReason, RejectReason, StopReason
+from app.domain.events import (
+    CommandCompleted,
+    CommandPayload,
+    Event,
+    FailedPayload,
+    FilePayload,
+    FileRead,
+    FileWritten,
+    RejectedPayload,
+    RequestedPayload,
+    SandboxFailed,
+    SandboxRejected,
+    SandboxRequested,
+    SandboxScheduled,
+    SandboxStarted,
+    SandboxStopped,
+    ScheduledPayload,
+    StartedPayload,
+    StoppedPayload,
+)
+
+pytestmark = pytest.mark.integration
+
+DAY = date(2025, 3, 14)
+NEXT_DAY = DAY + timedelta(days=1)
+
+
+def at(day: date, hh: int, mm: int = 0) -> datetime:
+    """An instant on a UTC day."""
+    return datetime(day.year, day.month, day.day, hh, mm, tzinfo=UTC)
+
+
+@pytest.fixture(scope="module")
+def migrated() -> Settings:
+    """Postgres with the schema at head; nothing else of the stack."""
+    settings = get_settings()
+    try:
+        ensure_database(settings)
+        migrate(settings)
+    except Exception as exc:  # name the service, never skip
+        pytest.fail(
+            f"Postgres at {settings.admin_database_url} is not usable: {exc}", pytrace=False
+        )
+    return settings
+
+
+@pytest.fixture
+def conn(migrated: Settings) -> Iterator[Connection]:
+    """A service-role connection in a transaction that is always rolled back."""
+    with engine_for(migrated.database_url).connect() as c:
+        tx = c.begin()
+        try:
+            yield c
+        finally:
+            tx.rollback()
+
+
+class Log:
+    """Appends hand-made events for one tenant, from a private topic incarnation."""
+
+    def __init__(self, conn: Connection, tenant: str | None = None) -> None:
+        self.conn = conn
+        self.tenant = tenant or f"t-{uuid.uuid4().hex[:10]}"
+        self.topic_id = uuid.uuid4()
+        self.offset = 0
+
+    def add(self, event: Event) -> None:
+        row = event_row(SourcedEvent(event, "test.billing", self.topic_id, 0, self.offset))
+        self.offset += 1
+        self.conn.execute(insert(events).values(row))
+
+    def env(self, sandbox_id: str, job_id: str, when: datetime, node: str | None = None) -> Any:
+        return {
+            "sandbox_id": sandbox_id,
+            "tenant": self.tenant,
+            "job_id": job_id,
+            "occurred_at": when,
+            "node_id": node,
+        }
+
+    def requested(
+        self, sb: str, job: str, when: datetime, cpus: float = 2, memory_mb: int = 1024
+    ) -> None:
+        payload = RequestedPayload(
+            request_id=uuid.uuid4(),
+            actor="alice",
+            image="dsec/busybox:latest",
+            cpus=cpus,
+            memory_mb=memory_mb,
+            disk_mb=512,
+            ttl_s=86400,
+            network=False,
+        )
+        self.add(SandboxRequested(**self.env(sb, job, when), payload=payload))
+
+    def command(
+        self,
+        sb: str,
+        job: str,
+        when: datetime,
+        command: str | list[str] = "true",
+        exit_code: int = 0,
+        actor: str = "alice",
+        stderr: str = "",
+        node: str = "node-t",
+    ) -> None:
+        payload = CommandPayload(
+            request_id=uuid.uuid4(),
+            actor=actor,
+            command=command,
+            exit_code=exit_code,
+            duration_ms=5.0,
+            stdout_bytes=0,
+            stderr_bytes=len(stderr),
+            stderr_head=stderr,
+        )
+        self.add(CommandCompleted(**self.env(sb, job, when, node), payload=payload))
+
+    def life(
+        self,
+        job: str,
+        start: datetime,
+        end: datetime | None,
+        *,
+        cpus: float = 2,
+        memory_mb: int = 1024,
+        commands: Sequence[datetime] = (),
+        reason: StopReason = StopReason.DESTROYED,
+    ) -> str:
+        """Requested, Scheduled, Started at ``start``, commands, Stopped at ``end``."""
+        sb = f"sb-{uuid.uuid4().hex[:12]}"
+        rid = uuid.uuid4()
+        self.requested(sb, job, start - timedelta(seconds=2), cpus, memory_mb)
+        self.add(
+            SandboxScheduled(
+                **self.env(sb, job, start - timedelta(seconds=1)),
+                payload=ScheduledPayload(request_id=rid, node_id="node-t"),
+            )
+        )
+        self.add(
+            SandboxStarted(
+                **self.env(sb, job, start, "node-t"),
+                payload=StartedPayload(request_id=rid, container_id="c0ffee" * 10),
+            )
+        )
+        for when in commands:
+            self.command(sb, job, when)
+        if end is not None:
+            self.add(
+                SandboxStopped(
+                    **self.env(sb, job, end, "node-t"), payload=StoppedPayload(reason=reason)
+                )
+            )
+        return sb
+
+
+def figures(rows: list[dict[str, Any]]) -> dict[tuple[str, date], tuple[Any, ...]]:
+    """(job, day) -> (sandboxes, sandbox-s, core-s, GB-s, commands)."""
+    return {
+        (r["job_id"], r["day"]): (
+            r["sandboxes"],
+            r["sandbox_seconds"],
+            r["core_seconds"],
+            r["gb_seconds"],
+            r["commands"],
+        )
+        for r in rows
+    }
+
+
+def lives(conn: Connection, tenant: str) -> list[dict[str, Any]]:
+    query = text("SELECT * FROM sandbox_lives WHERE tenant = :t ORDER BY started_at")
+    return [dict(r._mapping) for r in conn.execute(query, {"t": tenant})]
+
+
+# --- billing ---------------------------------------------------------------------
+
+
+def test_half_hour_sandbox_is_billed_exactly(conn: Connection) -> None:
+    # Given a sandbox of 2 cpus and 1 GiB living 10:00-10:30 UTC
+    log = Log(conn)
+    sb = log.life("job-a", at(DAY, 10), at(DAY, 10, 30), cpus=2, memory_mb=1024)
+    # Then it is billed 1800 s, 3600 core-s, 1800 GB-s on that day
+    assert figures(reports.bill(conn, tenant=log.tenant)) == {
+        ("job-a", DAY): (1, 1800, 3600, 1800, 0)
+    }
+    # And its life is one row, read from the log
+    (life,) = lives(conn, log.tenant)
+    assert life["sandbox_id"] == sb
+    assert (life["cpus"], life["memory_mb"], life["node_id"]) == (2, 1024, "node-t")
+    assert (life["started_at"], life["ended_at"]) == (at(DAY, 10), at(DAY, 10, 30))
+    assert (life["end_reason"], life["commands"]) == ("destroyed", 0)
+
+
+@pytest.mark.parametrize("session_zone", ["UTC", "Asia/Tokyo", "America/St_Johns"])
+def test_life_across_midnight_is_split_at_utc_midnight(conn: Connection, session_zone: str) -> None:
+    # Given a session whose TimeZone is not (necessarily) UTC
+    conn.execute(text("SELECT set_config('TimeZone', :z, true)"), {"z": session_zone})
+    # And a sandbox (2 cpus, 1 GiB) living 23:00 UTC to 01:30 UTC the next day
+    log = Log(conn)
+    log.life("job-a", at(DAY, 23), at(NEXT_DAY, 1, 30))
+    # Then the first UTC day gets 3600 s and the next 5400 s, whatever the session zone
+    assert figures(reports.bill(conn, tenant=log.tenant)) == {
+        ("job-a", DAY): (1, 3600, 7200, 3600, 0),
+        ("job-a", NEXT_DAY): (1, 5400, 10800, 5400, 0),
+    }
+
+
+def test_life_ending_at_midnight_does_not_reach_the_next_day(conn: Connection) -> None:
+    log = Log(conn)
+    log.life("job-a", at(DAY, 22), at(NEXT_DAY, 0), cpus=0.5, memory_mb=512)
+    assert figures(reports.bill(conn, tenant=log.tenant)) == {
+        ("job-a", DAY): (1, 7200, 3600, 3600, 0)
+    }
+
+
+def test_running_sandbox_is_billed_up_to_now(conn: Connection) -> None:
+    # Given a sandbox started two hours ago and never stopped
+    log = Log(conn)
+    log.life("job-a", datetime.now(UTC) - timedelta(hours=2), None, cpus=4, memory_mb=2048)
+    # Then it counts until now (its days sum up, in case midnight fell in between)
+    rows = reports.bill(conn, tenant=log.tenant)
+    seconds = sum(r["sandbox_seconds"] for r in rows)
+    assert 7200 - 5 <= seconds <= 7200 + 5
+    assert sum(r["core_seconds"] for r in rows) == pytest.approx(4 * seconds, abs=Decimal("0.01"))
+    assert sum(r["gb_seconds"] for r in rows) == pytest.approx(2 * seconds, abs=Decimal("0.01"))
+    assert all(r["sandboxes"] == 1 for r in rows)
+    # And its life has no end yet
+    (life,) = lives(conn, log.tenant)
+    assert (life["ended_at"], life["end_reason"]) == (None, None)
+
+
+def test_commands_are_counted_on_their_utc_day(conn: Connection) -> None:
+    # Given a sandbox across midnight running two commands before and one after
+    conn.execute(text("SELECT set_config('TimeZone', 'Asia/Tokyo', true)"))
+    log = Log(conn)
+    log.life(
+        "job-a",
+        at(DAY, 23),
+        at(NEXT_DAY, 1, 30),
+        commands=[at(DAY, 23, 10), at(DAY, 23, 59), at(NEXT_DAY, 0, 20)],
+    )
+    # And a second sandbox of the same job on the first day only, with one command
+    log.life("job-a", at(DAY, 8), at(DAY, 9), commands=[at(DAY, 8, 30)])
+    # Then each day counts its own commands and sandboxes
+    got = figures(reports.bill(conn, tenant=log.tenant))
+    assert got[("job-a", DAY)][0] == 2 and got[("job-a", DAY)][4] == 3
+    assert got[("job-a", NEXT_DAY)][0] == 1 and got[("job-a", NEXT_DAY)][4] == 1
+    # And each life counts all of its own
+    assert [life["commands"] for life in lives(conn, log.tenant)] == [1, 3]
+
+
+def test_requests_that_never_started_are_not_billed(conn: Connection) -> None:
+    log = Log(conn)
+    log.requested("sb-refused", "job-a", at(DAY, 9))
+    log.add(
+        SandboxRejected(
+            **log.env("sb-refused", "job-a", at(DAY, 9)),
+            payload=RejectedPayload(
+                request_id=None,
+                request_type="CreateSandbox",
+                reason=RejectReason.CAPACITY,
+                detail="full",
+            ),
+        )
+    )
+    assert reports.bill(conn, tenant=log.tenant) == []
+    assert lives(conn, log.tenant) == []
+
+
+def test_filters_by_tenant_job_and_days(conn: Connection) -> None:
+    # Given two jobs of one tenant on two days, and another tenant the same days
+    log = Log(conn)
+    other = Log(conn)
+    log.life("job-a", at(DAY, 10), at(DAY, 11))
+    log.life("job-b", at(DAY, 12), at(DAY, 12, 10), cpus=1, memory_mb=2048)
+    log.life("job-b", at(NEXT_DAY, 12), at(NEXT_DAY, 12, 1), cpus=1, memory_mb=256)
+    other.life("job-a", at(DAY, 10), at(DAY, 11))
+    # Then a tenant sees only its own rows, ordered by day then job
+    rows = reports.bill(conn, tenant=log.tenant)
+    assert [(r["tenant"], r["job_id"], r["day"]) for r in rows] == [
+        (log.tenant, "job-a", DAY),
+        (log.tenant, "job-b", DAY),
+        (log.tenant, "job-b", NEXT_DAY),
+    ]
+    # And a job filter narrows to that job
+    assert figures(reports.bill(conn, tenant=log.tenant, job_id="job-b")) == {
+        ("job-b", DAY): (1, 600, 600, 1200, 0),
+        ("job-b", NEXT_DAY): (1, 60, 60, 15, 0),
+    }
+    # And days are a closed range of UTC dates
+    one_day = reports.bill(conn, tenant=log.tenant, day_from=NEXT_DAY, day_to=NEXT_DAY)
+    assert [(r["job_id"], r["day"]) for r in one_day] == [("job-b", NEXT_DAY)]
+    assert reports.bill(conn, tenant=log.tenant, day_to=DAY - timedelta(days=1)) == []
+
+
+# --- audit -----------------------------------------------------------------------
+
+
+def test_audit_rows_in_position_order_with_actor_and_action(conn: Connection) -> None:
+    # Given the whole life of one sandbox, with commands and files from two actors
+    log = Log(conn)
+    sb, job = "sb-audited", "job-a"
+    rid = uuid.uuid4()
+    log.requested(sb, job, at(DAY, 10), cpus=1, memory_mb=256)
+    log.add(
+        SandboxScheduled(
+            **log.env(sb, job, at(DAY, 10)),
+            payload=ScheduledPayload(request_id=rid, node_id="node-7"),
+        )
+    )
+    log.add(
+        SandboxStarted(
+            **log.env(sb, job, at(DAY, 10), "node-7"),
+            payload=StartedPayload(request_id=rid, container_id="abcdef0123456789", warm=True),
+        )
+    )
+    log.command(sb, job, at(DAY, 10, 1), ["python", "-c", "print(1)"], node="node-7")
+    log.command(sb, job, at(DAY, 10, 2), "false", 1, actor="bob", stderr="boom", node="node-7")
+    file = FilePayload(request_id=uuid.uuid4(), actor="bob", path="/work/a.txt", size=12)
+    log.add(FileWritten(**log.env(sb, job, at(DAY, 10, 3), "node-7"), payload=file))
+    log.add(FileRead(**log.env(sb, job, at(DAY, 10, 4), "node-7"), payload=file))
+    log.add(
+        SandboxFailed(
+            **log.env(sb, job, at(DAY, 10, 5), "node-7"),
+            payload=FailedPayload(
+                request_id=uuid.uuid4(),
+                request_type="Exec",
+                reason=FailReason.AGENT_UNAVAILABLE,
+                detail="agent did not answer",
+            ),
+        )
+    )
+    log.add(
+        SandboxStopped(
+            **log.env(sb, job, at(DAY, 10, 6), "node-7"),
+            payload=StoppedPayload(reason=StopReason.OOM, detail="memory limit reached"),
+        )
+    )
+    # When the operator asks for its audit trail
+    rows = reports.audit(conn, sandbox_id=sb)
+    # Then every event is there, in log order: who, what, outcome, from where
+    assert [r["position"] for r in rows] == sorted(r["position"] for r in rows)
+    assert [(r["type"], r["actor"], r["action"], r["outcome"], r["node_id"]) for r in rows] == [
+        (
+            "SandboxRequested",
+            "alice",
+            "create dsec/busybox:latest cpus=1.0 memory_mb=256 disk_mb=512 ttl_s=86400"
+            " network=false",
+            "accepted",
+            None,
+        ),
+        ("SandboxScheduled", None, "place on node-7", "placed", "node-7"),
+        ("SandboxStarted", None, "start container abcdef012345", "running (warm)", "node-7"),
+        ("CommandCompleted", "alice", "exec python -c print(1)", "exit 0", "node-7"),
+        ("CommandCompleted", "bob", "exec false", "exit 1", "node-7"),
+        ("FileWritten", "bob", "write /work/a.txt", "12 bytes", "node-7"),
+        ("FileRead", "bob", "read /work/a.txt", "12 bytes", "node-7"),
+        ("SandboxFailed", None, "fail Exec", "agent_unavailable", "node-7"),
+        ("SandboxStopped", None, "stop", "oom", "node-7"),
+    ]
+    assert [r["detail"] for r in rows][-5:] == [
+        "boom",
+        None,
+        None,
+        "agent did not answer",
+        "memory limit reached",
+    ]
+    assert {(r["tenant"], r["job_id"], r["sandbox_id"]) for r in rows} == {(log.tenant, job, sb)}
+    assert rows[0]["occurred_at"] == at(DAY, 10)
+
+
+def test_audit_limit_keeps_the_latest_rows_and_since_filters(conn: Connection) -> None:
+    # Given one sandbox with ten commands, a minute apart
+    log = Log(conn)
+    log.life("job-a", at(DAY, 10), at(DAY, 11), commands=[at(DAY, 10, m) for m in range(1, 11)])
+    # Then a limit keeps the latest events, still oldest first
+    tail = reports.audit(conn, tenant=log.tenant, limit=3)
+    assert [(r["type"], r["occurred_at"]) for r in tail] == [
+        ("CommandCompleted", at(DAY, 10, 9)),
+        ("CommandCompleted", at(DAY, 10, 10)),
+        ("SandboxStopped", at(DAY, 11)),
+    ]
+    # And since/job filters narrow the trail
+    since = reports.audit(conn, tenant=log.tenant, job_id="job-a", since=at(DAY, 10, 8))
+    assert len(since) == 4
+    assert reports.audit(conn, tenant=log.tenant, job_id="job-other") == []
+
+
+# --- CLI -------------------------------------------------------------------------
+
+
+def test_cli_prints_bill_and_audit(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given the CLI reading through this test's (rolled back) transaction
+    from app import cli as cli_mod
+    from app.db import engine
+
+    @contextmanager
+    def same_transaction(_url: str) -> Iterator[Connection]:
+        yield conn
+
+    monkeypatch.setattr(engine, "transaction", same_transaction)
+    monkeypatch.setattr(cli_mod, "console", Console(width=200))
+    log = Log(conn)
+    sb = log.life("job-a", at(DAY, 10), at(DAY, 10, 30), commands=[at(DAY, 10, 5)])
+    runner = CliRunner()
+    # When the operator asks for the bill as JSON
+    result = runner.invoke(
+        cli_mod.cli,
+        [
+            "bill",
+            "--tenant",
+            log.tenant,
+            "--from",
+            DAY.isoformat(),
+            "--to",
+            DAY.isoformat(),
+            "--format",
+            "json",
+        ],
+    )
+    # Then the figures come out as numbers
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == [
+        {
+            "tenant": log.tenant,
+            "job_id": "job-a",
+            "day": DAY.isoformat(),
+            "sandboxes": 1,
+            "sandbox_seconds": 1800,
+            "core_seconds": 3600,
+            "gb_seconds": 1800,
+            "commands": 1,
+        }
+    ]
+    # When the operator asks for the sandbox's audit trail as CSV
+    result = runner.invoke(cli_mod.cli, ["audit", "--sandbox", sb, "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == ",".join(reports.AUDIT_COLUMNS)
+    assert [line.split(",")[6] for line in lines[1:]] == [
+        "SandboxRequested",
+        "SandboxScheduled",
+        "SandboxStarted",
+        "CommandCompleted",
+        "SandboxStopped",
+    ]
+    # And as a table, and a bad value is refused naming the option's problem
+    result = runner.invoke(cli_mod.cli, ["audit", "--sandbox", sb])
+    assert result.exit_code == 0 and "place on node-t" in result.output
+    result = runner.invoke(cli_mod.cli, ["bill", "--from", "someday"])
+    assert result.exit_code != 0 and "not a day" in result.output
