@@ -16,6 +16,8 @@ from app.config import get_settings
 cli = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training.")
 run_cli = typer.Typer(no_args_is_help=True, help="Run one service in the foreground.")
 cli.add_typer(run_cli, name="run")
+projections_cli = typer.Typer(no_args_is_help=True, help="Read models derived from the log.")
+cli.add_typer(projections_cli, name="projections")
 console = Console()
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -192,6 +194,32 @@ def events(sandbox_id: str, as_json: JsonOpt = False) -> None:
         for row in rows:
             row["payload"] = json.dumps(row["payload"])[:100]
     _table(f"events of {sandbox_id}", rows, as_json)
+
+
+@projections_cli.command("rebuild")
+def projections_rebuild(
+    check: Annotated[
+        bool, typer.Option("--check", help="Compare with the live rows, change nothing.")
+    ] = False,
+) -> None:
+    """Rebuild every projection from the event log (one transaction)."""
+    from app.db import projections
+    from app.db.engine import engine_for
+
+    with engine_for(get_settings().database_url).connect() as conn, conn.begin() as tx:
+        before = projections.snapshot(conn) if check else []
+        folded = projections.rebuild(conn)
+        if not check:
+            console.print(f"rebuilt projections from {folded} events")
+            return
+        after = projections.snapshot(conn)
+        tx.rollback()
+    differ = set(before) ^ set(after)
+    console.print(f"folded {folded} events; {len(differ)} rows differ from the live projections")
+    if differ:
+        for row in sorted(differ, key=str)[:20]:
+            console.print(f"  {row}")
+        raise typer.Exit(1)
 
 
 @cli.command()

@@ -29,6 +29,9 @@ from app.db.engine import transaction
 
 log = logging.getLogger(__name__)
 
+#: How often the projector makes sure the log has partitions for the coming days.
+PARTITION_CHECK_S = 3600.0
+
 
 @dataclass
 class BatchOutcome:
@@ -52,8 +55,10 @@ class Projector:
         self.publisher = Publisher(settings)
         self._stop = threading.Event()
         with transaction(settings.database_url) as conn:
+            event_log.ensure_partitions(conn)
             stored = event_log.load_offsets(conn, name, settings.topic_events)
         self.warnings = self.consumer.seek(stored)
+        self._partitions_checked = time.monotonic()
 
     def handle(self, records: list[ConsumerRecord]) -> BatchOutcome:
         """Decode, dead-letter, append and project one batch in one transaction."""
@@ -81,8 +86,7 @@ class Projector:
             self.publisher.flush()
         with metrics.BATCH_SECONDS.time(), transaction(self.settings.database_url) as conn:
             appended = event_log.append(conn, good)
-            for item, position in appended:
-                projections.apply(conn, item.event, position)
+            projections.apply_batch(conn, [(item.event, position) for item, position in appended])
             event_log.save_offsets(
                 conn, self.name, self.settings.topic_events, self.consumer.topic_id, outcome.offsets
             )
@@ -94,6 +98,10 @@ class Projector:
 
     def run_once(self, timeout_ms: int = 200) -> BatchOutcome | None:
         """Poll once and handle what came."""
+        if time.monotonic() - self._partitions_checked > PARTITION_CHECK_S:
+            with transaction(self.settings.database_url) as conn:
+                event_log.ensure_partitions(conn)
+            self._partitions_checked = time.monotonic()
         records = self.consumer.poll(timeout_ms=timeout_ms)
         return self.handle(records) if records else None
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, select, text
 from sqlalchemy.dialects.postgresql import insert
 
-from app.db.tables import consumer_offsets, events
+from app.db.tables import consumer_offsets
 from app.domain.events import Event
 
 
@@ -24,46 +25,75 @@ class SourcedEvent:
     offset: int
 
 
-def event_row(item: SourcedEvent) -> dict[str, object]:
-    """The ``events`` row for one sourced event."""
-    e = item.event
-    return {
-        "event_id": e.event_id,
-        "type": e.type,
-        "version": e.version,
-        "sandbox_id": e.sandbox_id,
-        "node_id": e.node_id,
-        "tenant": e.tenant,
-        "job_id": e.job_id,
-        "occurred_at": e.occurred_at,
-        "payload": e.payload.model_dump(mode="json"),
-        "topic": item.topic,
-        "topic_id": item.topic_id,
-        "partition": item.partition,
-        "offset": item.offset,
-    }
+#: One round trip per batch: claim the ids in ``event_ids`` (the global dedupe key),
+#: then append only the events whose id was new, in batch order.
+_APPEND = text(
+    """
+    WITH batch AS (
+        SELECT * FROM unnest(
+            CAST(:event_id AS uuid[]), CAST(:type AS text[]), CAST(:version AS smallint[]),
+            CAST(:sandbox_id AS text[]), CAST(:node_id AS text[]), CAST(:tenant AS text[]),
+            CAST(:job_id AS text[]), CAST(:occurred_at AS timestamptz[]),
+            CAST(:payload AS jsonb[]), CAST(:topic AS text[]), CAST(:topic_id AS uuid[]),
+            CAST(:partition AS int[]), CAST(:offset AS bigint[]), CAST(:ord AS int[])
+        ) AS b(event_id, type, version, sandbox_id, node_id, tenant, job_id, occurred_at,
+               payload, topic, topic_id, partition, "offset", ord)
+    ),
+    fresh AS (
+        INSERT INTO event_ids (event_id)
+        SELECT event_id FROM batch ORDER BY ord
+        ON CONFLICT DO NOTHING
+        RETURNING event_id
+    )
+    INSERT INTO events (event_id, type, version, sandbox_id, node_id, tenant, job_id,
+                        occurred_at, payload, topic, topic_id, partition, "offset")
+    SELECT b.event_id, b.type, b.version, b.sandbox_id, b.node_id, b.tenant, b.job_id,
+           b.occurred_at, b.payload, b.topic, b.topic_id, b.partition, b."offset"
+    FROM batch b JOIN fresh USING (event_id)
+    ORDER BY b.ord
+    RETURNING event_id, position
+    """
+)
 
 
 def append(conn: Connection, batch: Sequence[SourcedEvent]) -> list[tuple[SourcedEvent, int]]:
-    """Insert the batch; return the events that were new, with their positions.
+    """Append the batch; return the events that were new, with their positions.
 
-    A redelivered event (same ``event_id``, or same topic/partition/offset) is
-    skipped, so appending is idempotent.
+    A redelivered event (an ``event_id`` already in the log, or twice in this batch)
+    is skipped, so appending is idempotent. Positions follow batch order.
     """
-    if not batch:
-        return []
-    rows = [event_row(item) for item in batch]
-    stmt = insert(events).on_conflict_do_nothing().returning(events.c.event_id, events.c.position)
-    result = conn.execute(stmt, rows)
-    positions = {row.event_id: row.position for row in result}
-    new: list[tuple[SourcedEvent, int]] = []
+    unique: dict[uuid.UUID, SourcedEvent] = {}
     for item in batch:
-        # pop: the same event twice in one batch was inserted once.
-        position = positions.pop(item.event.event_id, None)
-        if position is not None:
-            new.append((item, position))
+        unique.setdefault(item.event.event_id, item)
+    if not unique:
+        return []
+    items = list(unique.values())
+    params: dict[str, list[Any]] = {
+        "event_id": [i.event.event_id for i in items],
+        "type": [i.event.type for i in items],
+        "version": [i.event.version for i in items],
+        "sandbox_id": [i.event.sandbox_id for i in items],
+        "node_id": [i.event.node_id for i in items],
+        "tenant": [i.event.tenant for i in items],
+        "job_id": [i.event.job_id for i in items],
+        "occurred_at": [i.event.occurred_at for i in items],
+        "payload": [i.event.payload.model_dump_json() for i in items],
+        "topic": [i.topic for i in items],
+        "topic_id": [i.topic_id for i in items],
+        "partition": [i.partition for i in items],
+        "offset": [i.offset for i in items],
+        "ord": list(range(len(items))),
+    }
+    positions = {row.event_id: row.position for row in conn.execute(_APPEND, params)}
+    new = [(i, positions[i.event.event_id]) for i in items if i.event.event_id in positions]
     new.sort(key=lambda pair: pair[1])
     return new
+
+
+def ensure_partitions(conn: Connection, days_ahead: int = 7) -> int:
+    """Create the log's daily partitions up to ``days_ahead``; return how many were new."""
+    made = conn.execute(text("SELECT dsec_ensure_event_partitions(:d)"), {"d": days_ahead})
+    return int(made.scalar() or 0)
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,24 @@
-"""Projections: read models derived from the log, updated in the log's transaction.
+"""Projections: read models folded from the log, in the log's own transaction.
 
-Each function is a pure mapping from one event to upserts, so the live projector and
-``dsec projections rebuild`` run the same code and yield the same rows.
+A batch of events is first folded in memory (pure code, per sandbox, node and
+tenant/job), then written with one set-based statement per table. The live projector
+and ``dsec projections rebuild`` run exactly this code over events in position order,
+so a rebuild yields the same rows however the events were batched: columns take the
+latest value, states only move forward, and counters and sums are exact (integers
+and numerics, never floats).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import ColumnElement, Connection, case, delete, literal, select, update
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, select, text
 from sqlalchemy.dialects.postgresql import insert
 
-from app.db.tables import nodes, sandboxes
+from app.db.tables import commands, nodes, sandboxes, usage
 from app.domain.events import (
     CommandCompleted,
     Event,
@@ -23,153 +32,289 @@ from app.domain.events import (
     SandboxStarted,
     SandboxStopped,
 )
-from app.domain.sandbox_state import SandboxState, rank
+from app.domain.sandbox_state import SandboxState, advance, rank
 
-PROJECTION_TABLES = (sandboxes, nodes)
+PROJECTION_TABLES = (sandboxes, nodes, commands, usage)
 
-
-def _rank_sql(column: ColumnElement[str]) -> ColumnElement[int]:
-    return case({s.value: rank(s) for s in SandboxState}, value=column, else_=-1)
-
-
-def _set_state(
-    conn: Connection, event: Event, state: SandboxState, position: int, **cols: object
-) -> None:
-    """Upsert the sandbox row, moving its state forward only."""
-    assert event.sandbox_id is not None
-    base = {
-        "sandbox_id": event.sandbox_id,
-        "tenant": event.tenant,
-        "job_id": event.job_id,
-        "state": state.value,
-        "last_position": position,
-        **cols,
-    }
-    stmt = insert(sandboxes).values(base)
-    new_state = case(
-        (_rank_sql(sandboxes.c.state) <= rank(state), literal(state.value)),
-        else_=sandboxes.c.state,
-    )
-    updates: dict[str, object] = {"state": new_state, "last_position": position}
-    updates.update({k: getattr(stmt.excluded, k) for k in cols})
-    conn.execute(stmt.on_conflict_do_update(index_elements=["sandbox_id"], set_=updates))
+SANDBOX_COLUMNS = (
+    "actor", "image", "node_id", "cpus", "memory_mb", "disk_mb", "ttl_s", "network", "labels",
+    "requested_at", "scheduled_at", "started_at", "ended_at", "end_reason", "detail",
+)  # fmt: skip
 
 
-def apply(conn: Connection, event: Event, position: int) -> None:
-    """Fold one event into the projections."""
+@dataclass
+class SandboxFold:
+    """What a batch says about one sandbox."""
+
+    tenant: str
+    job_id: str
+    state: SandboxState | None = None
+    columns: dict[str, Any] = field(default_factory=dict)
+    commands: int = 0
+    last_position: int = 0
+
+
+@dataclass
+class UsageFold:
+    """What a batch adds to one tenant/job's totals."""
+
+    started: int = 0
+    commands: int = 0
+    last_position: int = 0
+    ended: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Fold:
+    """A batch folded per row."""
+
+    sandboxes: dict[str, SandboxFold] = field(default_factory=dict)
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    commands: list[dict[str, Any]] = field(default_factory=list)
+    usage: dict[tuple[str, str], UsageFold] = field(default_factory=dict)
+
+
+def _lifecycle(event: Event) -> tuple[SandboxState, dict[str, Any]] | None:
+    """The state an event leads a sandbox to and the columns it sets."""
+    at = event.occurred_at
     match event:
         case SandboxRequested(payload=p):
-            _set_state(
-                conn,
-                event,
-                SandboxState.REQUESTED,
-                position,
-                actor=p.actor,
-                image=p.image,
-                cpus=p.cpus,
-                memory_mb=p.memory_mb,
-                disk_mb=p.disk_mb,
-                ttl_s=p.ttl_s,
-                network=p.network,
-                labels=p.labels,
-                requested_at=event.occurred_at,
-            )
+            return SandboxState.REQUESTED, {
+                "actor": p.actor, "image": p.image, "cpus": p.cpus, "memory_mb": p.memory_mb,
+                "disk_mb": p.disk_mb, "ttl_s": p.ttl_s, "network": p.network,
+                "labels": p.labels, "requested_at": at,
+            }  # fmt: skip
         case SandboxScheduled(payload=p):
-            _set_state(
-                conn,
-                event,
-                SandboxState.SCHEDULED,
-                position,
-                node_id=p.node_id,
-                scheduled_at=event.occurred_at,
-            )
+            return SandboxState.SCHEDULED, {"node_id": p.node_id, "scheduled_at": at}
         case SandboxStarted():
-            _set_state(
-                conn,
-                event,
-                SandboxState.RUNNING,
-                position,
-                node_id=event.node_id,
-                started_at=event.occurred_at,
-            )
+            return SandboxState.RUNNING, {"node_id": event.node_id, "started_at": at}
         case SandboxStopped(payload=p):
-            _set_state(
-                conn,
-                event,
-                SandboxState.STOPPED,
-                position,
-                ended_at=event.occurred_at,
-                end_reason=p.reason.value,
-                detail=p.detail,
-            )
+            return SandboxState.STOPPED, {
+                "ended_at": at, "end_reason": p.reason.value, "detail": p.detail,
+            }  # fmt: skip
         case SandboxRejected(payload=p) if p.request_type == "CreateSandbox":
-            _set_state(
-                conn,
-                event,
-                SandboxState.REJECTED,
-                position,
-                ended_at=event.occurred_at,
-                end_reason=p.reason.value,
-                detail=p.detail,
-            )
+            return SandboxState.REJECTED, {
+                "ended_at": at, "end_reason": p.reason.value, "detail": p.detail,
+            }  # fmt: skip
         case SandboxFailed(payload=p) if p.request_type == "CreateSandbox":
-            _set_state(
-                conn,
-                event,
-                SandboxState.FAILED,
-                position,
-                ended_at=event.occurred_at,
-                end_reason=p.reason.value,
-                detail=p.detail,
+            return SandboxState.FAILED, {
+                "ended_at": at, "end_reason": p.reason.value, "detail": p.detail,
+            }  # fmt: skip
+    return None
+
+
+def fold(items: Sequence[tuple[Event, int]]) -> Fold:
+    """Fold events (with their positions, ascending) into per-row changes. Pure."""
+    out = Fold()
+    for event, position in items:
+        tenant_job = (event.tenant, event.job_id)
+        if event.sandbox_id is not None:
+            box = out.sandboxes.setdefault(
+                event.sandbox_id, SandboxFold(event.tenant, event.job_id)
             )
-        case CommandCompleted():
-            conn.execute(
-                update(sandboxes)
-                .where(sandboxes.c.sandbox_id == event.sandbox_id)
-                .values(commands=sandboxes.c.commands + 1, last_position=position)
-            )
-        case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):
-            row = {
-                "node_id": event.node_id,
-                "state": "alive",
-                "queue": p.queue,
-                "capacity_sandboxes": p.capacity_sandboxes,
-                "capacity_cpus": p.capacity_cpus,
-                "capacity_memory_mb": p.capacity_memory_mb,
-                "running": p.running,
-                "images": p.images,
-                "last_heartbeat_at": event.occurred_at,
-                "last_position": position,
+            change = _lifecycle(event)
+            if change is not None:
+                state, columns = change
+                box.state = advance(box.state, state)
+                box.columns.update({k: v for k, v in columns.items() if v is not None})
+            box.last_position = position
+        match event:
+            case SandboxStarted():
+                u = out.usage.setdefault(tenant_job, UsageFold())
+                u.started += 1
+                u.last_position = position
+            case SandboxStopped():
+                u = out.usage.setdefault(tenant_job, UsageFold())
+                u.ended.append(event.sandbox_id or "")
+                u.last_position = position
+            case CommandCompleted(payload=p):
+                out.sandboxes[event.sandbox_id or ""].commands += 1
+                u = out.usage.setdefault(tenant_job, UsageFold())
+                u.commands += 1
+                u.last_position = position
+                out.commands.append(
+                    {
+                        "request_id": p.request_id, "sandbox_id": event.sandbox_id,
+                        "tenant": event.tenant, "job_id": event.job_id, "actor": p.actor,
+                        "trajectory_id": p.trajectory_id, "step": p.step,
+                        "command": p.command, "exit_code": p.exit_code,
+                        "duration_ms": p.duration_ms, "timed_out": p.timed_out,
+                        "truncated": p.truncated, "stdout_head": p.stdout_head,
+                        "stderr_head": p.stderr_head, "occurred_at": event.occurred_at,
+                        "position": position,
+                    }
+                )  # fmt: skip
+            case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):
+                row = out.nodes.setdefault(event.node_id or "", {})
+                row.update(
+                    state="alive", queue=p.queue, capacity_sandboxes=p.capacity_sandboxes,
+                    capacity_cpus=p.capacity_cpus, capacity_memory_mb=p.capacity_memory_mb,
+                    running=p.running, images=p.images, last_heartbeat_at=event.occurred_at,
+                    last_position=position,
+                )  # fmt: skip
+                if isinstance(event, NodeRegistered):
+                    row["registered_at"] = event.occurred_at
+            case NodeLost():
+                row = out.nodes.setdefault(event.node_id or "", {})
+                row.update(state="lost", lost_at=event.occurred_at, last_position=position)
+            case _:
+                pass
+    return out
+
+
+_RANK_CASE = "CASE {col} " + " ".join(f"WHEN '{s.value}' THEN {rank(s)}" for s in SandboxState)
+_UPSERT_SANDBOX = text(
+    f"""
+    INSERT INTO sandboxes (sandbox_id, tenant, job_id, state, commands, last_position,
+                           {", ".join(SANDBOX_COLUMNS)})
+    VALUES (:sandbox_id, :tenant, :job_id, coalesce(:state, 'requested'), :commands,
+            :last_position, {", ".join(":" + c for c in SANDBOX_COLUMNS)})
+    ON CONFLICT (sandbox_id) DO UPDATE SET
+        state = CASE WHEN excluded.state IS NOT NULL AND :state IS NOT NULL
+                      AND ({_RANK_CASE.format(col="sandboxes.state")} END)
+                       <= ({_RANK_CASE.format(col="excluded.state")} END)
+                     THEN excluded.state ELSE sandboxes.state END,
+        commands = sandboxes.commands + excluded.commands,
+        last_position = greatest(sandboxes.last_position, excluded.last_position),
+        {", ".join(f"{c} = coalesce(excluded.{c}, sandboxes.{c})" for c in SANDBOX_COLUMNS)}
+    """
+)
+_ADD_USAGE = text(
+    """
+    INSERT INTO usage AS u (tenant, job_id, sandboxes_started, commands, last_position)
+    VALUES (:tenant, :job_id, :started, :commands, :last_position)
+    ON CONFLICT (tenant, job_id) DO UPDATE SET
+        sandboxes_started = u.sandboxes_started + excluded.sandboxes_started,
+        commands = u.commands + excluded.commands,
+        last_position = greatest(u.last_position, excluded.last_position)
+    """
+)
+# Ended sandboxes are charged from their projected row (started_at, cpus, memory),
+# which the sandboxes upsert above has just brought up to date.
+_CHARGE_ENDED = text(
+    """
+    UPDATE usage AS u SET
+        sandboxes_ended = u.sandboxes_ended + x.n,
+        ended_sandbox_seconds = u.ended_sandbox_seconds + x.secs,
+        ended_core_seconds = u.ended_core_seconds + x.core,
+        ended_gb_seconds = u.ended_gb_seconds + x.gb
+    FROM (
+        SELECT tenant, job_id, count(*) AS n, sum(s) AS secs,
+               sum(s * coalesce(cpus, 0)::numeric) AS core,
+               sum(s * coalesce(memory_mb, 0) / 1024.0) AS gb
+        FROM (SELECT tenant, job_id, cpus, memory_mb,
+                     coalesce(extract(epoch FROM ended_at - started_at), 0) AS s
+              FROM sandboxes WHERE sandbox_id = ANY(:ids)) AS lives
+        GROUP BY tenant, job_id
+    ) AS x
+    WHERE u.tenant = x.tenant AND u.job_id = x.job_id
+    """
+)
+
+
+def apply_batch(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
+    """Fold a batch of (event, position), ascending, into every projection."""
+    if not items:
+        return
+    folded = fold(items)
+    if folded.sandboxes:
+        rows = [
+            {
+                "sandbox_id": sid, "tenant": f.tenant, "job_id": f.job_id,
+                "state": f.state.value if f.state else None, "commands": f.commands,
+                "last_position": f.last_position,
+                **{c: f.columns.get(c) for c in SANDBOX_COLUMNS},
             }
-            if isinstance(event, NodeRegistered):
-                row["registered_at"] = event.occurred_at
-            stmt = insert(nodes).values(row)
-            conn.execute(
-                stmt.on_conflict_do_update(
-                    index_elements=["node_id"],
-                    set_={k: getattr(stmt.excluded, k) for k in row if k != "node_id"},
-                )
-            )
-        case NodeLost():
-            conn.execute(
-                update(nodes)
-                .where(nodes.c.node_id == event.node_id)
-                .values(state="lost", lost_at=event.occurred_at, last_position=position)
-            )
-        case _:
-            pass
+            for sid, f in sorted(folded.sandboxes.items())
+        ]  # fmt: skip
+        for row in rows:
+            if row["labels"] is not None:
+                row["labels"] = json.dumps(row["labels"])
+        conn.execute(_UPSERT_SANDBOX, rows)
+    for node_id, row in sorted(folded.nodes.items()):
+        _upsert_node(conn, node_id, row)
+    if folded.commands:
+        stmt = insert(commands).on_conflict_do_nothing()
+        conn.execute(stmt, folded.commands)
+    if folded.usage:
+        conn.execute(
+            _ADD_USAGE,
+            [
+                {"tenant": t, "job_id": j, "started": u.started, "commands": u.commands,
+                 "last_position": u.last_position}
+                for (t, j), u in sorted(folded.usage.items())
+            ],
+        )  # fmt: skip
+        ended = [sid for u in folded.usage.values() for sid in u.ended]
+        if ended:
+            conn.execute(_CHARGE_ENDED, {"ids": ended})
+
+
+def _upsert_node(conn: Connection, node_id: str, row: dict[str, Any]) -> None:
+    existing = conn.execute(select(nodes.c.node_id).where(nodes.c.node_id == node_id)).first()
+    if existing is None:
+        if "queue" not in row:
+            return  # lost before it was ever registered: nothing to show
+        conn.execute(insert(nodes).values(node_id=node_id, **row))
+    else:
+        conn.execute(nodes.update().where(nodes.c.node_id == node_id).values(**row))
 
 
 def clear(conn: Connection) -> None:
     """Empty every projection (before a rebuild)."""
     for table in PROJECTION_TABLES:
-        conn.execute(delete(table))
+        conn.execute(table.delete())
 
 
 def snapshot(conn: Connection) -> list[tuple[object, ...]]:
     """Every projection row, ordered, for comparing a rebuild with the live state."""
     out: list[tuple[object, ...]] = []
     for table in PROJECTION_TABLES:
-        key = next(iter(table.primary_key.columns))
-        out.extend(tuple(r) for r in conn.execute(select(table).order_by(key)))
+        keys = list(table.primary_key.columns)
+        for row in conn.execute(select(table).order_by(*keys)):
+            out.append((table.name, *(_hashable(v) for v in row)))
     return out
+
+
+def _hashable(value: object) -> object:
+    if isinstance(value, dict | list):
+        return json.dumps(value, sort_keys=True)
+    return value
+
+
+def rebuild(conn: Connection, chunk: int = 5000) -> int:
+    """Empty the projections and fold the whole log again; return events folded.
+
+    Runs in the caller's transaction, which first locks the projection tables so a
+    live projector waits instead of interleaving its batch with the rebuild.
+    """
+    from app.codec import decode_event
+    from app.db.tables import events
+
+    names = ", ".join(t.name for t in PROJECTION_TABLES)
+    conn.execute(text(f"LOCK TABLE {names} IN SHARE ROW EXCLUSIVE MODE"))
+    clear(conn)
+    total, after = 0, 0
+    while True:
+        rows = conn.execute(
+            select(events.c.position, events.c.type, events.c.event_id, events.c.version,
+                   events.c.sandbox_id, events.c.node_id, events.c.tenant, events.c.job_id,
+                   events.c.occurred_at, events.c.payload)
+            .where(events.c.position > after)
+            .order_by(events.c.position)
+            .limit(chunk)
+        ).all()  # fmt: skip
+        if not rows:
+            return total
+        items = []
+        for r in rows:
+            body = {
+                "event_id": str(r.event_id), "type": r.type, "version": r.version,
+                "sandbox_id": r.sandbox_id, "node_id": r.node_id, "tenant": r.tenant,
+                "job_id": r.job_id, "occurred_at": r.occurred_at.isoformat(),
+                "payload": r.payload,
+            }  # fmt: skip
+            items.append((decode_event(json.dumps(body).encode(), max_bytes=1 << 30), r.position))
+        apply_batch(conn, items)
+        total += len(rows)
+        after = rows[-1].position

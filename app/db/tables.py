@@ -10,22 +10,23 @@ from sqlalchemy import (
     Float,
     Integer,
     MetaData,
+    Numeric,
     SmallInteger,
     Table,
     Text,
-    UniqueConstraint,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 metadata = MetaData()
 
-#: The append-only log. The database refuses UPDATE, DELETE and TRUNCATE on it.
+#: The append-only log, partitioned by day of ``recorded_at``. The database refuses
+#: UPDATE, DELETE and TRUNCATE on it and on every partition.
 events = Table(
     "events",
     metadata,
     Column("position", BigInteger, primary_key=True, autoincrement=True),
-    Column("event_id", UUID(as_uuid=True), nullable=False, unique=True),
+    Column("event_id", UUID(as_uuid=True), nullable=False),
     Column("type", Text, nullable=False),
     Column("version", SmallInteger, nullable=False),
     Column("sandbox_id", Text),
@@ -33,13 +34,27 @@ events = Table(
     Column("tenant", Text, nullable=False),
     Column("job_id", Text, nullable=False),
     Column("occurred_at", DateTime(timezone=True), nullable=False),
-    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column(
+        "recorded_at",
+        DateTime(timezone=True),
+        primary_key=True,
+        nullable=False,
+        server_default=text("now()"),
+    ),
     Column("payload", JSONB, nullable=False),
     Column("topic", Text, nullable=False),
     Column("topic_id", UUID(as_uuid=True), nullable=False),
     Column("partition", Integer, nullable=False),
     Column("offset", BigInteger, nullable=False),
-    UniqueConstraint("topic_id", "partition", "offset", name="events_source_uq"),
+)
+
+#: Every event id ever appended: the log's global idempotency key (a partitioned
+#: table cannot carry a unique key without its partition key).
+event_ids = Table(
+    "event_ids",
+    metadata,
+    Column("event_id", UUID(as_uuid=True), primary_key=True),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
 )
 
 #: Where each consumer that writes Postgres stands in each Kafka partition.
@@ -96,5 +111,42 @@ nodes = Table(
     Column("registered_at", DateTime(timezone=True)),
     Column("last_heartbeat_at", DateTime(timezone=True)),
     Column("lost_at", DateTime(timezone=True)),
+    Column("last_position", BigInteger, nullable=False),
+)
+
+#: Projection: the trajectory log, one row per completed command.
+commands = Table(
+    "commands",
+    metadata,
+    Column("request_id", UUID(as_uuid=True), primary_key=True),
+    Column("sandbox_id", Text, nullable=False),
+    Column("tenant", Text, nullable=False),
+    Column("job_id", Text, nullable=False),
+    Column("actor", Text, nullable=False),
+    Column("trajectory_id", Text),
+    Column("step", Integer),
+    Column("command", JSONB, nullable=False),
+    Column("exit_code", Integer, nullable=False),
+    Column("duration_ms", Float, nullable=False),
+    Column("timed_out", Boolean, nullable=False),
+    Column("truncated", Boolean, nullable=False),
+    Column("stdout_head", Text, nullable=False),
+    Column("stderr_head", Text, nullable=False),
+    Column("occurred_at", DateTime(timezone=True), nullable=False),
+    Column("position", BigInteger, nullable=False),
+)
+
+#: Projection: running totals per tenant and job (ended sandboxes' time is exact).
+usage = Table(
+    "usage",
+    metadata,
+    Column("tenant", Text, primary_key=True),
+    Column("job_id", Text, primary_key=True),
+    Column("sandboxes_started", Integer, nullable=False, server_default=text("0")),
+    Column("sandboxes_ended", Integer, nullable=False, server_default=text("0")),
+    Column("commands", Integer, nullable=False, server_default=text("0")),
+    Column("ended_sandbox_seconds", Numeric, nullable=False, server_default=text("0")),
+    Column("ended_core_seconds", Numeric, nullable=False, server_default=text("0")),
+    Column("ended_gb_seconds", Numeric, nullable=False, server_default=text("0")),
     Column("last_position", BigInteger, nullable=False),
 )

@@ -17,15 +17,14 @@ from typing import Any
 
 import pytest
 from rich.console import Console
-from sqlalchemy import Connection, insert, text
+from sqlalchemy import Connection, text
 from typer.testing import CliRunner
 
 from app import reports
 from app.config import Settings, get_settings
 from app.db.engine import engine_for
-from app.db.log import SourcedEvent, event_row
+from app.db.log import SourcedEvent, append
 from app.db.setup import ensure_database, migrate
-from app.db.tables import events
 from app.domain.base import FailReason, RejectReason, StopReason
 from app.domain.events import (
     CommandCompleted,
@@ -94,9 +93,8 @@ class Log:
         self.offset = 0
 
     def add(self, event: Event) -> None:
-        row = event_row(SourcedEvent(event, "test.billing", self.topic_id, 0, self.offset))
+        append(self.conn, [SourcedEvent(event, "test.billing", self.topic_id, 0, self.offset)])
         self.offset += 1
-        self.conn.execute(insert(events).values(row))
 
     def env(self, sandbox_id: str, job_id: str, when: datetime, node: str | None = None) -> Any:
         return {
