@@ -207,6 +207,7 @@ def projections_rebuild(
     from app.db.engine import engine_for
 
     with engine_for(get_settings().database_url).connect() as conn, conn.begin() as tx:
+        projections.lock(conn)
         before = projections.snapshot(conn) if check else []
         folded = projections.rebuild(conn)
         if not check:

@@ -282,6 +282,12 @@ def _hashable(value: object) -> object:
     return value
 
 
+def lock(conn: Connection) -> None:
+    """Hold the projections still until the transaction ends (the projector waits)."""
+    names = ", ".join(t.name for t in PROJECTION_TABLES)
+    conn.execute(text(f"LOCK TABLE {names} IN SHARE ROW EXCLUSIVE MODE"))
+
+
 def rebuild(conn: Connection, chunk: int = 5000) -> int:
     """Empty the projections and fold the whole log again; return events folded.
 
@@ -291,8 +297,7 @@ def rebuild(conn: Connection, chunk: int = 5000) -> int:
     from app.codec import decode_event
     from app.db.tables import events
 
-    names = ", ".join(t.name for t in PROJECTION_TABLES)
-    conn.execute(text(f"LOCK TABLE {names} IN SHARE ROW EXCLUSIVE MODE"))
+    lock(conn)
     clear(conn)
     total, after = 0, 0
     while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -83,3 +84,88 @@ def test_same_message_twice_lands_once(stack: Settings, db: Any) -> None:
         assert (
             scalar(conn, "SELECT count(*) FROM events WHERE event_id = :e", e=event.event_id) == 1
         )
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "UPDATE {part} SET tenant = 'x'",
+        "DELETE FROM {part}",
+        "TRUNCATE {part}",
+    ],
+)
+def test_partitions_refuse_changes_even_for_the_owner(stack: Settings, statement: str) -> None:
+    # Given the partition that holds the latest events, named directly
+    _one_event(stack)
+    time.sleep(0.5)
+    engine = create_engine(stack.admin_database_url)
+    try:
+        with engine.begin() as conn:
+            part = conn.execute(
+                text(
+                    "SELECT tableoid::regclass::text FROM events ORDER BY recorded_at DESC LIMIT 1"
+                )
+            ).scalar()
+        assert part is not None
+        with pytest.raises(DBAPIError, match="append-only"), engine.begin() as conn:
+            conn.execute(text("SET session_replication_role = replica"))
+            conn.execute(text(statement.format(part=part)))
+    finally:
+        engine.dispose()
+
+
+def test_partitions_exist_ahead(stack: Settings, db: Any) -> None:
+    with db() as conn:
+        ahead = scalar(
+            conn,
+            "SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+            " WHERE i.inhparent = 'events'::regclass"
+            " AND c.relname >= 'events_p' || to_char(now() AT TIME ZONE 'UTC', 'YYYYMMDD')",
+        )
+    assert ahead >= 7
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "CREATE TABLE dsec_intruder (x int)",
+        "DROP TABLE events_default",
+        "ALTER TABLE events DISABLE TRIGGER ALL",
+        "UPDATE event_ids SET recorded_at = now()",
+        "DELETE FROM event_ids",
+    ],
+)
+def test_service_role_has_least_privilege(stack: Settings, statement: str) -> None:
+    engine = create_engine(stack.database_url)
+    try:
+        with pytest.raises(DBAPIError), engine.begin() as conn:
+            conn.execute(text(statement))
+    finally:
+        engine.dispose()
+
+
+def test_rebuild_equals_live_projections_after_mixed_workload(stack: Settings, client: Any) -> None:
+    from app.db import projections
+    from app.db.engine import engine_for
+    from app.errors import SandboxFailed
+
+    # Given a mixed workload: commands, files, a failure, a destroy
+    boxes = client.create_many(3)
+    for box in boxes:
+        box.exec("echo hi; exit 2")
+        box.write_file("/workspace/f", b"x")
+    with pytest.raises(SandboxFailed):
+        client.create(image="dsec/nope:latest")
+    for box in boxes:
+        box.close()
+    time.sleep(1.0)  # let the projector catch up
+    # When the projections are rebuilt from the log (inside a rolled-back transaction)
+    with engine_for(stack.database_url).connect() as conn, conn.begin() as tx:
+        projections.lock(conn)
+        live = projections.snapshot(conn)
+        projections.rebuild(conn)
+        rebuilt = projections.snapshot(conn)
+        tx.rollback()
+    # Then they equal the live ones row for row
+    assert set(live) ^ set(rebuilt) == set()
+    assert any(row[0] == "commands" for row in live)
