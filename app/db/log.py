@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import Connection, select, text
 from sqlalchemy.dialects.postgresql import insert
@@ -25,31 +25,31 @@ class SourcedEvent:
     offset: int
 
 
-#: One round trip per batch: claim the ids in ``event_ids`` (the global dedupe key),
-#: then append only the events whose id was new, in batch order.
+#: One round trip per batch, with the batch as ONE json parameter: Postgres parses
+#: it in C, where binding fourteen arrays cost more in psycopg's dumpers than the
+#: insert itself. Claim the ids in ``event_ids`` (the global dedupe key) first, then
+#: append only the events whose id was new, in batch order.
 _APPEND = text(
     """
     WITH batch AS (
-        SELECT * FROM unnest(
-            CAST(:event_id AS uuid[]), CAST(:type AS text[]), CAST(:version AS smallint[]),
-            CAST(:sandbox_id AS text[]), CAST(:node_id AS text[]), CAST(:tenant AS text[]),
-            CAST(:job_id AS text[]), CAST(:occurred_at AS timestamptz[]),
-            CAST(:payload AS jsonb[]), CAST(:topic AS text[]), CAST(:topic_id AS uuid[]),
-            CAST(:partition AS int[]), CAST(:offset AS bigint[]), CAST(:ord AS int[])
-        ) AS b(event_id, type, version, sandbox_id, node_id, tenant, job_id, occurred_at,
-               payload, topic, topic_id, partition, "offset", ord)
+        SELECT x.ord, x.item->'e' AS e, x.item->>'t' AS topic,
+               (x.item->>'i')::uuid AS topic_id, (x.item->>'p')::int AS partition,
+               (x.item->>'o')::bigint AS "offset"
+        FROM jsonb_array_elements(CAST(:batch AS jsonb)) WITH ORDINALITY AS x(item, ord)
     ),
     fresh AS (
         INSERT INTO event_ids (event_id)
-        SELECT event_id FROM batch ORDER BY ord
+        SELECT (e->>'event_id')::uuid FROM batch ORDER BY ord
         ON CONFLICT DO NOTHING
         RETURNING event_id
     )
     INSERT INTO events (event_id, type, version, sandbox_id, node_id, tenant, job_id,
                         occurred_at, payload, topic, topic_id, partition, "offset")
-    SELECT b.event_id, b.type, b.version, b.sandbox_id, b.node_id, b.tenant, b.job_id,
-           b.occurred_at, b.payload, b.topic, b.topic_id, b.partition, b."offset"
-    FROM batch b JOIN fresh USING (event_id)
+    SELECT f.event_id, b.e->>'type', (b.e->>'version')::smallint, b.e->>'sandbox_id',
+           b.e->>'node_id', b.e->>'tenant', b.e->>'job_id',
+           (b.e->>'occurred_at')::timestamptz, b.e->'payload', b.topic, b.topic_id,
+           b.partition, b."offset"
+    FROM batch b JOIN fresh f ON f.event_id = (b.e->>'event_id')::uuid
     ORDER BY b.ord
     RETURNING event_id, position
     """
@@ -68,23 +68,16 @@ def append(conn: Connection, batch: Sequence[SourcedEvent]) -> list[tuple[Source
     if not unique:
         return []
     items = list(unique.values())
-    params: dict[str, list[Any]] = {
-        "event_id": [i.event.event_id for i in items],
-        "type": [i.event.type for i in items],
-        "version": [i.event.version for i in items],
-        "sandbox_id": [i.event.sandbox_id for i in items],
-        "node_id": [i.event.node_id for i in items],
-        "tenant": [i.event.tenant for i in items],
-        "job_id": [i.event.job_id for i in items],
-        "occurred_at": [i.event.occurred_at for i in items],
-        "payload": [i.event.payload.model_dump_json() for i in items],
-        "topic": [i.topic for i in items],
-        "topic_id": [i.topic_id for i in items],
-        "partition": [i.partition for i in items],
-        "offset": [i.offset for i in items],
-        "ord": list(range(len(items))),
+    # The validated model is re-serialised (not the bytes received), so defaults
+    # are filled in and the stored form is canonical.
+    body = ",".join(
+        f'{{"t":{json.dumps(i.topic)},"i":"{i.topic_id}","p":{i.partition},"o":{i.offset},'
+        f'"e":{i.event.model_dump_json()}}}'
+        for i in items
+    )
+    positions = {
+        row.event_id: row.position for row in conn.execute(_APPEND, {"batch": f"[{body}]"})
     }
-    positions = {row.event_id: row.position for row in conn.execute(_APPEND, params)}
     new = [(i, positions[i.event.event_id]) for i in items if i.event.event_id in positions]
     new.sort(key=lambda pair: pair[1])
     return new

@@ -163,26 +163,48 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
 
 
 _RANK_CASE = "CASE {col} " + " ".join(f"WHEN '{s.value}' THEN {rank(s)}" for s in SandboxState)
-_UPSERT_SANDBOX = text(
+_COLS = ", ".join(SANDBOX_COLUMNS)
+
+# Each statement takes its rows as ONE json parameter that Postgres unpacks
+# (jsonb_populate_recordset): binding thousands of parameters from Python costs more
+# than the statements themselves.
+_UPSERT_SANDBOXES = text(
     f"""
-    INSERT INTO sandboxes (sandbox_id, tenant, job_id, state, commands, last_position,
-                           {", ".join(SANDBOX_COLUMNS)})
-    VALUES (:sandbox_id, :tenant, :job_id, coalesce(:state, 'requested'), :commands,
-            :last_position, {", ".join(":" + c for c in SANDBOX_COLUMNS)})
+    INSERT INTO sandboxes AS s (sandbox_id, tenant, job_id, state, commands, last_position, {_COLS})
+    SELECT sandbox_id, tenant, job_id, state, commands, last_position, {_COLS}
+    FROM jsonb_populate_recordset(NULL::sandboxes, CAST(:rows AS jsonb))
     ON CONFLICT (sandbox_id) DO UPDATE SET
-        state = CASE WHEN excluded.state IS NOT NULL AND :state IS NOT NULL
-                      AND ({_RANK_CASE.format(col="sandboxes.state")} END)
+        state = CASE WHEN ({_RANK_CASE.format(col="s.state")} END)
                        <= ({_RANK_CASE.format(col="excluded.state")} END)
-                     THEN excluded.state ELSE sandboxes.state END,
-        commands = sandboxes.commands + excluded.commands,
-        last_position = greatest(sandboxes.last_position, excluded.last_position),
-        {", ".join(f"{c} = coalesce(excluded.{c}, sandboxes.{c})" for c in SANDBOX_COLUMNS)}
+                     THEN excluded.state ELSE s.state END,
+        commands = s.commands + excluded.commands,
+        last_position = greatest(s.last_position, excluded.last_position),
+        {", ".join(f"{c} = coalesce(excluded.{c}, s.{c})" for c in SANDBOX_COLUMNS)}
+    """
+)
+# Commands of a sandbox whose lifecycle events came in an earlier batch.
+_COUNT_COMMANDS = text(
+    """
+    UPDATE sandboxes AS s SET commands = s.commands + r.commands,
+                              last_position = greatest(s.last_position, r.last_position)
+    FROM jsonb_to_recordset(CAST(:rows AS jsonb))
+         AS r(sandbox_id text, commands int, last_position bigint)
+    WHERE s.sandbox_id = r.sandbox_id
+    """
+)
+_INSERT_COMMANDS = text(
+    """
+    INSERT INTO commands
+    SELECT * FROM jsonb_populate_recordset(NULL::commands, CAST(:rows AS jsonb))
+    ON CONFLICT DO NOTHING
     """
 )
 _ADD_USAGE = text(
     """
     INSERT INTO usage AS u (tenant, job_id, sandboxes_started, commands, last_position)
-    VALUES (:tenant, :job_id, :started, :commands, :last_position)
+    SELECT tenant, job_id, started, commands, last_position
+    FROM jsonb_to_recordset(CAST(:rows AS jsonb))
+         AS r(tenant text, job_id text, started int, commands int, last_position bigint)
     ON CONFLICT (tenant, job_id) DO UPDATE SET
         sandboxes_started = u.sandboxes_started + excluded.sandboxes_started,
         commands = u.commands + excluded.commands,
@@ -212,39 +234,45 @@ _CHARGE_ENDED = text(
 )
 
 
+def _rows(rows: list[dict[str, Any]]) -> str:
+    return json.dumps(rows, default=str)
+
+
 def apply_batch(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
     """Fold a batch of (event, position), ascending, into every projection."""
     if not items:
         return
     folded = fold(items)
-    if folded.sandboxes:
-        rows = [
+    lifecycle, counts = [], []
+    for sid, f in sorted(folded.sandboxes.items()):
+        if f.state is None:
+            if f.commands:
+                counts.append(
+                    {"sandbox_id": sid, "commands": f.commands, "last_position": f.last_position}
+                )
+            continue
+        lifecycle.append(
             {
                 "sandbox_id": sid, "tenant": f.tenant, "job_id": f.job_id,
-                "state": f.state.value if f.state else None, "commands": f.commands,
-                "last_position": f.last_position,
-                **{c: f.columns.get(c) for c in SANDBOX_COLUMNS},
+                "state": f.state.value, "commands": f.commands,
+                "last_position": f.last_position, **f.columns,
             }
-            for sid, f in sorted(folded.sandboxes.items())
-        ]  # fmt: skip
-        for row in rows:
-            if row["labels"] is not None:
-                row["labels"] = json.dumps(row["labels"])
-        conn.execute(_UPSERT_SANDBOX, rows)
+        )  # fmt: skip
+    if lifecycle:
+        conn.execute(_UPSERT_SANDBOXES, {"rows": _rows(lifecycle)})
+    if counts:
+        conn.execute(_COUNT_COMMANDS, {"rows": _rows(counts)})
     for node_id, row in sorted(folded.nodes.items()):
         _upsert_node(conn, node_id, row)
     if folded.commands:
-        stmt = insert(commands).on_conflict_do_nothing()
-        conn.execute(stmt, folded.commands)
+        conn.execute(_INSERT_COMMANDS, {"rows": _rows(folded.commands)})
     if folded.usage:
-        conn.execute(
-            _ADD_USAGE,
-            [
-                {"tenant": t, "job_id": j, "started": u.started, "commands": u.commands,
-                 "last_position": u.last_position}
-                for (t, j), u in sorted(folded.usage.items())
-            ],
-        )  # fmt: skip
+        usage_rows = [
+            {"tenant": t, "job_id": j, "started": u.started, "commands": u.commands,
+             "last_position": u.last_position}
+            for (t, j), u in sorted(folded.usage.items())
+        ]  # fmt: skip
+        conn.execute(_ADD_USAGE, {"rows": _rows(usage_rows)})
         ended = [sid for u in folded.usage.values() for sid in u.ended]
         if ended:
             conn.execute(_CHARGE_ENDED, {"ids": ended})
