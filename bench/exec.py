@@ -1,0 +1,105 @@
+"""Exec round trip on one node: the in-sandbox agent against `podman exec`, same run.
+
+    .venv/bin/python bench/exec.py [--n 300] [--podman-n 30] [--platform-n 100]
+
+One sandbox is created on the running node's rootless Podman service (the same
+secure defaults the platform uses). Then, in this order:
+- agent: the host client sends EXEC of ``true`` (a command that forks) and of ``echo``
+  over the sandbox's socket; p50/p99 of the round trip;
+- podman exec: ``exec_run(["true"])`` through the same REST service (what most
+  sandbox tools do); fewer samples, each costs ~100 ms;
+- platform: the same command through the whole platform from the SDK (Kafka,
+  scheduler, Celery, node, agent, Kafka back), on a sandbox created through it.
+Needs `dsec up`. The last line prints the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from collections.abc import Callable
+
+from app.config import get_settings
+from app.sdk import Client
+from app.stats import percentile
+from workers.agent.client import AgentPool
+from workers.node_setup import find_node_user
+from workers.podman_driver import PodmanDriver
+from workers.sandbox_spec import SandboxSpec
+
+
+def measure(n: int, call: Callable[[], object], warmup: int = 10) -> list[float]:
+    """Durations of ``n`` calls, after a few unmeasured ones."""
+    for _ in range(warmup):
+        call()
+    samples = []
+    for _ in range(n):
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def line(name: str, samples: list[float]) -> str:
+    p50, p99 = percentile(samples, 50) * 1000, percentile(samples, 99) * 1000
+    return f"{name:<28} n={len(samples):<4} p50={p50:8.2f} ms  p99={p99:8.2f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=300)
+    parser.add_argument("--podman-n", type=int, default=30)
+    parser.add_argument("--platform-n", type=int, default=100)
+    args = parser.parse_args()
+    settings = get_settings()
+    user = find_node_user(settings.node_id)
+    if user is None:
+        raise SystemExit(f"node {settings.node_id} is not set up: run `dsec up` first")
+    driver = PodmanDriver(user.socket_url)
+    sandbox_id = f"sb-bench-{uuid.uuid4().hex[:8]}"
+    run_dir = settings.state_dir / "nodes" / settings.node_id / "bench" / sandbox_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pool = AgentPool()
+    pool.register(sandbox_id, run_dir)
+    spec = SandboxSpec(
+        sandbox_id=sandbox_id,
+        image=settings.default_image,
+        agent_bin_dir=settings.state_dir / "agent",
+        run_dir=run_dir,
+    )
+    results: dict[str, list[float]] = {}
+    try:
+        driver.create_and_start(spec)
+        conn = pool.connection(sandbox_id, 15)
+        results["agent: true"] = measure(args.n, lambda: conn.exec(["true"], timeout_s=10))
+        results["agent: sh -c 'echo hi'"] = measure(
+            args.n, lambda: conn.exec(["/bin/sh", "-c", "echo hi"], timeout_s=10)
+        )
+        container = driver._client().containers.get(spec.container_name)
+        results["podman exec: true"] = measure(
+            args.podman_n, lambda: container.exec_run(["true"]), warmup=2
+        )
+    finally:
+        pool.unregister(sandbox_id)
+        driver.remove(sandbox_id)
+    with (
+        Client(settings, tenant="bench", job_id="exec", actor="bench") as client,
+        client.create() as box,
+    ):
+        results["platform (SDK): true"] = measure(
+            args.platform_n, lambda: box.exec("true"), warmup=5
+        )
+    for name, samples in results.items():
+        print(line(name, samples))
+    agent = percentile(results["agent: true"], 50) * 1000
+    podman = percentile(results["podman exec: true"], 50) * 1000
+    platform = percentile(results["platform (SDK): true"], 50) * 1000
+    print(
+        f"RESULT exec p50: agent={agent:.2f}ms podman_exec={podman:.1f}ms "
+        f"speedup={podman / agent:.0f}x platform_end_to_end={platform:.1f}ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
