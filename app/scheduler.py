@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -27,10 +28,11 @@ from app.consuming import PositionedConsumer, dead_letter
 from app.db import log as event_log
 from app.db.engine import transaction
 from app.db.tables import nodes, sandboxes
-from app.domain.base import RejectReason, derived_id, utcnow
+from app.domain.base import RejectReason, StopReason, derived_id, utcnow
 from app.domain.events import (
     NodeHeartbeat,
     NodeLost,
+    NodeLostPayload,
     NodeRegistered,
     RejectedPayload,
     RequestedPayload,
@@ -40,10 +42,12 @@ from app.domain.events import (
     SandboxScheduled,
     SandboxStopped,
     ScheduledPayload,
+    StoppedPayload,
 )
-from app.domain.placement import NodeView, Placement
+from app.domain.placement import Allocation, NodeView, Placement
+from app.domain.reconcile import NodeLedger
 from app.domain.replies import ErrorReply
-from app.domain.requests import CreateSandbox, ReplyTo, Request
+from app.domain.requests import CreateSandbox, DestroySandbox, ReplyTo, Request
 from app.domain.sandbox_state import LIVE
 from app.taskqueue import TASK_FOR_REQUEST, make_celery
 
@@ -52,6 +56,12 @@ log = logging.getLogger(__name__)
 NAME = "scheduler"
 #: How long a create waits for a node to appear before it is rejected.
 NO_NODE_GRACE = timedelta(seconds=30)
+#: Silence after which a node is declared lost (heartbeats come every 5 s).
+HEARTBEAT_TIMEOUT = timedelta(seconds=20)
+#: Ended sandboxes remembered to give a precise reason to late requests.
+ENDED_MEMORY = 100_000
+#: Namespace of ids of the facts the scheduler establishes on its own.
+_NS = uuid.uuid5(uuid.NAMESPACE_URL, "dsec-scheduler")
 
 
 @dataclass
@@ -76,13 +86,18 @@ class Outbox:
 class Scheduler:
     """Places sandboxes on nodes and routes requests to them."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self, settings: Settings, heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT
+    ) -> None:
         self.settings = settings
         self.placement = Placement()
         self.publisher = bus.Publisher(settings)
         self.celery = make_celery(settings)
         self.pending: list[Pending] = []
-        self._stop = threading.Event()
+        self.ledgers: dict[str, NodeLedger] = {}
+        self.ended: OrderedDict[str, str] = OrderedDict()
+        self.heartbeat_timeout = heartbeat_timeout
+        self._stopping = threading.Event()
         self._recover()
         self.requests = PositionedConsumer(settings, settings.topic_requests, NAME)
         with transaction(settings.database_url) as conn:
@@ -107,7 +122,8 @@ class Scheduler:
                         capacity_cpus=row.capacity_cpus,
                         capacity_memory_mb=row.capacity_memory_mb,
                         images=frozenset(row.images),
-                        last_seen=row.last_heartbeat_at,
+                        # A fresh grace: the scheduler was away, not the node.
+                        last_seen=utcnow(),
                     )
                 )
             live = conn.execute(
@@ -116,10 +132,15 @@ class Scheduler:
             for row in live:
                 if row.node_id:
                     self.placement.assign(
-                        row.sandbox_id, row.node_id, row.cpus or 0.0, row.memory_mb or 0
+                        row.sandbox_id,
+                        row.node_id,
+                        row.cpus or 0.0,
+                        row.memory_mb or 0,
+                        row.tenant,
+                        row.job_id,
                     )
 
-    def observe(self, record: ConsumerRecord) -> None:
+    def observe(self, out: Outbox, record: ConsumerRecord) -> None:
         """Follow one event: nodes come and go, sandboxes end."""
         try:
             event = decode_event(record.value or b"", self.settings.max_message_bytes)
@@ -136,18 +157,77 @@ class Scheduler:
                         capacity_cpus=p.capacity_cpus,
                         capacity_memory_mb=p.capacity_memory_mb,
                         images=frozenset(p.images),
-                        last_seen=event.occurred_at,
+                        # The scheduler's clock, not the node's: skew must not kill nodes.
+                        last_seen=utcnow(),
                     )
                 )
+                if p.sandboxes is not None:
+                    self._reconcile(out, event.node_id, set(p.sandboxes))
             case NodeLost():
                 assert event.node_id is not None
                 self.placement.mark_lost(event.node_id)
-            case SandboxStopped():
+            case SandboxStopped(payload=p):
                 self.placement.release(event.sandbox_id or "")
+                self._ended(event.sandbox_id or "", p.reason.value)
             case SandboxFailed(payload=p) if p.request_type == "CreateSandbox":
                 self.placement.release(event.sandbox_id or "")
+                self._ended(event.sandbox_id or "", p.reason.value)
             case _:
                 pass
+
+    def _ended(self, sandbox_id: str, reason: str) -> None:
+        self.ended[sandbox_id] = reason
+        while len(self.ended) > ENDED_MEMORY:
+            self.ended.popitem(last=False)
+
+    def _stop(self, out: Outbox, allocation: Allocation, reason: StopReason, detail: str) -> None:
+        """End a sandbox the node cannot speak for any more."""
+        self.placement.release(allocation.sandbox_id)
+        self._ended(allocation.sandbox_id, reason.value)
+        event = SandboxStopped(
+            event_id=derived_id(_NS, f"{allocation.sandbox_id}:{reason.value}"),
+            sandbox_id=allocation.sandbox_id,
+            node_id=allocation.node_id,
+            tenant=allocation.tenant,
+            job_id=allocation.job_id,
+            payload=StoppedPayload(reason=reason, detail=detail),
+        )
+        out.events.append((event.key, encode(event)))
+
+    def _reconcile(self, out: Outbox, node_id: str, reported: set[str]) -> None:
+        ledger = self.ledgers.setdefault(node_id, NodeLedger())
+        verdict = ledger.observe(self.placement.placed_on(node_id), reported)
+        for sandbox_id in sorted(verdict.vanished):
+            allocation = self.placement.allocations.get(sandbox_id)
+            if allocation is not None:
+                detail = f"container vanished from {node_id}"
+                self._stop(out, allocation, StopReason.FAILED, detail)
+        node = self.placement.nodes.get(node_id)
+        for sandbox_id in sorted(verdict.orphans):
+            if node is None:
+                break
+            log.warning("scheduler: orphan %s on %s: destroying it", sandbox_id, node_id)
+            request = DestroySandbox(sandbox_id=sandbox_id, tenant="system", actor="reconciler")
+            out.tasks.append(
+                (TASK_FOR_REQUEST[request.type], node.queue, request.model_dump_json())
+            )
+            ledger.extra.pop(sandbox_id, None)
+
+    def check_nodes(self, out: Outbox) -> None:
+        """Declare nodes lost that missed their heartbeats; end their sandboxes."""
+        now = utcnow()
+        for node in list(self.placement.nodes.values()):
+            if not node.alive or node.last_seen is None:
+                continue
+            if now - node.last_seen <= self.heartbeat_timeout:
+                continue
+            detail = f"no heartbeat for {(now - node.last_seen).total_seconds():.0f}s"
+            log.warning("scheduler: node %s lost: %s", node.node_id, detail)
+            lost = NodeLost(node_id=node.node_id, payload=NodeLostPayload(detail=detail))
+            out.events.append((lost.key, encode(lost)))
+            for sandbox_id in self.placement.mark_lost(node.node_id):
+                allocation = self.placement.allocations[sandbox_id]
+                self._stop(out, allocation, StopReason.NODE_LOST, f"{node.node_id}: {detail}")
 
     # --- requests ---------------------------------------------------------------
 
@@ -191,7 +271,12 @@ class Scheduler:
     def _create(self, out: Outbox, request: CreateSandbox, pending: Pending | None) -> bool:
         """Place a create; False if it must wait for a node."""
         placed = self.placement.place(
-            request.sandbox_id, request.image, request.cpus, request.memory_mb
+            request.sandbox_id,
+            request.image,
+            request.cpus,
+            request.memory_mb,
+            request.tenant,
+            request.job_id,
         )
         if (
             placed == RejectReason.NO_NODES
@@ -264,13 +349,17 @@ class Scheduler:
             return
         node = self.placement.node_of(request.sandbox_id)
         if node is None:
-            self._reject(
-                out,
-                request,
-                {},
-                RejectReason.UNKNOWN_SANDBOX,
-                f"sandbox {request.sandbox_id} is not live on any node",
-            )
+            ended = self.ended.get(request.sandbox_id)
+            if ended is not None:
+                self._reject(
+                    out, request, {}, RejectReason.SANDBOX_NOT_RUNNING,
+                    f"sandbox {request.sandbox_id} has ended ({ended})",
+                )  # fmt: skip
+            else:
+                self._reject(
+                    out, request, {}, RejectReason.UNKNOWN_SANDBOX,
+                    f"sandbox {request.sandbox_id} is not live on any node",
+                )  # fmt: skip
             return
         out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, request.model_dump_json()))
         metrics.REQUESTS.labels(request.type, "routed").inc()
@@ -289,9 +378,10 @@ class Scheduler:
 
     def run_once(self) -> None:
         """Follow events, retry waiting creates, handle new requests, save offsets."""
-        for record in self._poll_events():
-            self.observe(record)
         out = Outbox()
+        for record in self._poll_events():
+            self.observe(out, record)
+        self.check_nodes(out)
         still: list[Pending] = []
         for pending in self.pending:
             if not self._create(out, pending.request, pending):
@@ -325,7 +415,7 @@ class Scheduler:
             len(self.placement.nodes),
             len(self.placement.allocations),
         )
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             try:
                 self.run_once()
             except Exception:
@@ -337,7 +427,7 @@ class Scheduler:
 
     def stop(self, *_: object) -> None:
         """Finish after the current batch."""
-        self._stop.set()
+        self._stopping.set()
 
 
 def _why(reason: RejectReason, request: CreateSandbox) -> str:

@@ -135,6 +135,9 @@ class NodePayload(Message):
     running: int = Field(0, description="Sandboxes running now.")
     images: list[str] = Field(default_factory=list, description="Images in its layer store.")
     queue: str = Field(description="Celery queue the node consumes.")
+    sandboxes: list[str] | None = Field(
+        None, description="Sandboxes it runs (or is creating) now; None: not reported."
+    )
 
 
 class NodeLostPayload(Message):

@@ -47,6 +47,8 @@ class Allocation:
     node_id: str
     cpus: float
     memory_mb: int
+    tenant: str = "unknown"
+    job_id: str = "default"
 
 
 @dataclass
@@ -73,7 +75,13 @@ class Placement:
         return [a.sandbox_id for a in self.allocations.values() if a.node_id == node_id]
 
     def place(
-        self, sandbox_id: str, image: str, cpus: float, memory_mb: int
+        self,
+        sandbox_id: str,
+        image: str,
+        cpus: float,
+        memory_mb: int,
+        tenant: str = "unknown",
+        job_id: str = "default",
     ) -> Allocation | RejectReason:
         """Reserve room for a sandbox, or say why there is none."""
         if sandbox_id in self.allocations:
@@ -92,16 +100,24 @@ class Placement:
                 n.node_id,
             ),
         )
-        return self.assign(sandbox_id, best.node_id, cpus, memory_mb)
+        return self.assign(sandbox_id, best.node_id, cpus, memory_mb, tenant, job_id)
 
-    def assign(self, sandbox_id: str, node_id: str, cpus: float, memory_mb: int) -> Allocation:
+    def assign(
+        self,
+        sandbox_id: str,
+        node_id: str,
+        cpus: float,
+        memory_mb: int,
+        tenant: str = "unknown",
+        job_id: str = "default",
+    ) -> Allocation:
         """Record an allocation (also used when recovering state from the log)."""
         node = self.nodes.get(node_id)
         if node is not None:
             node.used_sandboxes += 1
             node.used_cpus += cpus
             node.used_memory_mb += memory_mb
-        allocation = Allocation(sandbox_id, node_id, cpus, memory_mb)
+        allocation = Allocation(sandbox_id, node_id, cpus, memory_mb, tenant, job_id)
         self.allocations[sandbox_id] = allocation
         return allocation
 
@@ -114,6 +130,10 @@ class Placement:
             node.used_cpus -= allocation.cpus
             node.used_memory_mb -= allocation.memory_mb
         return allocation
+
+    def placed_on(self, node_id: str) -> set[str]:
+        """Sandboxes allocated on a node."""
+        return {a.sandbox_id for a in self.allocations.values() if a.node_id == node_id}
 
     def node_of(self, sandbox_id: str) -> NodeView | None:
         """The node a live sandbox is on."""

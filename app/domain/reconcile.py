@@ -1,0 +1,40 @@
+"""Agreeing with a node on what runs there (pure).
+
+A node's heartbeat lists the sandboxes it runs. What the scheduler placed there but
+the node no longer reports has vanished; what the node runs but the scheduler never
+placed (or already ended) is an orphan. Either verdict needs two heartbeats in a row:
+a Stopped event and the heartbeat after it travel on different partitions, and a
+create may be under way while a heartbeat is cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Heartbeats in a row that must agree before the scheduler acts.
+SIGHTINGS = 2
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do after one heartbeat."""
+
+    vanished: frozenset[str] = frozenset()
+    orphans: frozenset[str] = frozenset()
+
+
+@dataclass
+class NodeLedger:
+    """Suspicions about one node, carried from heartbeat to heartbeat."""
+
+    missing: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def observe(self, placed: set[str], reported: set[str]) -> Verdict:
+        """Compare one heartbeat's list with what the scheduler placed on the node."""
+        self.missing = {s: self.missing.get(s, 0) + 1 for s in placed - reported}
+        self.extra = {s: self.extra.get(s, 0) + 1 for s in reported - placed}
+        return Verdict(
+            vanished=frozenset(s for s, n in self.missing.items() if n >= SIGHTINGS),
+            orphans=frozenset(s for s, n in self.extra.items() if n >= SIGHTINGS),
+        )
