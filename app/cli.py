@@ -196,6 +196,15 @@ def events(sandbox_id: str, as_json: JsonOpt = False) -> None:
     _table(f"events of {sandbox_id}", rows, as_json)
 
 
+@cli.command()
+def schemas() -> None:
+    """Write the JSON Schemas of every bus message to docs/schemas."""
+    from app import schemas as schemas_mod
+
+    for path in schemas_mod.write():
+        console.print(f"wrote {path}")
+
+
 @projections_cli.command("rebuild")
 def projections_rebuild(
     check: Annotated[

@@ -71,6 +71,19 @@ class ExecResult:
         """Exited 0 within its timeout."""
         return self.exit_code == 0 and not self.timed_out
 
+    @classmethod
+    def from_reply(cls, reply: ExecOutput) -> ExecResult:
+        """The result a node's reply carries."""
+        return cls(
+            exit_code=reply.exit_code,
+            stdout=base64.b64decode(reply.stdout_b64),
+            stderr=base64.b64decode(reply.stderr_b64),
+            duration_ms=reply.duration_ms,
+            timed_out=reply.timed_out,
+            truncated=reply.stdout_truncated or reply.stderr_truncated,
+            replayed=reply.replayed,
+        )
+
 
 def _raise_for(reply: ErrorReply) -> None:
     if reply.reason == RejectReason.UNKNOWN_SANDBOX:
@@ -248,15 +261,7 @@ class Sandbox:
         )
         reply = self.client.call(request, timeout_s + 30)
         assert isinstance(reply, ExecOutput)
-        return ExecResult(
-            exit_code=reply.exit_code,
-            stdout=base64.b64decode(reply.stdout_b64),
-            stderr=base64.b64decode(reply.stderr_b64),
-            duration_ms=reply.duration_ms,
-            timed_out=reply.timed_out,
-            truncated=reply.stdout_truncated or reply.stderr_truncated,
-            replayed=reply.replayed,
-        )
+        return ExecResult.from_reply(reply)
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` inside the sandbox."""

@@ -1,0 +1,150 @@
+"""The asyncio flavour of the SDK: the same client, awaited.
+
+    from app.sdk_async import AsyncClient
+
+    async with AsyncClient(tenant="team-a", job_id="rollout-7") as client:
+        boxes = await client.create_many(8)
+        results = await asyncio.gather(*(b.exec("pytest -q") for b in boxes))
+        await asyncio.gather(*(b.close() for b in boxes))
+
+Requests are sent and answered exactly as with :class:`app.sdk.Client` (one Kafka
+producer and one replies partition per client); waiting happens on the event loop,
+so thousands of sandboxes can be driven from one coroutine-based trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterable
+from typing import Any, Self
+
+from app.config import Settings
+from app.domain.base import new_sandbox_id
+from app.domain.replies import ErrorReply, ExecOutput, FileContent, Reply, SandboxReady
+from app.domain.requests import (
+    CreateSandbox,
+    DestroySandbox,
+    Exec,
+    ReadFile,
+    RequestBase,
+    WriteFile,
+)
+from app.errors import RequestTimeout
+from app.sdk import Client, ExecResult, _raise_for
+
+
+class AsyncClient:
+    """An asyncio client for one tenant and job."""
+
+    def __init__(self, settings: Settings | None = None, **options: Any) -> None:
+        self._client = Client(settings, **options)
+
+    async def call(self, request: RequestBase, timeout_s: float | None = None) -> Reply:
+        """Send a request and await its reply (typed errors as in the sync client)."""
+        future = self._client.send(request)
+        limit = timeout_s or self._client.timeout_s
+        try:
+            reply = await asyncio.wait_for(asyncio.wrap_future(future), limit)
+        except TimeoutError as exc:
+            raise RequestTimeout(
+                f"{request.type} {request.sandbox_id}: no reply in {limit}s"
+            ) from exc
+        if isinstance(reply, ErrorReply):
+            _raise_for(reply)
+        return reply
+
+    async def create(self, image: str | None = None, **options: Any) -> AsyncSandbox:
+        """A new running sandbox."""
+        return (await self.create_many(1, image, **options))[0]
+
+    async def create_many(
+        self, n: int, image: str | None = None, **options: Any
+    ) -> list[AsyncSandbox]:
+        """``n`` sandboxes at once; if any fails, the others are destroyed and it raises."""
+        timeout_s = options.pop("timeout_s", None)
+        requests = [
+            CreateSandbox(
+                image=image or self._client.settings.default_image,
+                **self._client._common(new_sandbox_id()),
+                **options,
+            )
+            for _ in range(n)
+        ]
+        replies = await asyncio.gather(
+            *(self.call(r, timeout_s) for r in requests), return_exceptions=True
+        )
+        boxes = [
+            AsyncSandbox(self, r.sandbox_id)
+            for r, reply in zip(requests, replies, strict=True)
+            if isinstance(reply, SandboxReady)
+        ]
+        errors = [reply for reply in replies if isinstance(reply, BaseException)]
+        if errors:
+            await asyncio.gather(*(b.close() for b in boxes), return_exceptions=True)
+            raise errors[0]
+        return boxes
+
+    async def close(self) -> None:
+        """Close the underlying client."""
+        await asyncio.to_thread(self._client.close)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncSandbox:
+    """One sandbox, awaited; closing it destroys it."""
+
+    def __init__(self, client: AsyncClient, sandbox_id: str) -> None:
+        self.client = client
+        self.id = sandbox_id
+        self.closed = False
+
+    def _common(self) -> dict[str, Any]:
+        return self.client._client._common(self.id)
+
+    async def exec(
+        self, command: str | Iterable[str], *, timeout_s: float = 60.0, **options: Any
+    ) -> ExecResult:
+        """Run a command; see :meth:`app.sdk.Sandbox.exec` for the options."""
+        stdin = options.pop("stdin", b"")
+        request = Exec(
+            command=command if isinstance(command, str) else list(command),
+            timeout_s=timeout_s,
+            stdin_b64=base64.b64encode(stdin).decode(),
+            **options,
+            **self._common(),
+        )
+        reply = await self.client.call(request, timeout_s + 30)
+        assert isinstance(reply, ExecOutput)
+        return ExecResult.from_reply(reply)
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path`` inside the sandbox."""
+        await self.client.call(
+            WriteFile(
+                path=path, data_b64=base64.b64encode(data).decode(), mode=mode, **self._common()
+            )
+        )
+
+    async def read_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
+        """Read ``path`` from inside the sandbox."""
+        reply = await self.client.call(ReadFile(path=path, max_bytes=max_bytes, **self._common()))
+        assert isinstance(reply, FileContent)
+        return base64.b64decode(reply.data_b64)
+
+    async def close(self) -> None:
+        """Destroy the sandbox (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            await self.client.call(DestroySandbox(**self._common()))
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,38 @@
+"""The asyncio client drives sandboxes concurrently from one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.config import Settings
+from app.errors import SandboxFailed
+from app.sdk_async import AsyncClient
+
+pytestmark = pytest.mark.integration
+
+
+def test_async_batch_exec_and_files(stack: Settings) -> None:
+    async def scenario() -> list[bytes]:
+        async with AsyncClient(stack, tenant="tests", job_id="async") as client:
+            boxes = await client.create_many(4)
+            try:
+                await asyncio.gather(
+                    *(b.write_file("/workspace/n", str(i).encode()) for i, b in enumerate(boxes))
+                )
+                results = await asyncio.gather(*(b.exec("cat /workspace/n") for b in boxes))
+                return [r.stdout for r in results]
+            finally:
+                await asyncio.gather(*(b.close() for b in boxes))
+
+    assert asyncio.run(scenario()) == [b"0", b"1", b"2", b"3"]
+
+
+def test_async_errors_are_typed(stack: Settings) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(stack, tenant="tests", job_id="async") as client:
+            await client.create(image="dsec/missing:latest")
+
+    with pytest.raises(SandboxFailed):
+        asyncio.run(scenario())

@@ -1,0 +1,18 @@
+"""The published JSON Schemas are the ones the models generate (no drift)."""
+
+from __future__ import annotations
+
+from app.schemas import SCHEMA_DIR, render
+
+
+def test_committed_schemas_match_the_models() -> None:
+    for name, body in render().items():
+        path = SCHEMA_DIR / name
+        assert path.exists(), f"{path} missing: run `dsec schemas`"
+        assert path.read_text() == body, f"{path} is stale: run `dsec schemas`"
+
+
+def test_every_request_type_is_described() -> None:
+    schema = render()["request.schema.json"]
+    for kind in ("CreateSandbox", "Exec", "WriteFile", "ReadFile", "DestroySandbox"):
+        assert kind in schema
