@@ -1,0 +1,346 @@
+"""The scheduler's decisions, without I/O: requests and events in, an outbox out.
+
+:class:`Dispatcher` validates requests, places creates on nodes, routes the rest to
+the node that holds the sandbox, follows node heartbeats and sandbox endings, and
+declares silent nodes lost. Everything it decides lands in an :class:`Outbox` that
+the scheduler process (``app/scheduler.py``) sends: events first, then replies and
+node tasks. Every event it emits has an id derived from the request (or the
+sandbox), so deciding the same thing twice appends nothing twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from kafka.consumer.fetcher import ConsumerRecord
+
+from app import metrics
+from app.codec import DecodeError, decode_event, decode_request, encode, peek
+from app.config import Settings
+from app.domain.base import RejectReason, StopReason, derived_id, utcnow
+from app.domain.events import (
+    NodeHeartbeat,
+    NodeLost,
+    NodeLostPayload,
+    NodeRegistered,
+    RejectedPayload,
+    RequestedPayload,
+    SandboxFailed,
+    SandboxRejected,
+    SandboxRequested,
+    SandboxScheduled,
+    SandboxStopped,
+    ScheduledPayload,
+    StoppedPayload,
+)
+from app.domain.placement import Allocation, NodeView, Placement
+from app.domain.reconcile import NodeLedger
+from app.domain.replies import ErrorReply
+from app.domain.requests import CreateSandbox, DestroySandbox, ReplyTo, Request
+from app.taskqueue import TASK_FOR_REQUEST
+
+log = logging.getLogger(__name__)
+
+NAME = "scheduler"
+#: How long a create waits for a node to appear before it is rejected.
+NO_NODE_GRACE = timedelta(seconds=30)
+#: Silence after which a node is declared lost (heartbeats come every 5 s).
+HEARTBEAT_TIMEOUT = timedelta(seconds=20)
+#: Ended sandboxes remembered to give a precise reason to late requests.
+ENDED_MEMORY = 100_000
+#: Namespace of ids of the facts the scheduler establishes on its own.
+_NS = uuid.uuid5(uuid.NAMESPACE_URL, "dsec-scheduler")
+
+
+@dataclass
+class Pending:
+    """A create waiting for a node."""
+
+    request: CreateSandbox
+    partition: int
+    offset: int
+    deadline_s: float
+
+
+@dataclass
+class Outbox:
+    """What one batch sends: events first, then (after they are acknowledged) tasks."""
+
+    events: list[tuple[str, bytes]] = field(default_factory=list)
+    replies: list[tuple[ReplyTo, str, bytes]] = field(default_factory=list)
+    tasks: list[tuple[str, str, str]] = field(default_factory=list)
+    dead: list[tuple[ConsumerRecord, DecodeError]] = field(default_factory=list)
+
+
+class Dispatcher:
+    """The scheduler's state and rules."""
+
+    def __init__(
+        self, settings: Settings, heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT
+    ) -> None:
+        self.settings = settings
+        self.placement = Placement()
+        self.pending: list[Pending] = []
+        self.ledgers: dict[str, NodeLedger] = {}
+        self.ended: OrderedDict[str, str] = OrderedDict()
+        self.heartbeat_timeout = heartbeat_timeout
+
+    def retry_pending(self, out: Outbox) -> None:
+        """Try again the creates that wait for a node."""
+        still: list[Pending] = []
+        for pending in self.pending:
+            if not self._create(out, pending.request, pending):
+                still.append(pending)
+        self.pending = still
+
+    def observe(self, out: Outbox, record: ConsumerRecord) -> None:
+        """Follow one event: nodes come and go, sandboxes end."""
+        try:
+            event = decode_event(record.value or b"", self.settings.max_message_bytes)
+        except DecodeError:
+            return  # the projector dead-letters it; here it simply carries no news
+        match event:
+            case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):
+                assert event.node_id is not None
+                self.placement.upsert_node(
+                    NodeView(
+                        node_id=event.node_id,
+                        queue=p.queue,
+                        capacity_sandboxes=p.capacity_sandboxes,
+                        capacity_cpus=p.capacity_cpus,
+                        capacity_memory_mb=p.capacity_memory_mb,
+                        images=frozenset(p.images),
+                        # The scheduler's clock, not the node's: skew must not kill nodes.
+                        last_seen=utcnow(),
+                    )
+                )
+                if p.sandboxes is not None:
+                    self._reconcile(out, event.node_id, set(p.sandboxes))
+            case NodeLost():
+                assert event.node_id is not None
+                self.placement.mark_lost(event.node_id)
+            case SandboxStopped(payload=p):
+                self.placement.release(event.sandbox_id or "")
+                self._ended(event.sandbox_id or "", p.reason.value)
+            case SandboxFailed(payload=p) if p.request_type == "CreateSandbox":
+                self.placement.release(event.sandbox_id or "")
+                self._ended(event.sandbox_id or "", p.reason.value)
+            case _:
+                pass
+
+    def _ended(self, sandbox_id: str, reason: str) -> None:
+        self.ended[sandbox_id] = reason
+        while len(self.ended) > ENDED_MEMORY:
+            self.ended.popitem(last=False)
+
+    def _stop(self, out: Outbox, allocation: Allocation, reason: StopReason, detail: str) -> None:
+        """End a sandbox the node cannot speak for any more."""
+        self.placement.release(allocation.sandbox_id)
+        self._ended(allocation.sandbox_id, reason.value)
+        event = SandboxStopped(
+            event_id=derived_id(_NS, f"{allocation.sandbox_id}:{reason.value}"),
+            sandbox_id=allocation.sandbox_id,
+            node_id=allocation.node_id,
+            tenant=allocation.tenant,
+            job_id=allocation.job_id,
+            payload=StoppedPayload(reason=reason, detail=detail),
+        )
+        out.events.append((event.key, encode(event)))
+
+    def _reconcile(self, out: Outbox, node_id: str, reported: set[str]) -> None:
+        ledger = self.ledgers.setdefault(node_id, NodeLedger())
+        verdict = ledger.observe(self.placement.placed_on(node_id), reported)
+        for sandbox_id in sorted(verdict.vanished):
+            allocation = self.placement.allocations.get(sandbox_id)
+            if allocation is not None:
+                detail = f"container vanished from {node_id}"
+                self._stop(out, allocation, StopReason.FAILED, detail)
+        node = self.placement.nodes.get(node_id)
+        for sandbox_id in sorted(verdict.orphans):
+            if node is None:
+                break
+            log.warning("scheduler: orphan %s on %s: destroying it", sandbox_id, node_id)
+            request = DestroySandbox(sandbox_id=sandbox_id, tenant="system", actor="reconciler")
+            out.tasks.append(
+                (TASK_FOR_REQUEST[request.type], node.queue, request.model_dump_json())
+            )
+            ledger.extra.pop(sandbox_id, None)
+
+    def check_nodes(self, out: Outbox) -> None:
+        """Declare nodes lost that missed their heartbeats; end their sandboxes."""
+        now = utcnow()
+        for node in list(self.placement.nodes.values()):
+            if not node.alive or node.last_seen is None:
+                continue
+            if now - node.last_seen <= self.heartbeat_timeout:
+                continue
+            detail = f"no heartbeat for {(now - node.last_seen).total_seconds():.0f}s"
+            log.warning("scheduler: node %s lost: %s", node.node_id, detail)
+            lost = NodeLost(node_id=node.node_id, payload=NodeLostPayload(detail=detail))
+            out.events.append((lost.key, encode(lost)))
+            for sandbox_id in self.placement.mark_lost(node.node_id):
+                allocation = self.placement.allocations[sandbox_id]
+                self._stop(out, allocation, StopReason.NODE_LOST, f"{node.node_id}: {detail}")
+
+    # --- requests ---------------------------------------------------------------
+
+    def _emit(
+        self, out: Outbox, event: SandboxRequested | SandboxScheduled | SandboxRejected
+    ) -> None:
+        out.events.append((event.key, encode(event)))
+
+    def _reject(
+        self,
+        out: Outbox,
+        request: Request | None,
+        raw: dict[str, object],
+        reason: RejectReason,
+        detail: str,
+    ) -> None:
+        request_id = request.request_id if request else _uuid_or_none(raw.get("request_id"))
+        sandbox_id = request.sandbox_id if request else _str_or_none(raw.get("sandbox_id"))
+        request_type = request.type if request else str(raw.get("type", "unknown"))
+        event = SandboxRejected(
+            event_id=derived_id(request_id, "rejected") if request_id else uuid.uuid4(),
+            sandbox_id=sandbox_id,
+            tenant=request.tenant if request else str(raw.get("tenant") or "unknown")[:128],
+            job_id=request.job_id if request else str(raw.get("job_id") or "default")[:128],
+            payload=RejectedPayload(
+                request_id=request_id, request_type=request_type, reason=reason, detail=detail
+            ),
+        )
+        self._emit(out, event)
+        metrics.REQUESTS.labels(request_type, f"rejected:{reason.value}").inc()
+        reply_to = request.reply_to if request else _reply_to_or_none(raw.get("reply_to"))
+        if reply_to is not None and request_id is not None:
+            reply = ErrorReply(
+                request_id=request_id,
+                sandbox_id=sandbox_id or "",
+                reason=reason.value,
+                detail=detail,
+            )
+            out.replies.append((reply_to, sandbox_id or "", encode(reply)))
+
+    def _create(self, out: Outbox, request: CreateSandbox, pending: Pending | None) -> bool:
+        """Place a create; False if it must wait for a node."""
+        placed = self.placement.place(
+            request.sandbox_id,
+            request.image,
+            request.cpus,
+            request.memory_mb,
+            request.tenant,
+            request.job_id,
+        )
+        if (
+            placed == RejectReason.NO_NODES
+            and pending is not None
+            and time.monotonic() < pending.deadline_s
+        ):
+            return False
+        if isinstance(placed, RejectReason):
+            self._reject(out, request, {}, placed, _why(placed, request))
+            return True
+        common = {
+            "sandbox_id": request.sandbox_id,
+            "tenant": request.tenant,
+            "job_id": request.job_id,
+        }
+        self._emit(
+            out,
+            SandboxRequested(
+                event_id=derived_id(request.request_id, "requested"),
+                occurred_at=request.sent_at if request.sent_at <= utcnow() else utcnow(),
+                payload=RequestedPayload(
+                    request_id=request.request_id,
+                    actor=request.actor,
+                    image=request.image,
+                    cpus=request.cpus,
+                    memory_mb=request.memory_mb,
+                    disk_mb=request.disk_mb,
+                    ttl_s=request.ttl_s,
+                    network=request.network,
+                    labels=request.labels,
+                ),
+                **common,
+            ),
+        )
+        self._emit(
+            out,
+            SandboxScheduled(
+                event_id=derived_id(request.request_id, "scheduled"),
+                node_id=placed.node_id,
+                payload=ScheduledPayload(request_id=request.request_id, node_id=placed.node_id),
+                **common,
+            ),
+        )
+        node = self.placement.nodes[placed.node_id]
+        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, request.model_dump_json()))
+        metrics.REQUESTS.labels(request.type, "scheduled").inc()
+        return True
+
+    def handle(self, out: Outbox, record: ConsumerRecord) -> None:
+        """One request record."""
+        raw = record.value or b""
+        try:
+            request = decode_request(raw, self.settings.max_message_bytes)
+        except DecodeError as exc:
+            out.dead.append((record, exc))
+            self._reject(out, None, peek(raw), RejectReason.INVALID, str(exc))
+            return
+        if isinstance(request, CreateSandbox):
+            if request.sandbox_id in self.placement.allocations:
+                return  # a redelivered create: already placed, its task already sent
+            pending = Pending(
+                request,
+                record.partition,
+                record.offset,
+                time.monotonic() + NO_NODE_GRACE.total_seconds(),
+            )
+            if not self._create(out, request, pending):
+                self.pending.append(pending)
+            return
+        node = self.placement.node_of(request.sandbox_id)
+        if node is None:
+            ended = self.ended.get(request.sandbox_id)
+            if ended is not None:
+                self._reject(
+                    out, request, {}, RejectReason.SANDBOX_NOT_RUNNING,
+                    f"sandbox {request.sandbox_id} has ended ({ended})",
+                )  # fmt: skip
+            else:
+                self._reject(
+                    out, request, {}, RejectReason.UNKNOWN_SANDBOX,
+                    f"sandbox {request.sandbox_id} is not live on any node",
+                )  # fmt: skip
+            return
+        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, request.model_dump_json()))
+        metrics.REQUESTS.labels(request.type, "routed").inc()
+
+
+def _why(reason: RejectReason, request: CreateSandbox) -> str:
+    if reason == RejectReason.NO_NODES:
+        return f"no live node after waiting {NO_NODE_GRACE.total_seconds():.0f}s"
+    return f"no node has room for {request.cpus} CPU and {request.memory_mb} MiB"
+
+
+def _uuid_or_none(value: object) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _str_or_none(value: object) -> str | None:
+    return value[:128] if isinstance(value, str) else None
+
+
+def _reply_to_or_none(value: object) -> ReplyTo | None:
+    try:
+        return ReplyTo.model_validate(value) if isinstance(value, dict) else None
+    except ValueError:
+        return None
