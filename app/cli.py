@@ -12,10 +12,12 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import get_settings
+from app.image_cli import image_cli
 
 cli = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training.")
 run_cli = typer.Typer(no_args_is_help=True, help="Run one service in the foreground.")
 cli.add_typer(run_cli, name="run")
+cli.add_typer(image_cli, name="image")
 projections_cli = typer.Typer(no_args_is_help=True, help="Read models derived from the log.")
 cli.add_typer(projections_cli, name="projections")
 console = Console()

@@ -92,7 +92,7 @@ def store_podman(
 
     Its own config files keep whatever /etc/containers says out of the store.
     """
-    conf = _store_conf_dir(settings)
+    conf = store_conf_dir(settings)
     env = {
         "PATH": _PATH,
         "HOME": str(conf),
@@ -110,12 +110,16 @@ def store_podman(
 
 
 def list_images(settings: Settings | None = None) -> list[StoreImage]:
-    """Images in the shared store."""
+    """Images in the shared store, once each (Podman lists an image once per name)."""
     settings = settings or get_settings()
     ensure_store(settings)
     out = store_podman(settings, "images", "--format", "json").stdout
-    images = []
+    images: list[StoreImage] = []
+    seen: set[str] = set()
     for item in json.loads(out or b"[]"):
+        if item.get("Id") in seen:
+            continue
+        seen.add(str(item.get("Id")))
         images.append(
             StoreImage(
                 id=str(item.get("Id", "")),
@@ -134,6 +138,53 @@ def image_exists(name: str, settings: Settings | None = None) -> bool:
     return store_podman(settings, "image", "exists", name, check=False).returncode == 0
 
 
+def find_image(name: str, settings: Settings | None = None) -> StoreImage | None:
+    """The store's image called ``name`` (or with that id), or None."""
+    settings = settings or get_settings()
+    wanted = normalize_name(name)
+    for image in list_images(settings):
+        if wanted in image.names or (len(name) >= 12 and image.id.startswith(name)):
+            return image
+    return None
+
+
+def normalize_name(name: str) -> str:
+    """``dsec/x`` -> ``localhost/dsec/x:latest``: the name Podman stores for a local image."""
+    first, _, rest = name.partition("/")
+    if not rest or ("." not in first and ":" not in first and first != "localhost"):
+        name = f"localhost/{name}"
+    if ":" not in name.rsplit("/", 1)[-1] and "@" not in name:
+        name += ":latest"
+    return name
+
+
+def image_users(name: str, settings: Settings | None = None) -> list[str]:
+    """Sandbox containers on this stack's nodes that run image ``name`` (``node/container``).
+
+    Asks every running node service over its REST socket. Nodes of other stacks
+    (another ``state_dir``) sharing the same store are not asked.
+    """
+    # Imported here: node_setup depends on this module for the store itself.
+    from workers.node_setup import node_users, service_answers
+    from workers.podman_driver import PodmanDriver
+
+    settings = settings or get_settings()
+    image = find_image(name, settings)
+    names = set(image.names) if image else {normalize_name(name)}
+    users = []
+    for user in node_users(settings):
+        if not service_answers(user.socket_path):
+            continue
+        driver = PodmanDriver(user.socket_url)
+        try:
+            for box in driver.list_sandboxes():
+                if normalize_name(box.image) in names:
+                    users.append(f"{user.node_id}/{box.name}")
+        finally:
+            driver.close()
+    return users
+
+
 def remove_image(name: str, settings: Settings | None = None, *, refresh: bool = True) -> bool:
     """Remove ``name`` from the store; False if it was not there.
 
@@ -141,12 +192,12 @@ def remove_image(name: str, settings: Settings | None = None, *, refresh: bool =
     layers their containers sit on.
     """
     settings = settings or get_settings()
-    with _import_lock(settings):
+    with store_lock(settings):
         if not image_exists(name, settings):
             return False
         store_podman(settings, "rmi", name)
     if refresh:
-        _refresh(settings, name, present=False)
+        refresh_nodes(settings, name, present=False)
     return True
 
 
@@ -163,7 +214,7 @@ def import_rootfs_tar(
     ``changes`` are Containerfile instructions (``CMD ["/bin/sh"]``) for the config.
     """
     settings = settings or get_settings()
-    with _import_lock(settings):
+    with store_lock(settings):
         if image_exists(name, settings):
             return False
         args = ["import"]
@@ -171,7 +222,7 @@ def import_rootfs_tar(
             args += ["--change", change]
         store_podman(settings, *args, "-", name, stdin=tar)
     if refresh:
-        _refresh(settings, name, present=True)
+        refresh_nodes(settings, name, present=True)
     return True
 
 
@@ -257,7 +308,7 @@ def _entry(path: str, kind: bytes, mode: int, *, size: int = 0, link: str = "") 
     return info
 
 
-def _store_conf_dir(settings: Settings) -> Path:
+def store_conf_dir(settings: Settings) -> Path:
     """Config, runroot and temp dirs of root's store Podman (written on first use)."""
     conf = settings.state_dir / "store-podman"
     for sub in ("", "run", "libpod", "tmp"):
@@ -284,8 +335,16 @@ def _store_conf_dir(settings: Settings) -> Path:
 
 
 @contextlib.contextmanager
-def _import_lock(settings: Settings) -> Iterator[None]:
-    path = _store_conf_dir(settings) / "import.lock"
+def store_lock(settings: Settings) -> Iterator[None]:
+    """Hold the store's writer lock: one import, build or removal at a time.
+
+    The lock file sits beside the store, not in a stack's ``state_dir``, because stacks
+    with different state dirs share one store. Podman's own locks keep the store
+    consistent; this one makes check-then-write (exists? import) atomic.
+    """
+    store = settings.layer_store
+    store.parent.mkdir(parents=True, exist_ok=True)
+    path = store.parent / f".{store.name}.lock"
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
@@ -294,7 +353,8 @@ def _import_lock(settings: Settings) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _refresh(settings: Settings, image: str, present: bool) -> None:
+def refresh_nodes(settings: Settings, image: str, present: bool) -> None:
+    """Make this stack's running node services see ``image`` as (not) ``present``."""
     # Imported here: node_setup depends on this module for the store itself.
     from workers.node_setup import refresh_podman_services
 

@@ -1,0 +1,187 @@
+"""``dsec image``: the shared image-layer store, managed by operators (run as root).
+
+Every node's sandboxes start from this store's read-only layers: images are imported
+or built into it once, and no registry is ever asked. See docs/images.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from app.config import get_settings
+
+image_cli = typer.Typer(
+    no_args_is_help=True, help="The shared image-layer store: import, build, list, remove."
+)
+console = Console(soft_wrap=True)  # messages carry paths and names: never break them
+# Defined here too: app.cli imports this module, so importing it back would be a cycle.
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(f"[red]✗[/] {message}")
+    return typer.Exit(1)
+
+
+@image_cli.command("import")
+def import_(
+    name: Annotated[str, typer.Argument(help="Image name, e.g. team/tools:1.")],
+    tarball: Annotated[
+        str, typer.Argument(help="Root filesystem tarball or `podman save` archive; - for stdin.")
+    ],
+    change: Annotated[
+        list[str] | None,
+        typer.Option(help="Containerfile instruction for a rootfs, e.g. 'CMD [\"/bin/sh\"]'."),
+    ] = None,
+) -> None:
+    """Import a root filesystem tarball (podman import) or an image archive (podman load)."""
+    from workers.errors import NodeError
+    from workers.image_build import import_image, spooled
+
+    settings = get_settings()
+    try:
+        if tarball == "-":
+            with spooled(sys.stdin.buffer, settings) as path:
+                kind = import_image(name, path, settings, changes=change or ())
+        else:
+            kind = import_image(name, Path(tarball), settings, changes=change or ())
+    except NodeError as exc:
+        raise _fail(str(exc)) from exc
+    if kind is None:
+        raise _fail(f"{name} is already in the store (dsec image rm {name} first)")
+    console.print(f"[green]✓[/] imported {name} ({kind})")
+
+
+@image_cli.command()
+def build(
+    name: Annotated[str, typer.Argument(help="Name of the new image.")],
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", "-f", help="Containerfile (FROM an image in the store)."),
+    ] = None,
+    context: Annotated[
+        Path | None, typer.Argument(help="Build context (default: the Containerfile's directory).")
+    ] = None,
+    network: Annotated[
+        str, typer.Option(help="Network of RUN steps: none (default), host, ...")
+    ] = "none",
+    build_arg: Annotated[
+        list[str] | None, typer.Option(help="KEY=VALUE for an ARG, repeatable.")
+    ] = None,
+    debian: Annotated[
+        bool, typer.Option("--debian", help="Build the Debian image (as `build-debian`).")
+    ] = False,
+) -> None:
+    """Build a Containerfile into the store with root's Podman (--pull=never)."""
+    from workers.errors import NodeError
+    from workers.image_build import build_image
+
+    if debian:
+        build_debian(image=name)
+        return
+    if file is None:
+        raise typer.BadParameter("give the Containerfile with -f (or --debian)")
+    args: dict[str, str] = {}
+    for item in build_arg or ():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--build-arg {item!r} is not KEY=VALUE")
+        args[key] = value
+    try:
+        output = build_image(name, file, context, get_settings(), network=network, build_args=args)
+    except NodeError as exc:
+        raise _fail(str(exc)) from exc
+    if output is None:
+        raise _fail(f"{name} is already in the store (dsec image rm {name} first)")
+    console.print(output.rstrip(), markup=False, highlight=False)
+    console.print(f"[green]✓[/] built {name}")
+
+
+@image_cli.command("build-debian")
+def build_debian(
+    image: Annotated[str, typer.Option(help="Name of the image.")] = "dsec/debian-python:12",
+    mirror: Annotated[
+        str, typer.Option(help="Debian mirror (default: the one apt is configured with).")
+    ] = "",
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Run debootstrap again, ignoring the cached rootfs.")
+    ] = False,
+) -> None:
+    """Debian 12 with python3 and git from Debian packages (debootstrap, cached)."""
+    from workers.errors import NodeError
+    from workers.image_debian import build_debian_image
+
+    try:
+        done = build_debian_image(
+            get_settings(),
+            image=image,
+            mirror=mirror or None,
+            fresh=fresh,
+            log=lambda m: console.print(f"[green]·[/] {m}", markup=True, highlight=False),
+        )
+    except NodeError as exc:
+        raise _fail(str(exc)) from exc
+    console.print(f"[green]✓[/] {done.image} {'was there' if done.skipped else 'is ready'}")
+
+
+@image_cli.command("ls")
+def ls(as_json: JsonOpt = False) -> None:
+    """Images in the store: name, id, size, created."""
+    from app.cli import _table
+    from workers.image_store import list_images
+
+    rows: list[dict[str, Any]] = []
+    for image in list_images(get_settings()):
+        for name in image.names or ("<none>",):
+            short = name.removeprefix("localhost/")
+            if as_json:
+                rows.append(
+                    {"name": short, "id": image.id, "size": image.size, "created": image.created}
+                )
+            else:
+                size = f"{image.size / 1e6:.1f} MB"
+                rows.append(
+                    {"name": short, "id": image.id[:12], "size": size, "created": image.created}
+                )
+    rows.sort(key=lambda r: str(r["name"]))
+    _table(f"layer store {get_settings().layer_store}", rows, as_json)
+
+
+@image_cli.command("rm")
+def rm(
+    names: Annotated[list[str], typer.Argument(help="Images to remove.")],
+    force: Annotated[
+        bool, typer.Option("--force", help="Remove even while sandboxes of this stack run it.")
+    ] = False,
+) -> None:
+    """Remove images from the store (refused while a sandbox runs one, unless --force)."""
+    from workers.errors import NodeError
+    from workers.image_store import image_exists, image_users, remove_image
+
+    settings = get_settings()
+    failed = False
+    for name in names:
+        try:
+            if not image_exists(name, settings):
+                console.print(f"[red]✗[/] {name} is not in the store")
+                failed = True
+                continue
+            users = [] if force else image_users(name, settings)
+            if users:
+                shown = ", ".join(users[:5]) + (" ..." if len(users) > 5 else "")
+                console.print(f"[red]✗[/] {name} runs in {len(users)} sandbox(es): {shown}")
+                failed = True
+                continue
+            remove_image(name, settings)
+        except NodeError as exc:
+            console.print(f"[red]✗[/] {exc}")
+            failed = True
+            continue
+        console.print(f"[green]✓[/] removed {name}")
+    if failed:
+        raise typer.Exit(1)
