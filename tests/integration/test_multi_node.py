@@ -1,0 +1,91 @@
+"""Several nodes on one machine: sandboxes spread, and a dead node is noticed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from app import stack as stack_mod
+from app.config import Settings
+from app.errors import SandboxRejected
+from tests.conftest import scalar, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NODES = 3
+
+
+@pytest.fixture(scope="module")
+def three_nodes(stack: Settings) -> Settings:
+    """The stack with two more node workers (each its own user and Podman service)."""
+    stack_mod.up(stack, nodes=NODES, log=lambda _m: None)
+    return stack
+
+
+def _worker(settings: Settings, node: str) -> stack_mod.Service:
+    return next(s for s in stack_mod.services(settings, NODES) if s.name == f"worker-{node}")
+
+
+def test_sandboxes_spread_and_a_killed_node_is_declared_lost(
+    three_nodes: Settings, client: Any, db: Any
+) -> None:
+    settings = three_nodes
+    # Given sandboxes created on a three-node stack
+    boxes = client.create_many(6)
+    on = {box.node_id for box in boxes}
+    assert len(on) >= 2, f"all sandboxes landed on {on}"
+    victim = "node2" if any(b.node_id == "node2" for b in boxes) else sorted(on)[-1]
+    doomed = [b for b in boxes if b.node_id == victim]
+    survivors = [b for b in boxes if b.node_id != victim]
+    # When that node's worker dies without a word
+    worker = _worker(settings, victim)
+    pid = worker.pid(settings)
+    assert pid is not None
+    os.killpg(pid, signal.SIGKILL)
+    try:
+        # Then the scheduler declares it lost and its sandboxes end with node_lost
+        with db() as conn:
+            wait_for(
+                lambda: scalar(
+                    conn, "SELECT state FROM nodes WHERE node_id = :n AND state = 'lost'", n=victim
+                ),
+                timeout_s=60,
+                what=f"{victim} declared lost",
+            )
+            for box in doomed:
+                reason = wait_for(
+                    lambda b=box: scalar(
+                        conn,
+                        "SELECT end_reason FROM sandboxes WHERE sandbox_id = :s"
+                        " AND state = 'stopped'",
+                        s=b.id,
+                    ),
+                    what=f"{box.id} stopped",
+                )
+                assert reason == "node_lost"
+        # And a trainer using such a sandbox is told why
+        for box in doomed:
+            with pytest.raises(SandboxRejected) as info:
+                box.exec("true")
+            assert "node_lost" in info.value.detail
+        # And sandboxes on the other nodes carry on
+        for box in survivors:
+            assert box.exec("echo alive").stdout == b"alive\n"
+    finally:
+        for box in survivors:
+            box.close()
+        # The node comes back; its reconciler removes the sandboxes the log ended.
+        worker.start(settings)
+        time.sleep(0.5)
+    with db() as conn:
+        wait_for(
+            lambda: scalar(
+                conn, "SELECT state FROM nodes WHERE node_id = :n AND state = 'alive'", n=victim
+            ),
+            timeout_s=60,
+            what=f"{victim} back",
+        )
