@@ -40,6 +40,13 @@ class Settings(BaseSettings):
     node_capacity_cpus: float = Field(0.0, description="Declared CPUs of a node (0: detect).")
     node_capacity_memory_mb: int = Field(0, description="Declared memory of a node (0: detect).")
     default_image: str = Field("dsec/busybox:latest", description="Image used when none is named.")
+    allow_egress: bool = Field(
+        True,
+        description=(
+            "Nodes give network egress (slirp4netns) to sandboxes created with network=True;"
+            " false refuses them. Sandboxes have no network unless they ask either way."
+        ),
+    )
     max_message_bytes: int = Field(1_048_576, description="Largest accepted Kafka message.")
 
     @property

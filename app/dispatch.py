@@ -10,6 +10,7 @@ sandbox), so deciding the same thing twice appends nothing twice.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -24,11 +25,13 @@ from app.codec import DecodeError, decode_event, decode_request, encode, peek
 from app.config import Settings
 from app.domain.base import RejectReason, StopReason, derived_id, utcnow
 from app.domain.events import (
+    CommandReplayed,
     NodeHeartbeat,
     NodeLost,
     NodeLostPayload,
     NodeRegistered,
     RejectedPayload,
+    ReplayedPayload,
     RequestedPayload,
     SandboxFailed,
     SandboxRejected,
@@ -40,8 +43,9 @@ from app.domain.events import (
 )
 from app.domain.placement import Allocation, NodeView, Placement
 from app.domain.reconcile import NodeLedger
-from app.domain.replies import ErrorReply
-from app.domain.requests import CreateSandbox, DestroySandbox, ReplyTo, Request
+from app.domain.replies import ErrorReply, ExecOutput
+from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReplyTo, Request
+from app.domain.trajectory import TrajectoryLog
 from app.taskqueue import TASK_FOR_REQUEST
 
 log = logging.getLogger(__name__)
@@ -73,7 +77,7 @@ class Outbox:
 
     events: list[tuple[str, bytes]] = field(default_factory=list)
     replies: list[tuple[ReplyTo, str, bytes]] = field(default_factory=list)
-    tasks: list[tuple[str, str, str]] = field(default_factory=list)
+    tasks: list[tuple[str, str, list[str]]] = field(default_factory=list)
     dead: list[tuple[ConsumerRecord, DecodeError]] = field(default_factory=list)
 
 
@@ -81,9 +85,13 @@ class Dispatcher:
     """The scheduler's state and rules."""
 
     def __init__(
-        self, settings: Settings, heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT
+        self,
+        settings: Settings,
+        heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT,
+        trajectory: TrajectoryLog | None = None,
     ) -> None:
         self.settings = settings
+        self.trajectory = trajectory
         self.placement = Placement()
         self.pending: list[Pending] = []
         self.ledgers: dict[str, NodeLedger] = {}
@@ -167,7 +175,7 @@ class Dispatcher:
             log.warning("scheduler: orphan %s on %s: destroying it", sandbox_id, node_id)
             request = DestroySandbox(sandbox_id=sandbox_id, tenant="system", actor="reconciler")
             out.tasks.append(
-                (TASK_FOR_REQUEST[request.type], node.queue, request.model_dump_json())
+                (TASK_FOR_REQUEST[request.type], node.queue, [request.model_dump_json()])
             )
             ledger.extra.pop(sandbox_id, None)
 
@@ -279,7 +287,12 @@ class Dispatcher:
             ),
         )
         node = self.placement.nodes[placed.node_id]
-        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, request.model_dump_json()))
+        args = [request.model_dump_json()]
+        if request.restore_trajectory and self.trajectory is not None:
+            # The node rebuilds the sandbox's state before it says it is ready.
+            steps = self.trajectory.steps(request.restore_trajectory)
+            args.append(json.dumps([s.command for s in steps]))
+        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, args))
         metrics.REQUESTS.labels(request.type, "scheduled").inc()
         return True
 
@@ -318,8 +331,48 @@ class Dispatcher:
                     f"sandbox {request.sandbox_id} is not live on any node",
                 )  # fmt: skip
             return
-        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, request.model_dump_json()))
+        if isinstance(request, Exec) and self._replay(out, request):
+            return
+        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, [request.model_dump_json()]))
         metrics.REQUESTS.labels(request.type, "routed").inc()
+
+    def _replay(self, out: Outbox, request: Exec) -> bool:
+        """Answer a completed trajectory step from the log; False if it must run."""
+        if request.trajectory_id is None or request.step is None or self.trajectory is None:
+            return False
+        recorded = self.trajectory.lookup(request.trajectory_id, request.step)
+        if recorded is None:
+            return False
+        event = CommandReplayed(
+            event_id=derived_id(request.request_id, "replayed"),
+            sandbox_id=request.sandbox_id,
+            tenant=request.tenant,
+            job_id=request.job_id,
+            payload=ReplayedPayload(
+                request_id=request.request_id,
+                actor=request.actor,
+                trajectory_id=request.trajectory_id,
+                step=request.step,
+                original_request_id=recorded.request_id,
+            ),
+        )
+        out.events.append((event.key, encode(event)))
+        if request.reply_to is not None:
+            reply = ExecOutput(
+                request_id=request.request_id,
+                sandbox_id=request.sandbox_id,
+                exit_code=recorded.exit_code,
+                stdout_b64=recorded.stdout_b64,
+                stderr_b64=recorded.stderr_b64,
+                duration_ms=recorded.duration_ms,
+                timed_out=recorded.timed_out,
+                stdout_truncated=recorded.truncated,
+                stderr_truncated=recorded.truncated,
+                replayed=True,
+            )
+            out.replies.append((request.reply_to, request.sandbox_id, encode(reply)))
+        metrics.REQUESTS.labels(request.type, "replayed").inc()
+        return True
 
 
 def _why(reason: RejectReason, request: CreateSandbox) -> str:

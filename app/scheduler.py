@@ -24,6 +24,7 @@ from app.consuming import PositionedConsumer, dead_letter
 from app.db import log as event_log
 from app.db.engine import transaction
 from app.db.tables import nodes, sandboxes
+from app.db.trajectory import PostgresTrajectoryLog
 from app.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, Outbox
 from app.domain.base import utcnow
 from app.domain.placement import NodeView
@@ -40,7 +41,9 @@ class Scheduler:
         self, settings: Settings, heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT
     ) -> None:
         self.settings = settings
-        self.dispatcher = Dispatcher(settings, heartbeat_timeout)
+        self.dispatcher = Dispatcher(
+            settings, heartbeat_timeout, PostgresTrajectoryLog(settings.database_url)
+        )
         self.placement = self.dispatcher.placement
         self.publisher = bus.Publisher(settings)
         self.celery = make_celery(settings)
@@ -99,8 +102,8 @@ class Scheduler:
             # Lifecycle events are acknowledged before any node hears of the sandbox,
             # so Scheduled precedes Started in the sandbox's partition.
             self.publisher.flush()
-        for task, queue, body in out.tasks:
-            self.celery.send_task(task, args=[body], queue=queue)
+        for task, queue, args in out.tasks:
+            self.celery.send_task(task, args=args, queue=queue)
 
     def run_once(self) -> None:
         """Follow events, retry waiting creates, handle new requests, save offsets."""

@@ -141,7 +141,8 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
                         "duration_ms": p.duration_ms, "timed_out": p.timed_out,
                         "truncated": p.truncated, "stdout_head": p.stdout_head,
                         "stderr_head": p.stderr_head, "occurred_at": event.occurred_at,
-                        "position": position,
+                        "position": position, "stdout_b64": p.stdout_b64,
+                        "stderr_b64": p.stderr_b64,
                     }
                 )  # fmt: skip
             case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):

@@ -134,6 +134,8 @@ commands = Table(
     Column("stderr_head", Text, nullable=False),
     Column("occurred_at", DateTime(timezone=True), nullable=False),
     Column("position", BigInteger, nullable=False),
+    Column("stdout_b64", Text),
+    Column("stderr_b64", Text),
 )
 
 #: Projection: running totals per tenant and job (ended sandboxes' time is exact).

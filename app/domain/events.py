@@ -115,6 +115,20 @@ class CommandPayload(Message):
     truncated: bool = Field(False, description="Output was capped.")
     trajectory_id: str | None = Field(None, description="Trajectory, if any.")
     step: int | None = Field(None, description="Step within the trajectory.")
+    stdout_b64: str | None = Field(
+        None, description="Whole stdout, base64: kept for trajectory steps, to replay them."
+    )
+    stderr_b64: str | None = Field(None, description="Whole stderr, base64 (trajectory steps).")
+
+
+class ReplayedPayload(Message):
+    """A trajectory step was answered from the log instead of running again."""
+
+    request_id: uuid.UUID = Field(description="The Exec request answered.")
+    actor: str = Field(description="Who asked.")
+    trajectory_id: str = Field(description="Trajectory.")
+    step: int = Field(description="Step within the trajectory.")
+    original_request_id: uuid.UUID = Field(description="The request that really ran it.")
 
 
 class FilePayload(Message):
@@ -198,6 +212,13 @@ class CommandCompleted(EventBase):
     payload: CommandPayload
 
 
+class CommandReplayed(EventBase):
+    """A trajectory step was answered from the log without running again."""
+
+    type: Literal["CommandReplayed"] = "CommandReplayed"
+    payload: ReplayedPayload
+
+
 class FileWritten(EventBase):
     """A file was written into the sandbox."""
 
@@ -241,6 +262,7 @@ Event = Annotated[
     | SandboxFailed
     | SandboxStopped
     | CommandCompleted
+    | CommandReplayed
     | FileWritten
     | FileRead
     | NodeRegistered
@@ -258,6 +280,7 @@ EVENT_TYPES = frozenset(
         "SandboxFailed",
         "SandboxStopped",
         "CommandCompleted",
+        "CommandReplayed",
         "FileWritten",
         "FileRead",
         "NodeRegistered",

@@ -50,6 +50,9 @@ class CreateSandbox(RequestBase):
     network: bool = Field(False, description="Allow network egress.")
     env: dict[str, str] = Field(default_factory=dict, description="Default environment.")
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
+    restore_trajectory: Name | None = Field(
+        None, description="Rebuild this trajectory's state: replay its commands, in order."
+    )
 
 
 class Exec(RequestBase):
