@@ -256,13 +256,14 @@ def audit(
     ] = "",
     limit: Annotated[int, typer.Option(help="The latest this many events.")] = 100,
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+    as_json: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
 ) -> None:
     """Who did what to which sandbox, when, from which node (oldest first)."""
     from app import reports
     from app.db.engine import transaction
 
     try:
-        output = reports.Format(fmt)
+        output = reports.Format("json" if as_json else fmt)
         since_at = reports.parse_since(since) if since else None
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -287,13 +288,14 @@ def bill(
     ] = "",
     day_to: Annotated[str, typer.Option("--to", help="Last UTC day, included.")] = "",
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+    as_json: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
 ) -> None:
     """Usage per tenant, job and UTC day: sandboxes, sandbox/core/GB-seconds, commands."""
     from app import reports
     from app.db.engine import transaction
 
     try:
-        output = reports.Format(fmt)
+        output = reports.Format("json" if as_json else fmt)
         first = reports.parse_day(day_from) if day_from else None
         last = reports.parse_day(day_to) if day_to else None
     except ValueError as exc:
@@ -303,6 +305,101 @@ def bill(
             conn, tenant=tenant or None, job_id=job or None, day_from=first, day_to=last
         )
     reports.render(rows, output, "bill (UTC days)", console, reports.BILL_COLUMNS)
+
+
+# --- driving sandboxes, watching nodes, benchmarks (logic in app/cli_*.py) ---------
+
+TenantOpt = Annotated[
+    str, typer.Option(help="Tenant to act for (default: the sandbox's, from `dsec ps`).")
+]
+JobOpt = Annotated[str, typer.Option("--job", help="Job to act for (default: the sandbox's).")]
+
+
+@cli.command("exec")
+def exec_(
+    sandbox_id: str,
+    command: Annotated[
+        list[str], typer.Argument(help="One shell string, or an argv list after `--`.")
+    ],
+    timeout: Annotated[float, typer.Option(help="Seconds before the command is killed.")] = 60.0,
+    tenant: TenantOpt = "",
+    job: JobOpt = "",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result object.")] = False,
+) -> None:
+    """Run a command in a sandbox: its output, raw, and its exit code (124 timeout, 125 dsec).
+
+    dsec exec SANDBOX -- ls -l /workspace    |    dsec exec SANDBOX 'echo $HOME | wc -c'
+    """
+    from app import cli_sandbox
+
+    code = cli_sandbox.run_exec(
+        get_settings(), sandbox_id, command, timeout_s=timeout, tenant=tenant, job=job,
+        as_json=as_json,
+    )  # fmt: skip
+    raise typer.Exit(code)
+
+
+@cli.command()
+def create(
+    image: Annotated[str | None, typer.Option(help="Image (default: the platform's).")] = None,
+    memory_mb: Annotated[int | None, typer.Option(help="Memory limit, MiB.")] = None,
+    cpus: Annotated[float | None, typer.Option(help="CPU cores.")] = None,
+    ttl: Annotated[int | None, typer.Option(help="Seconds until it is destroyed.")] = None,
+    tenant: Annotated[str, typer.Option(help="Tenant billed for it.")] = "default",
+    job: Annotated[str, typer.Option("--job", help="Job billed for it.")] = "cli",
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a sandbox and print its id once it runs."""
+    from app import cli_sandbox
+
+    code = cli_sandbox.run_create(
+        get_settings(), tenant=tenant, job=job, as_json=as_json,
+        image=image, memory_mb=memory_mb, cpus=cpus, ttl_s=ttl,
+    )  # fmt: skip
+    raise typer.Exit(code)
+
+
+@cli.command()
+def destroy(sandbox_id: str, tenant: TenantOpt = "", job: JobOpt = "") -> None:
+    """Destroy a sandbox (it ends with reason `destroyed`)."""
+    from app import cli_sandbox
+
+    raise typer.Exit(cli_sandbox.run_destroy(get_settings(), sandbox_id, tenant=tenant, job=job))
+
+
+@cli.command()
+def top(
+    interval: Annotated[float, typer.Option(help="Seconds between frames.")] = 2.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one frame as JSON.")] = False,
+) -> None:
+    """Nodes, their capacity and load, and live sandboxes per node and tenant."""
+    from app import cli_top
+
+    settings = get_settings()
+    if as_json:
+        print(json.dumps(cli_top.read(settings), indent=2))
+    elif once:
+        console.print(cli_top.render(cli_top.read(settings)))
+    else:
+        cli_top.watch(settings, console, interval)
+
+
+@cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Benchmark (bench/NAME.py); none: list.")] = "",
+    as_json: Annotated[
+        bool, typer.Option("--json", help="List as JSON (with NAME: passed to it).")
+    ] = False,
+) -> None:
+    """Run a benchmark from bench/ with this venv's python (extra arguments go to it)."""
+    from app import cli_bench
+
+    if name:
+        raise typer.Exit(cli_bench.run(name, [*ctx.args, *(["--json"] if as_json else [])]))
+    rows = [{"name": k, "what": v} for k, v in cli_bench.available().items()]
+    _table("benchmarks (dsec bench NAME [ARGS...])", rows, as_json)
 
 
 def main() -> None:

@@ -47,6 +47,10 @@ class Settings(BaseSettings):
             " false refuses them. Sandboxes have no network unless they ask either way."
         ),
     )
+    default_tenant_quota: int = Field(0, description="Live sandboxes per tenant (0: no quota).")
+    tenant_quotas: dict[str, int] = Field(
+        default_factory=dict, description='Per-tenant quotas, JSON: {"team-a": 500}.'
+    )
     max_message_bytes: int = Field(1_048_576, description="Largest accepted Kafka message.")
 
     @property

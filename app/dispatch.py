@@ -37,22 +37,31 @@ from app.domain.events import (
     SandboxRejected,
     SandboxRequested,
     SandboxScheduled,
+    SandboxStarted,
     SandboxStopped,
     ScheduledPayload,
     StoppedPayload,
 )
 from app.domain.placement import Allocation, NodeView, Placement
 from app.domain.reconcile import NodeLedger
-from app.domain.replies import ErrorReply, ExecOutput
-from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReplyTo, Request
+from app.domain.replies import Done, ErrorReply, ExecOutput
+from app.domain.requests import (
+    CreateGroup,
+    CreateSandbox,
+    DestroyGroup,
+    DestroySandbox,
+    Exec,
+    ReplyTo,
+    Request,
+    expand_group,
+    member_request_id,
+)
 from app.domain.trajectory import TrajectoryLog
 from app.taskqueue import TASK_FOR_REQUEST
 
 log = logging.getLogger(__name__)
 
 NAME = "scheduler"
-#: How long a create waits for a node to appear before it is rejected.
-NO_NODE_GRACE = timedelta(seconds=30)
 #: Silence after which a node is declared lost (heartbeats come every 5 s).
 HEARTBEAT_TIMEOUT = timedelta(seconds=20)
 #: Ended sandboxes remembered to give a precise reason to late requests.
@@ -63,12 +72,13 @@ _NS = uuid.uuid5(uuid.NAMESPACE_URL, "dsec-scheduler")
 
 @dataclass
 class Pending:
-    """A create waiting for a node."""
+    """Creates waiting for room: one sandbox, or a whole rollout group."""
 
-    request: CreateSandbox
+    members: list[CreateSandbox]
     partition: int
     offset: int
     deadline_s: float
+    group: str | None = None
 
 
 @dataclass
@@ -94,15 +104,19 @@ class Dispatcher:
         self.trajectory = trajectory
         self.placement = Placement()
         self.pending: list[Pending] = []
+        self.groups: dict[str, list[str]] = {}
+        # Creates sent to a node whose Started has not come back: if the node is
+        # lost first, the waiting trainer is told here.
+        self.awaiting_start: dict[str, tuple[uuid.UUID, ReplyTo | None]] = {}
         self.ledgers: dict[str, NodeLedger] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()
         self.heartbeat_timeout = heartbeat_timeout
 
     def retry_pending(self, out: Outbox) -> None:
-        """Try again the creates that wait for a node."""
+        """Try again, oldest first, the creates that wait for room."""
         still: list[Pending] = []
         for pending in self.pending:
-            if not self._create(out, pending.request, pending):
+            if not self._admit(out, pending):
                 still.append(pending)
         self.pending = still
 
@@ -132,10 +146,14 @@ class Dispatcher:
             case NodeLost():
                 assert event.node_id is not None
                 self.placement.mark_lost(event.node_id)
+            case SandboxStarted():
+                self.awaiting_start.pop(event.sandbox_id or "", None)
             case SandboxStopped(payload=p):
+                self.awaiting_start.pop(event.sandbox_id or "", None)
                 self.placement.release(event.sandbox_id or "")
                 self._ended(event.sandbox_id or "", p.reason.value)
             case SandboxFailed(payload=p) if p.request_type == "CreateSandbox":
+                self.awaiting_start.pop(event.sandbox_id or "", None)
                 self.placement.release(event.sandbox_id or "")
                 self._ended(event.sandbox_id or "", p.reason.value)
             case _:
@@ -159,6 +177,15 @@ class Dispatcher:
             payload=StoppedPayload(reason=reason, detail=detail),
         )
         out.events.append((event.key, encode(event)))
+        waiting = self.awaiting_start.pop(allocation.sandbox_id, None)
+        if waiting is not None and waiting[1] is not None:
+            reply = ErrorReply(
+                request_id=waiting[0],
+                sandbox_id=allocation.sandbox_id,
+                reason=reason.value,
+                detail=detail,
+            )
+            out.replies.append((waiting[1], allocation.sandbox_id, encode(reply)))
 
     def _reconcile(self, out: Outbox, node_id: str, reported: set[str]) -> None:
         ledger = self.ledgers.setdefault(node_id, NodeLedger())
@@ -234,25 +261,49 @@ class Dispatcher:
             )
             out.replies.append((reply_to, sandbox_id or "", encode(reply)))
 
-    def _create(self, out: Outbox, request: CreateSandbox, pending: Pending | None) -> bool:
-        """Place a create; False if it must wait for a node."""
-        placed = self.placement.place(
-            request.sandbox_id,
-            request.image,
-            request.cpus,
-            request.memory_mb,
-            request.tenant,
-            request.job_id,
-        )
-        if (
-            placed == RejectReason.NO_NODES
-            and pending is not None
-            and time.monotonic() < pending.deadline_s
-        ):
-            return False
-        if isinstance(placed, RejectReason):
-            self._reject(out, request, {}, placed, _why(placed, request))
+    def _quota_left(self, tenant: str) -> int | None:
+        """Sandboxes the tenant may still start; None: no quota."""
+        quota = self.settings.tenant_quotas.get(tenant, self.settings.default_tenant_quota)
+        if not quota:
+            return None
+        return quota - self.placement.tenant_sandboxes(tenant)
+
+    def _admit(self, out: Outbox, pending: Pending) -> bool:
+        """Place every member, or none; False if they must keep waiting."""
+        members = pending.members
+        tenant = members[0].tenant
+        left = self._quota_left(tenant)
+        placed: list[Allocation] = []
+        reason: RejectReason | None = None
+        if left is not None and left < len(members):
+            reason = RejectReason.QUOTA
+        else:
+            for m in members:
+                got = self.placement.place(
+                    m.sandbox_id, m.image, m.cpus, m.memory_mb, m.tenant, m.job_id
+                )
+                if isinstance(got, RejectReason):
+                    reason = got
+                    break
+                placed.append(got)
+        if reason is not None:
+            for allocation in placed:  # all or nothing
+                self.placement.release(allocation.sandbox_id)
+            if time.monotonic() < pending.deadline_s:
+                return False
+            detail = _why(reason, members[0], len(members), pending.group)
+            for m in members:
+                self._reject(out, m, {}, reason, detail)
             return True
+        for m, allocation in zip(members, placed, strict=True):
+            self._schedule(out, m, allocation)
+        if pending.group is not None:
+            self.groups[pending.group] = [m.sandbox_id for m in members]
+        return True
+
+    def _schedule(self, out: Outbox, request: CreateSandbox, placed: Allocation) -> None:
+        """Requested + Scheduled, and the node task, for one placed sandbox."""
+        self.awaiting_start[request.sandbox_id] = (request.request_id, request.reply_to)
         common = {
             "sandbox_id": request.sandbox_id,
             "tenant": request.tenant,
@@ -294,7 +345,6 @@ class Dispatcher:
             args.append(json.dumps([s.command for s in steps]))
         out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, args))
         metrics.REQUESTS.labels(request.type, "scheduled").inc()
-        return True
 
     def handle(self, out: Outbox, record: ConsumerRecord) -> None:
         """One request record."""
@@ -305,17 +355,22 @@ class Dispatcher:
             out.dead.append((record, exc))
             self._reject(out, None, peek(raw), RejectReason.INVALID, str(exc))
             return
-        if isinstance(request, CreateSandbox):
-            if request.sandbox_id in self.placement.allocations:
-                return  # a redelivered create: already placed, its task already sent
+        if isinstance(request, CreateSandbox | CreateGroup):
+            members = expand_group(request) if isinstance(request, CreateGroup) else [request]
+            if any(m.sandbox_id in self.placement.allocations for m in members):
+                return  # a redelivered create: already placed, its tasks already sent
             pending = Pending(
-                request,
+                members,
                 record.partition,
                 record.offset,
-                time.monotonic() + NO_NODE_GRACE.total_seconds(),
+                time.monotonic() + request.queue_s,
+                request.sandbox_id if isinstance(request, CreateGroup) else None,
             )
-            if not self._create(out, request, pending):
+            if not self._admit(out, pending):
                 self.pending.append(pending)
+            return
+        if isinstance(request, DestroyGroup):
+            self._destroy_group(out, request)
             return
         node = self.placement.node_of(request.sandbox_id)
         if node is None:
@@ -335,6 +390,25 @@ class Dispatcher:
             return
         out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, [request.model_dump_json()]))
         metrics.REQUESTS.labels(request.type, "routed").inc()
+
+    def _destroy_group(self, out: Outbox, request: DestroyGroup) -> None:
+        """Route a destroy to every member; members already gone are answered here."""
+        for member in self.groups.pop(request.sandbox_id, []):
+            destroy = DestroySandbox(
+                request_id=member_request_id(request.request_id, member),
+                sandbox_id=member,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                actor=request.actor,
+                reply_to=request.reply_to,
+            )
+            node = self.placement.node_of(member)
+            if node is not None:
+                task = TASK_FOR_REQUEST[destroy.type]
+                out.tasks.append((task, node.queue, [destroy.model_dump_json()]))
+            elif request.reply_to is not None:
+                done = Done(request_id=destroy.request_id, sandbox_id=member, detail="already gone")
+                out.replies.append((request.reply_to, member, encode(done)))
 
     def _replay(self, out: Outbox, request: Exec) -> bool:
         """Answer a completed trajectory step from the log; False if it must run."""
@@ -375,10 +449,17 @@ class Dispatcher:
         return True
 
 
-def _why(reason: RejectReason, request: CreateSandbox) -> str:
+def _why(reason: RejectReason, request: CreateSandbox, n: int, group: str | None) -> str:
+    what = f"group {group} ({n} sandboxes)" if group else "the sandbox"
+    waited = f"after waiting {request.queue_s:g}s"
     if reason == RejectReason.NO_NODES:
-        return f"no live node after waiting {NO_NODE_GRACE.total_seconds():.0f}s"
-    return f"no node has room for {request.cpus} CPU and {request.memory_mb} MiB"
+        return f"no live node {waited}"
+    if reason == RejectReason.QUOTA:
+        return f"tenant {request.tenant} is at its sandbox quota; {what} refused {waited}"
+    return (
+        f"no room for {what} of {request.cpus:g} CPU and {request.memory_mb} MiB each "
+        f"{waited}; all or nothing, nothing was started"
+    )
 
 
 def _uuid_or_none(value: object) -> uuid.UUID | None:

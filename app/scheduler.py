@@ -28,6 +28,7 @@ from app.db.trajectory import PostgresTrajectoryLog
 from app.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, Outbox
 from app.domain.base import utcnow
 from app.domain.placement import NodeView
+from app.domain.requests import GROUP_LABEL
 from app.domain.sandbox_state import LIVE
 from app.taskqueue import make_celery
 
@@ -72,14 +73,19 @@ class Scheduler:
                         capacity_cpus=row.capacity_cpus,
                         capacity_memory_mb=row.capacity_memory_mb,
                         images=frozenset(row.images),
-                        # A fresh grace: the scheduler was away, not the node.
+                        # A fresh grace: the scheduler was away, not the node; but no
+                        # placement on it until it is heard from again.
                         last_seen=utcnow(),
+                        confirmed=False,
                     )
                 )
             live = conn.execute(
                 select(sandboxes).where(sandboxes.c.state.in_([s.value for s in LIVE]))
             )
             for row in live:
+                group = (row.labels or {}).get(GROUP_LABEL)
+                if group:
+                    self.dispatcher.groups.setdefault(group, []).append(row.sandbox_id)
                 if row.node_id:
                     self.placement.assign(
                         row.sandbox_id,

@@ -16,7 +16,7 @@ import base64
 import random
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -31,13 +31,16 @@ from app.config import Settings, get_settings
 from app.domain.base import RejectReason, new_sandbox_id
 from app.domain.replies import ErrorReply, ExecOutput, FileContent, Reply, SandboxReady
 from app.domain.requests import (
+    CreateGroup,
     CreateSandbox,
+    DestroyGroup,
     DestroySandbox,
     Exec,
     ReadFile,
     ReplyTo,
     RequestBase,
     WriteFile,
+    member_request_id,
 )
 from app.errors import (
     RequestTimeout,
@@ -146,11 +149,16 @@ class Client:
             "reply_to": self._reply_to,
         }
 
-    def send(self, request: RequestBase) -> Future[Reply]:
-        """Send a request; the future completes with its reply."""
+    def expect(self, request_id: uuid.UUID) -> Future[Reply]:
+        """A future for the reply to ``request_id`` (register before sending)."""
         future: Future[Reply] = Future()
         with self._lock:
-            self._waiting[request.request_id] = future
+            self._waiting[request_id] = future
+        return future
+
+    def send(self, request: RequestBase) -> Future[Reply]:
+        """Send a request; the future completes with its reply."""
+        future = self.expect(request.request_id)
         self._publisher.publish(self.settings.topic_requests, request.sandbox_id, request)
         return future
 
@@ -208,6 +216,65 @@ class Client:
             raise error
         return ready
 
+    def create_group(
+        self,
+        n: int,
+        image: str | None = None,
+        *,
+        group_id: str | None = None,
+        timeout_s: float | None = None,
+        **options: Any,
+    ) -> Group:
+        """A rollout group of ``n`` sandboxes, admitted all together or not at all.
+
+        If there is no room for all of them (within ``queue_s``), none is started and
+        :class:`SandboxRejected` says why. Destroying the group destroys them all.
+        """
+        gid = group_id or "grp-" + uuid.uuid4().hex[:20]
+        members = [new_sandbox_id() for _ in range(n)]
+        request = CreateGroup(
+            image=image or self.settings.default_image,
+            members=members,
+            **self._common(gid),
+            **options,
+        )
+        futures = {m: self.expect(member_request_id(request.request_id, m)) for m in members}
+        self._publisher.publish(self.settings.topic_requests, gid, request)
+        ready: list[Sandbox] = []
+        error: Exception | None = None
+        for member, future in futures.items():
+            try:
+                reply = self._wait_id(
+                    request, member_request_id(request.request_id, member), future, timeout_s
+                )
+                assert isinstance(reply, SandboxReady)
+                ready.append(Sandbox(self, member, reply.node_id))
+            except Exception as exc:
+                error = error or exc
+        group = Group(self, gid, ready)
+        if error is not None:
+            if ready:
+                group.close()
+            raise error
+        return group
+
+    def _wait_id(
+        self,
+        request: RequestBase,
+        request_id: uuid.UUID,
+        future: Future[Reply],
+        timeout_s: float | None,
+    ) -> Reply:
+        try:
+            reply = future.result(timeout=timeout_s or self.timeout_s)
+        except FutureTimeout as exc:
+            with self._lock:
+                self._waiting.pop(request_id, None)
+            raise RequestTimeout(f"{request.type} {request.sandbox_id}: no reply in time") from exc
+        if isinstance(reply, ErrorReply):
+            _raise_for(reply)
+        return reply
+
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox."""
         return Sandbox(self, sandbox_id, node_id=None)
@@ -218,6 +285,43 @@ class Client:
         self._reader.join(timeout=2)
         self._publisher.close()
         self._consumer.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Group:
+    """A rollout group; closing it destroys every member."""
+
+    def __init__(self, client: Client, group_id: str, sandboxes: list[Sandbox]) -> None:
+        self.client = client
+        self.id = group_id
+        self.sandboxes = sandboxes
+        self.closed = False
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Destroy every member (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        request = DestroyGroup(**self.client._common(self.id))
+        members = [s.id for s in self.sandboxes]
+        futures = {m: self.client.expect(member_request_id(request.request_id, m)) for m in members}
+        self.client._publisher.publish(self.client.settings.topic_requests, self.id, request)
+        for member, future in futures.items():
+            rid = member_request_id(request.request_id, member)
+            self.client._wait_id(request, rid, future, timeout_s)
+        for sandbox in self.sandboxes:
+            sandbox.closed = True
+
+    def __iter__(self) -> Iterator[Sandbox]:
+        return iter(self.sandboxes)
+
+    def __len__(self) -> int:
+        return len(self.sandboxes)
 
     def __enter__(self) -> Self:
         return self

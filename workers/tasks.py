@@ -7,13 +7,18 @@ it validated, so this means version skew), never retried into a loop.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from app import metrics
-from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReadFile, WriteFile
+from app.codec import peek
+from app.domain.base import FailReason, derived_id
+from app.domain.events import FailedPayload, SandboxFailed
+from app.domain.replies import ErrorReply
+from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReadFile, ReplyTo, WriteFile
 from app.taskqueue import NodeTask
 from workers import runtime
 from workers.celery_app import celery
@@ -22,12 +27,57 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=BaseModel)
 
 
+def _refuse(task: NodeTask, body: str, exc: ValidationError) -> None:
+    """Say why a task could not be read, so nobody waits for it forever.
+
+    The scheduler only sends what it validated, so this is version skew between the
+    scheduler and this node (deploy nodes before the scheduler).
+    """
+    raw = peek(body.encode())
+    detail = f"node cannot read this {task.value} task (version skew?): {exc.errors()[:3]}"
+    log.error("%s", detail)
+    metrics.TASKS.labels(task.value, "invalid").inc()
+    sandbox_id = raw.get("sandbox_id")
+    try:
+        request_id = uuid.UUID(str(raw.get("request_id")))
+    except ValueError:
+        return
+    if not isinstance(sandbox_id, str):
+        return
+    node = runtime.node()
+    node.outlet.event(
+        SandboxFailed(
+            event_id=derived_id(request_id, "failed"),
+            sandbox_id=sandbox_id,
+            node_id=node.node_id,
+            tenant=str(raw.get("tenant") or "unknown")[:128],
+            job_id=str(raw.get("job_id") or "default")[:128],
+            payload=FailedPayload(
+                request_id=request_id,
+                request_type=str(raw.get("type", "unknown")),
+                reason=FailReason.INCOMPATIBLE,
+                detail=detail[:1000],
+            ),
+        )
+    )
+    try:
+        reply_to = ReplyTo.model_validate(raw.get("reply_to"))
+    except ValidationError:
+        return
+    reply = ErrorReply(
+        request_id=request_id,
+        sandbox_id=sandbox_id,
+        reason=FailReason.INCOMPATIBLE.value,
+        detail=detail[:1000],
+    )
+    node.outlet.reply(reply_to, reply)
+
+
 def _run(task: NodeTask, model: type[R], body: str, handler: Callable[[R], None]) -> None:
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:
-        log.error("%s: invalid task body dropped: %s", task, exc)
-        metrics.TASKS.labels(task.value, "invalid").inc()
+        _refuse(task, body, exc)
         return
     try:
         handler(request)

@@ -59,6 +59,7 @@ class RejectReason(StrEnum):
 
     INVALID = "invalid"
     CAPACITY = "capacity"
+    QUOTA = "quota"
     NO_NODES = "no_nodes"
     UNKNOWN_SANDBOX = "unknown_sandbox"
     SANDBOX_NOT_RUNNING = "sandbox_not_running"
@@ -74,3 +75,4 @@ class FailReason(StrEnum):
     TIMEOUT = "timeout"
     REFUSED = "refused"
     INTERNAL = "internal"
+    INCOMPATIBLE = "incompatible"

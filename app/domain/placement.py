@@ -24,6 +24,8 @@ class NodeView:
     capacity_memory_mb: int
     images: frozenset[str] = frozenset()
     alive: bool = True
+    #: Heard from since the scheduler started (recovered nodes are not, until then).
+    confirmed: bool = True
     last_seen: datetime | None = None
     used_sandboxes: int = 0
     used_cpus: float = 0.0
@@ -33,6 +35,7 @@ class NodeView:
         """Room for one more sandbox of this size."""
         return (
             self.alive
+            and self.confirmed
             and self.used_sandboxes + 1 <= self.capacity_sandboxes
             and self.used_cpus + cpus <= self.capacity_cpus + 1e-9
             and self.used_memory_mb + memory_mb <= self.capacity_memory_mb
@@ -57,6 +60,7 @@ class Placement:
 
     nodes: dict[str, NodeView] = field(default_factory=dict)
     allocations: dict[str, Allocation] = field(default_factory=dict)
+    per_tenant: dict[str, int] = field(default_factory=dict)
 
     def upsert_node(self, view: NodeView) -> None:
         """Learn of a node or refresh its capacity, keeping what is allocated on it."""
@@ -86,7 +90,7 @@ class Placement:
         """Reserve room for a sandbox, or say why there is none."""
         if sandbox_id in self.allocations:
             return self.allocations[sandbox_id]
-        alive = [n for n in self.nodes.values() if n.alive]
+        alive = [n for n in self.nodes.values() if n.alive and n.confirmed]
         if not alive:
             return RejectReason.NO_NODES
         candidates = [n for n in alive if n.fits(cpus, memory_mb)]
@@ -119,17 +123,24 @@ class Placement:
             node.used_memory_mb += memory_mb
         allocation = Allocation(sandbox_id, node_id, cpus, memory_mb, tenant, job_id)
         self.allocations[sandbox_id] = allocation
+        self.per_tenant[tenant] = self.per_tenant.get(tenant, 0) + 1
         return allocation
 
     def release(self, sandbox_id: str) -> Allocation | None:
         """Free a sandbox's share; unknown ids are ignored."""
         allocation = self.allocations.pop(sandbox_id, None)
+        if allocation is not None:
+            self.per_tenant[allocation.tenant] -= 1
         if allocation is not None and allocation.node_id in self.nodes:
             node = self.nodes[allocation.node_id]
             node.used_sandboxes -= 1
             node.used_cpus -= allocation.cpus
             node.used_memory_mb -= allocation.memory_mb
         return allocation
+
+    def tenant_sandboxes(self, tenant: str) -> int:
+        """Live sandboxes of a tenant (for quotas)."""
+        return self.per_tenant.get(tenant, 0)
 
     def placed_on(self, node_id: str) -> set[str]:
         """Sandboxes allocated on a node."""

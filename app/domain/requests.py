@@ -37,10 +37,9 @@ class RequestBase(Message):
     reply_to: ReplyTo | None = Field(None, description="Where to answer, if anyone waits.")
 
 
-class CreateSandbox(RequestBase):
-    """Ask for a new sandbox."""
+class SandboxShape(Message):
+    """What a sandbox is made of (shared by single and group creates)."""
 
-    type: Literal["CreateSandbox"] = "CreateSandbox"
     image: Name = Field("dsec/busybox:latest", description="Image in the node's layer store.")
     cpus: float = Field(1.0, gt=0, le=64, description="CPU cores.")
     memory_mb: int = Field(512, ge=16, le=262_144, description="Memory limit, MiB.")
@@ -50,9 +49,35 @@ class CreateSandbox(RequestBase):
     network: bool = Field(False, description="Allow network egress.")
     env: dict[str, str] = Field(default_factory=dict, description="Default environment.")
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
+    queue_s: float = Field(
+        30.0, ge=0, le=3600, description="Wait this long for room (nodes, quota); 0: now or never."
+    )
+
+
+class CreateSandbox(RequestBase, SandboxShape):
+    """Ask for a new sandbox."""
+
+    type: Literal["CreateSandbox"] = "CreateSandbox"
     restore_trajectory: Name | None = Field(
         None, description="Rebuild this trajectory's state: replay its commands, in order."
     )
+
+
+class CreateGroup(RequestBase, SandboxShape):
+    """Ask for a rollout group: all members are placed, or none is.
+
+    ``sandbox_id`` names the group (and keys the message). Each member is answered as
+    its own create, under the request id ``uuid5(request_id, member)``.
+    """
+
+    type: Literal["CreateGroup"] = "CreateGroup"
+    members: list[SandboxId] = Field(min_length=1, max_length=4096, description="Member ids.")
+
+
+class DestroyGroup(RequestBase):
+    """Throw a rollout group away; each member answers under ``uuid5(request_id, member)``."""
+
+    type: Literal["DestroyGroup"] = "DestroyGroup"
 
 
 class Exec(RequestBase):
@@ -95,8 +120,44 @@ class DestroySandbox(RequestBase):
 
 
 Request = Annotated[
-    CreateSandbox | Exec | WriteFile | ReadFile | DestroySandbox,
+    CreateSandbox | CreateGroup | DestroyGroup | Exec | WriteFile | ReadFile | DestroySandbox,
     Field(discriminator="type"),
 ]
 REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
-REQUEST_TYPES = frozenset({"CreateSandbox", "Exec", "WriteFile", "ReadFile", "DestroySandbox"})
+REQUEST_TYPES = frozenset(
+    {
+        "CreateSandbox",
+        "CreateGroup",
+        "DestroyGroup",
+        "Exec",
+        "WriteFile",
+        "ReadFile",
+        "DestroySandbox",
+    }
+)
+#: Label carried by every member of a rollout group.
+GROUP_LABEL = "dsec.group"
+
+
+def member_request_id(group_request_id: uuid.UUID, member: str) -> uuid.UUID:
+    """The request id under which a group member is created or destroyed."""
+    return uuid.uuid5(group_request_id, member)
+
+
+def expand_group(group: CreateGroup) -> list[CreateSandbox]:
+    """The member creates of a group request."""
+    shape = group.model_dump(include=set(SandboxShape.model_fields))
+    shape["labels"] = {**group.labels, GROUP_LABEL: group.sandbox_id}
+    return [
+        CreateSandbox(
+            request_id=member_request_id(group.request_id, member),
+            sandbox_id=member,
+            tenant=group.tenant,
+            job_id=group.job_id,
+            actor=group.actor,
+            sent_at=group.sent_at,
+            reply_to=group.reply_to,
+            **shape,
+        )
+        for member in group.members
+    ]

@@ -1,0 +1,156 @@
+"""``dsec create``, ``dsec exec`` and ``dsec destroy``: the SDK, from a shell.
+
+Everything goes through :class:`app.sdk.Client` (Kafka only), exactly as a trainer's
+requests do. The one Postgres read is optional: ``exec`` and ``destroy`` act for the
+tenant and job that own the sandbox (so the log bills the right job) and look them
+up in the ``sandboxes`` projection unless ``--tenant``/``--job`` say otherwise.
+
+Exit codes of ``dsec exec`` follow the shells' conventions: the command's own exit
+code; 128+N when a signal N killed it; 124 when its timeout killed it (like
+``timeout(1)``); 125 when the platform could not run it at all (like ``docker run``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import select
+
+from app.config import Settings
+from app.errors import DsecError
+from app.sdk import Client, ExecResult
+
+#: Exit code when the command ran past its timeout and was killed.
+EXIT_TIMED_OUT = 124
+#: Exit code when the platform refused or failed the request.
+EXIT_PLATFORM_ERROR = 125
+#: The SDK's tenant and job when nothing better is known.
+DEFAULT_OWNER = ("default", "default")
+#: ``actor`` of every request the CLI sends (the audit trail shows it).
+ACTOR = "dsec-cli"
+
+
+def owner(settings: Settings, sandbox_id: str) -> tuple[str, str] | None:
+    """(tenant, job) of a sandbox from the projection; None if unknown or no Postgres."""
+    from app.db.engine import transaction
+    from app.db.tables import sandboxes as t
+
+    query = select(t.c.tenant, t.c.job_id).where(t.c.sandbox_id == sandbox_id)
+    try:
+        with transaction(settings.database_url) as conn:
+            row = conn.execute(query).first()
+    except DsecError:
+        return None
+    return None if row is None else (row.tenant, row.job_id)
+
+
+def resolve_owner(settings: Settings, sandbox_id: str, tenant: str, job: str) -> tuple[str, str]:
+    """The options given, else the sandbox's recorded owner, else the SDK's defaults."""
+    if tenant and job:
+        return tenant, job
+    known = owner(settings, sandbox_id) or DEFAULT_OWNER
+    return tenant or known[0], job or known[1]
+
+
+def exit_code_of(result: ExecResult) -> int:
+    """The shell-style exit code ``dsec exec`` ends with."""
+    if result.timed_out:
+        return EXIT_TIMED_OUT
+    if result.exit_code < 0:
+        return 128 - result.exit_code
+    return min(result.exit_code, 255)
+
+
+def result_json(sandbox_id: str, result: ExecResult) -> dict[str, Any]:
+    """The result as a JSON object (output decoded as UTF-8, bad bytes replaced)."""
+    return {
+        "sandbox_id": sandbox_id,
+        "exit_code": result.exit_code,
+        "stdout": result.stdout.decode(errors="replace"),
+        "stderr": result.stderr.decode(errors="replace"),
+        "duration_ms": result.duration_ms,
+        "timed_out": result.timed_out,
+        "truncated": result.truncated,
+        "replayed": result.replayed,
+    }
+
+
+def _fail(exc: Exception) -> int:
+    if isinstance(exc, ValidationError):  # the request itself: a malformed sandbox id, say
+        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        print(f"dsec: invalid request: {detail}", file=sys.stderr)
+    else:
+        print(f"dsec: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return EXIT_PLATFORM_ERROR
+
+
+def run_exec(
+    settings: Settings,
+    sandbox_id: str,
+    argv: Sequence[str],
+    *,
+    timeout_s: float,
+    tenant: str = "",
+    job: str = "",
+    as_json: bool = False,
+) -> int:
+    """Run a command in a sandbox, print what it printed; return the exit code.
+
+    One argument is a shell string (``/bin/sh -c``); several are an argv list.
+    """
+    command: str | list[str] = argv[0] if len(argv) == 1 else list(argv)
+    tenant, job = resolve_owner(settings, sandbox_id, tenant, job)
+    try:
+        with Client(settings, tenant=tenant, job_id=job, actor=ACTOR) as client:
+            result = client.sandbox(sandbox_id).exec(command, timeout_s=timeout_s)
+    except (DsecError, ValueError) as exc:
+        return _fail(exc)
+    if as_json:
+        print(json.dumps(result_json(sandbox_id, result), indent=2))
+    else:
+        # Raw bytes, as the command wrote them: binary output survives a pipe.
+        sys.stdout.flush()
+        sys.stdout.buffer.write(result.stdout)
+        sys.stdout.buffer.flush()
+        sys.stderr.flush()
+        sys.stderr.buffer.write(result.stderr)
+        sys.stderr.buffer.flush()
+    return exit_code_of(result)
+
+
+def run_create(
+    settings: Settings,
+    *,
+    tenant: str,
+    job: str,
+    as_json: bool = False,
+    **options: Any,
+) -> int:
+    """Create a sandbox (options left None take the request's defaults); print its id."""
+    given = {k: v for k, v in options.items() if v is not None}
+    try:
+        with Client(settings, tenant=tenant, job_id=job, actor=ACTOR) as client:
+            sandbox = client.create(**given)
+    except (DsecError, ValueError) as exc:
+        return _fail(exc)
+    if as_json:
+        record = {"sandbox_id": sandbox.id, "node_id": sandbox.node_id, "tenant": tenant}
+        print(json.dumps({**record, "job_id": job, **given}, indent=2))
+    else:
+        print(sandbox.id)
+    return 0
+
+
+def run_destroy(settings: Settings, sandbox_id: str, *, tenant: str = "", job: str = "") -> int:
+    """Destroy a sandbox; 0 once the node confirmed it."""
+    tenant, job = resolve_owner(settings, sandbox_id, tenant, job)
+    try:
+        with Client(settings, tenant=tenant, job_id=job, actor=ACTOR) as client:
+            client.sandbox(sandbox_id).close()
+    except (DsecError, ValueError) as exc:
+        return _fail(exc)
+    return 0
