@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import logging
 import shutil
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -45,7 +46,7 @@ from app.domain.requests import (
 )
 from workers.agent.client import AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
-from workers.errors import ImageNotFound, NodeError
+from workers.errors import ImageNotFound, NodeError, SandboxCreateFailed
 from workers.events_out import Outlet
 from workers.podman_driver import PodmanDriver
 from workers.sandbox_spec import SandboxSpec
@@ -68,7 +69,22 @@ LABEL_EXPIRES = "dsec.expires_at"
 LABEL_NODE = "dsec.node_id"
 
 
+class EgressDisabled(SandboxCreateFailed, PermissionError):
+    """A sandbox asked for network on a node that gives none (``allow_egress`` off)."""
+
+
+def _audit_head(data: bytes) -> str:
+    """The start of a command's output as text for the log.
+
+    NUL becomes U+FFFD: Postgres' jsonb refuses ``\\u0000``, and one such event would
+    stop the projector (a sandbox printing /proc/*/cmdline did).
+    """
+    return data[:AUDIT_HEAD].decode(errors="replace").replace("\x00", "\ufffd")
+
+
 def _reason_for(exc: Exception) -> FailReason:
+    if isinstance(exc, EgressDisabled):
+        return FailReason.REFUSED
     if isinstance(exc, ImageNotFound):
         return FailReason.IMAGE_NOT_FOUND
     if isinstance(exc, AgentTimeout):
@@ -190,6 +206,10 @@ class Node:
     def _create(self, request: CreateSandbox) -> None:
         spec = self.spec_for(request)
         try:
+            if spec.network and not self.settings.allow_egress:
+                raise EgressDisabled(
+                    f"node {self.node_id} gives no sandbox network (DSEC_ALLOW_EGRESS=false)"
+                )
             spec.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
             self.agents.register(request.sandbox_id, spec.run_dir)
             container_id = self.driver.create_and_start(spec)
@@ -315,8 +335,8 @@ class Node:
                     duration_ms=duration_ms,
                     stdout_bytes=len(result.stdout),
                     stderr_bytes=len(result.stderr),
-                    stdout_head=result.stdout[:AUDIT_HEAD].decode(errors="replace"),
-                    stderr_head=result.stderr[:AUDIT_HEAD].decode(errors="replace"),
+                    stdout_head=_audit_head(result.stdout),
+                    stderr_head=_audit_head(result.stderr),
                     timed_out=result.timed_out,
                     truncated=truncated,
                     trajectory_id=request.trajectory_id,
@@ -324,6 +344,8 @@ class Node:
                 ),
             )
         )
+        if result.exit_code == -signal.SIGKILL and not result.timed_out:
+            self._end_if_oom(request)
         self.outlet.reply(
             request.reply_to,
             ExecOutput(
@@ -338,6 +360,31 @@ class Node:
                 stderr_truncated=result.stderr_truncated,
             ),
         )
+
+    def _end_if_oom(self, request: Exec) -> None:
+        """End the sandbox (reason oom) once the kernel's OOM killer has hit it.
+
+        Runs after CommandCompleted and before the reply: the trainer still gets the
+        killed command's result (-9), and whatever it sends next (a destroy, say) finds
+        the sandbox already stopped instead of racing this stop into a second Stopped.
+        The reconciler checks the same counter every round (an OOM in a background
+        process) and stops with the same event id, so the log holds one Stopped
+        whichever comes first.
+        """
+        try:
+            kills = self.driver.oom_kills(request.sandbox_id)
+        except NodeError:
+            log.exception("reading the OOM count of %s", request.sandbox_id)
+            return
+        if kills:
+            with self.busy(request.sandbox_id):
+                self.stop(
+                    request.sandbox_id,
+                    request.tenant,
+                    request.job_id,
+                    StopReason.OOM,
+                    f"out of memory: the kernel killed {kills} process(es)",
+                )
 
     def write_file(self, request: WriteFile) -> None:
         """Write a file through the agent (which refuses links and traversal)."""

@@ -9,6 +9,7 @@ from workers import runtime
 from workers.agent.client import AgentPool
 from workers.celery_app import celery
 from workers.handlers import Node
+from workers.limits import CgroupLimiter
 from workers.node_setup import ensure_node_user, ensure_podman_service
 from workers.podman_driver import PodmanDriver
 from workers.upkeep import Upkeep
@@ -19,9 +20,9 @@ log = logging.getLogger(__name__)
 def run(node_id: str, concurrency: int = 16) -> None:
     """Serve ``node.<node_id>`` until the worker is stopped."""
     settings = get_settings()
-    user = ensure_node_user(node_id)
+    user = ensure_node_user(node_id, allow_egress=settings.allow_egress)
     socket_url = ensure_podman_service(user)
-    driver = PodmanDriver(socket_url)
+    driver = PodmanDriver(socket_url, limiter=CgroupLimiter.detect(node_id))
     node = Node(settings, node_id, driver, AgentPool())
     runtime.install(node)
     Upkeep(node).start()

@@ -144,7 +144,8 @@ def ensure_node_user(
     A running service whose configuration changed here is stopped, so that the next
     :func:`ensure_podman_service` starts one that reads the new files. With
     ``allow_egress`` /dev/net/tun is opened to all users (slirp4netns needs it for
-    sandboxes with network; it is root-only on our hosts).
+    sandboxes with network; it is root-only on our hosts), and the node user's
+    connections to the node's own addresses are refused (:func:`_fence_host`).
     """
     settings = settings or get_settings()
     _require_root()
@@ -174,6 +175,7 @@ def ensure_node_user(
     _ensure_store_view(user, store)
     if allow_egress:
         _open_tun()
+        _fence_host(user)
     if changed and _service_pids(user):
         log.info("node %s: podman configuration changed, stopping its service", node_id)
         stop_podman_service(user, settings)
@@ -584,6 +586,37 @@ def _open_tun() -> None:
     tun = Path("/dev/net/tun")
     if tun.exists() and tun.stat().st_mode & 0o777 != 0o666:
         tun.chmod(0o666)
+
+
+#: Destinations the node user (so a sandbox's slirp4netns) may never reach: the node's
+#: own addresses, and link-local ones (cloud metadata services live there).
+_FENCE_RULES = {
+    "iptables": (["-m", "addrtype", "--dst-type", "LOCAL"], ["-d", "169.254.0.0/16"]),
+    "ip6tables": (["-m", "addrtype", "--dst-type", "LOCAL"], ["-d", "fe80::/10"]),
+}
+
+
+def _fence_host(user: NodeUser) -> None:
+    """Refuse the node user's connections to the node itself (idempotent).
+
+    With egress a sandbox's traffic leaves through slirp4netns, a process of the node
+    user in the host's network namespace: without this rule the sandbox reaches every
+    service of the node listening on a non-loopback address (Podman's default
+    ``allow_host_loopback=false`` only closes 10.0.2.2 -> 127.0.0.1). Nothing else of
+    the node user speaks TCP/IP: its Podman service and the agents use unix sockets.
+    Without iptables the node still gives egress, and says so in its log.
+    """
+    for tool, matches in _FENCE_RULES.items():
+        exe = shutil.which(tool)
+        if exe is None:
+            log.warning("node %s: no %s, sandboxes with network reach the node", user.name, tool)
+            continue
+        for match in matches:
+            rule = ["OUTPUT", "-m", "owner", "--uid-owner", str(user.uid), *match, "-j", "REJECT"]
+            if subprocess.run([exe, "-C", *rule], capture_output=True, check=False).returncode:
+                done = subprocess.run([exe, "-A", *rule], capture_output=True, text=True)
+                if done.returncode != 0:
+                    log.warning("node %s: %s -A failed: %s", user.name, tool, done.stderr.strip())
 
 
 # --- the idmapped store view -------------------------------------------------------

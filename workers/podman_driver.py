@@ -6,13 +6,20 @@ requests exception is mapped to :mod:`workers.errors` here; callers never see th
 
 Containers are named ``dsec-<sandbox_id>`` and labelled ``dsec.sandbox_id``, and are
 secure by default: no network, all capabilities dropped, no-new-privileges, read-only
-root, tmpfs /tmp and /workspace, pids/memory/CPU limits (rootless Podman ignores the
-last three on cgroup v1 hosts; they hold on cgroup v2), no tty.
+root, tmpfs /tmp and /workspace, pids/memory/CPU limits, no tty.
+
+Rootless Podman ignores the limits here (cgroup v1, and cgroup v2 with cgroupfs), so
+with a :class:`~workers.limits.CgroupLimiter` the driver creates the sandbox's cgroups
+first, then ``init``s the container, moves its PID 1 into them and only then starts
+it (see :mod:`workers.limits`). The limits are still passed to Podman too, for hosts
+where it can apply them; the node's own cgroups are the ones the sandbox ends up in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import signal
 import threading
 from collections.abc import Iterator, Sequence
@@ -25,6 +32,7 @@ import podman.errors
 import requests
 
 from workers.errors import ImageNotFound, NodeError, PodmanUnavailable, SandboxCreateFailed
+from workers.limits import CPU_PERIOD_US, CgroupLimiter, Limits, View
 from workers.sandbox_spec import (
     AGENT_BIN_MOUNT,
     AGENT_RUN_MOUNT,
@@ -33,6 +41,8 @@ from workers.sandbox_spec import (
     SandboxSpec,
 )
 
+log = logging.getLogger(__name__)
+
 #: Label every sandbox container carries; the value is the sandbox id.
 LABEL_SANDBOX_ID = "dsec.sandbox_id"
 #: What a sandbox runs unless told otherwise: the in-sandbox agent calling home.
@@ -40,7 +50,6 @@ DEFAULT_COMMAND: tuple[str, ...] = (
     f"{AGENT_BIN_MOUNT}/dsec-agent",
     f"{AGENT_RUN_MOUNT}/{AGENT_SOCKET_NAME}",
 )
-_CPU_PERIOD_US = 100_000
 #: Open files per sandbox process. Set here because Podman 4.3's REST API ignores
 #: containers.conf ``default_ulimits`` (only its CLI applies them); without it a
 #: sandbox inherits the service's limit. NPROC is left to the service: the kernel
@@ -59,6 +68,8 @@ class SandboxContainer:
     #: Podman's state: created, running, exited, stopped, paused, ...
     state: str
     exit_code: int | None
+    #: The kernel's OOM killer killed the container or one of its processes (Podman's
+    #: flag, or the sandbox cgroup's OOM kill counter; may be set while it runs).
     oom_killed: bool
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -72,6 +83,8 @@ class PodmanDriver:
     """Creates, lists and removes sandbox containers on one node's Podman service.
 
     Thread-safe: each thread gets its own podman-py client (HTTP session).
+    Without a ``limiter`` only Podman's own limits apply (none on a rootless cgroup v1
+    host): the node worker always passes one (:meth:`CgroupLimiter.detect`).
     """
 
     def __init__(
@@ -80,10 +93,12 @@ class PodmanDriver:
         *,
         command: Sequence[str] = DEFAULT_COMMAND,
         timeout_s: float = 60.0,
+        limiter: CgroupLimiter | None = None,
     ) -> None:
         self.socket_url = socket_url
         self.command = list(command)
         self.timeout_s = timeout_s
+        self.limiter = limiter
         self._local = threading.local()
 
     # --- sandboxes -----------------------------------------------------------------
@@ -92,16 +107,20 @@ class PodmanDriver:
         """Create and start the sandbox's container; return its id.
 
         Idempotent: a container of that name is reused (started if it is not running).
-        A container this call created and could not start is removed again.
+        A container this call created and could not start is removed again, with its
+        cgroups.
         """
         name = spec.container_name
         with self._mapped(SandboxCreateFailed, f"create {name}"):
             client = self._client()
             existing = self._get(client, name)
             if existing is None:
+                # The cgroups come first: their directories are mounted into the sandbox.
+                self._make_cgroups(spec)
+                views = self.limiter.layout.views(spec.sandbox_id) if self.limiter else []
                 try:
                     existing = client.containers.create(
-                        spec.image, list(command or self.command), **container_args(spec)
+                        spec.image, list(command or self.command), **container_args(spec, views)
                     )
                 except podman.errors.APIError as exc:
                     # Podman 4.3 answers both a name taken meanwhile (a redelivered
@@ -109,28 +128,34 @@ class PodmanDriver:
                     # ones with 409/404. Ask rather than parse messages.
                     existing = self._get(client, name)
                     if existing is None:
+                        self._remove_cgroups(spec.sandbox_id)
                         if not client.images.exists(spec.image):
                             msg = f"image {spec.image!r} is not on this node"
                             raise ImageNotFound(msg) from exc
                         raise
                 else:
-                    self._start_new(client, existing, name)
+                    self._start_new(client, existing, spec)
                     return str(existing.id)
             if existing.status != "running":
-                existing.start()
+                self._make_cgroups(spec)
+                self._launch(client, existing, spec.sandbox_id)
             return str(existing.id)
 
     def remove(self, sandbox_id: str) -> bool:
-        """Kill and remove the sandbox's container at once; False if there was none."""
+        """Kill and remove the sandbox's container at once, then its cgroups.
+
+        False if there was no container.
+        """
         name = _name(sandbox_id)
         with self._mapped(NodeError, f"remove {name}"):
             response = self._client().api.delete(
                 f"/containers/{name}", params={"force": True, "timeout": 0, "volumes": True}
             )
-            if response.status_code == 404:
-                return False
-            response.raise_for_status()
-            return True
+            existed: bool = response.status_code != 404
+            if existed:
+                response.raise_for_status()
+        self._remove_cgroups(sandbox_id)
+        return existed
 
     def list_sandboxes(self) -> list[SandboxContainer]:
         """Every container of this node that carries the sandbox label."""
@@ -143,15 +168,28 @@ class PodmanDriver:
                 oom = False
                 if state not in ("running", "created"):
                     # Only a full inspect says whether the kernel OOM-killed it.
-                    full = self._inspect(client, c.id)
-                    oom = bool(full and full.get("State", {}).get("OOMKilled"))
-                found.append(_from_list(attrs, oom))
+                    full = self._inspect_if_there(client, c.id)
+                    if full is None:
+                        continue  # removed since the listing (a concurrent destroy)
+                    oom = bool(full.get("State", {}).get("OOMKilled"))
+                box = _from_list(attrs, oom)
+                found.append(self._with_cgroup_oom(box))
             return found
 
     def get(self, sandbox_id: str) -> SandboxContainer | None:
         """The sandbox's container, or None."""
         data = self.inspect(sandbox_id)
-        return None if data is None else _from_inspect(data)
+        return None if data is None else self._with_cgroup_oom(_from_inspect(data))
+
+    def _with_cgroup_oom(self, box: SandboxContainer) -> SandboxContainer:
+        # Podman cannot see OOM kills in cgroups it did not make: ask ours.
+        if box.oom_killed or self.limiter is None or not box.sandbox_id:
+            return box
+        try:
+            killed = self.limiter.oom_kills(box.sandbox_id) > 0
+        except (OSError, ValueError):
+            return box
+        return dataclasses.replace(box, oom_killed=True) if killed else box
 
     def inspect(self, sandbox_id: str) -> dict[str, Any] | None:
         """Podman's full inspect document of the sandbox's container, or None."""
@@ -167,6 +205,49 @@ class PodmanDriver:
             chunks = container.logs(stdout=True, stderr=True, tail=tail)
             raw = chunks if isinstance(chunks, bytes) else b"".join(chunks)
             return raw.decode(errors="replace")
+
+    # --- the node's own cgroups ------------------------------------------------------
+
+    def oom_kills(self, sandbox_id: str) -> int:
+        """Processes of the sandbox the kernel's OOM killer killed (0 without a limiter)."""
+        if self.limiter is None:
+            return 0
+        try:
+            return self.limiter.oom_kills(sandbox_id)
+        except (OSError, ValueError) as exc:
+            raise NodeError(f"OOM count of {sandbox_id}: {exc}") from exc
+
+    def cgroup_sandbox_ids(self) -> list[str]:
+        """Sandboxes that have cgroups on this node (the reconciler sweeps leftovers)."""
+        if self.limiter is None:
+            return []
+        try:
+            return self.limiter.sandbox_ids()
+        except OSError as exc:
+            raise NodeError(f"list sandbox cgroups: {exc}") from exc
+
+    def remove_cgroups(self, sandbox_id: str) -> bool:
+        """Remove a sandbox's cgroups if no process is left in them."""
+        return self._remove_cgroups(sandbox_id, wait_s=0.0)
+
+    def _make_cgroups(self, spec: SandboxSpec) -> None:
+        if self.limiter is None:
+            return
+        limits = Limits.of(spec.memory_mb, spec.pids_limit, spec.cpus)
+        try:
+            self.limiter.create(spec.sandbox_id, limits)
+        except (OSError, ValueError) as exc:
+            self._remove_cgroups(spec.sandbox_id)
+            raise SandboxCreateFailed(f"cgroups of {spec.sandbox_id}: {exc}") from exc
+
+    def _remove_cgroups(self, sandbox_id: str, wait_s: float = 1.0) -> bool:
+        if self.limiter is None:
+            return True
+        try:
+            return self.limiter.remove(sandbox_id, wait_s)
+        except (OSError, ValueError):
+            log.exception("removing the cgroups of %s", sandbox_id)
+            return False
 
     # --- images and the service ----------------------------------------------------
 
@@ -223,15 +304,49 @@ class PodmanDriver:
         data: dict[str, Any] = response.json()
         return data
 
-    def _start_new(self, client: podman.PodmanClient, container: Any, name: str) -> None:
+    def _inspect_if_there(self, client: podman.PodmanClient, key: str) -> dict[str, Any] | None:
         try:
-            container.start()
+            return self._inspect(client, key)
+        except podman.errors.APIError:
+            # Podman 4.3 answers for a container removed during the call with a bare
+            # 500 ("does not exist in database"), not 404: ask rather than parse.
+            if client.api.get(f"/containers/{key}/exists").status_code == 404:
+                return None
+            raise
+
+    def _start_new(self, client: podman.PodmanClient, container: Any, spec: SandboxSpec) -> None:
+        try:
+            self._launch(client, container, spec.sandbox_id)
         except Exception:
             # A container that never ran is of no use to a retry: leave no trace.
             # The original error is the one worth reporting.
             with contextlib.suppress(Exception):
-                client.api.delete(f"/containers/{name}", params={"force": True, "timeout": 0})
+                client.api.delete(
+                    f"/containers/{spec.container_name}", params={"force": True, "timeout": 0}
+                )
+            self._remove_cgroups(spec.sandbox_id)
             raise
+
+    def _launch(self, client: podman.PodmanClient, container: Any, sandbox_id: str) -> None:
+        """Start the container; with a limiter, inside the sandbox's cgroups.
+
+        ``init`` runs ``runc create``: PID 1 exists but has not exec'd the agent yet.
+        Moving it now means nothing of the sandbox ever runs outside its limits.
+        """
+        if self.limiter is None:
+            container.start()
+            return
+        response = client.api.post(f"/containers/{container.id}/init")
+        # 304: already initialized (a retry after a crash between init and start).
+        if response.status_code != 304:
+            response.raise_for_status()
+        info = self._inspect(client, container.id) or {}
+        pid = int((info.get("State") or {}).get("Pid") or 0)
+        try:
+            self.limiter.attach(sandbox_id, pid)
+        except (OSError, ValueError) as exc:
+            raise SandboxCreateFailed(f"move {sandbox_id} into its cgroups: {exc}") from exc
+        container.start()
 
     @contextmanager
     def _mapped(self, fallback: type[NodeError], what: str) -> Iterator[None]:
@@ -250,8 +365,12 @@ class PodmanDriver:
             raise fallback(f"{what}: {exc}") from exc
 
 
-def container_args(spec: SandboxSpec) -> dict[str, Any]:
-    """podman-py ``containers.create`` keyword arguments for ``spec`` (no I/O)."""
+def container_args(spec: SandboxSpec, cgroup_views: Sequence[View] = ()) -> dict[str, Any]:
+    """podman-py ``containers.create`` keyword arguments for ``spec`` (no I/O).
+
+    ``cgroup_views`` replace Podman's view of the host's cgroup hierarchies with the
+    sandbox's own cgroups (:meth:`workers.limits.CgroupLayout.views`).
+    """
     return {
         "name": spec.container_name,
         "labels": {**spec.labels, LABEL_SANDBOX_ID: spec.sandbox_id},
@@ -268,12 +387,16 @@ def container_args(spec: SandboxSpec) -> dict[str, Any]:
             _tmpfs(WORKDIR, spec.disk_mb, "755"),
             _bind(spec.agent_bin_dir, AGENT_BIN_MOUNT),
             _bind(spec.run_dir, AGENT_RUN_MOUNT),
+            *(
+                _bind(src, target) if src is not None else _empty_ro_tmpfs(target)
+                for src, target in cgroup_views
+            ),
         ],
         "pids_limit": spec.pids_limit,
         "mem_limit": f"{spec.memory_mb}m",
         "memswap_limit": f"{spec.memory_mb}m",
-        "cpu_period": _CPU_PERIOD_US,
-        "cpu_quota": max(1000, int(spec.cpus * _CPU_PERIOD_US)),
+        "cpu_period": CPU_PERIOD_US,
+        "cpu_quota": Limits.of(spec.memory_mb, spec.pids_limit, spec.cpus).cpu_quota_us,
         "ulimits": [{"Name": "nofile", "Soft": NOFILE, "Hard": NOFILE}],
         "tty": False,
         "stdin_open": False,
@@ -291,6 +414,10 @@ def _tmpfs(target: str, size_mb: int, mode: str) -> dict[str, Any]:
         "size": f"{size_mb}m",
         "mode": mode,
     }
+
+
+def _empty_ro_tmpfs(target: str) -> dict[str, Any]:
+    return {**_tmpfs(target, 1, "755"), "size": "4k", "read_only": True}
 
 
 def _bind(source: Any, target: str) -> dict[str, Any]:

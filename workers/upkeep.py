@@ -2,8 +2,9 @@
 
 Every few seconds the node compares what Podman runs with what it should: a
 container that exited is stopped in the log with the reason Podman gives (OOM or
-failure), an expired one is reaped (ttl), and a live one gets its agent listener
-back after a worker restart. Then it tells the scheduler its load.
+failure), one whose cgroup saw an OOM kill is ended (oom), an expired one is reaped
+(ttl), and a live one gets its agent listener back after a worker restart. Cgroups
+left without a container are removed. Then it tells the scheduler its load.
 """
 
 from __future__ import annotations
@@ -49,8 +50,13 @@ def payload(node: Node, running: int) -> NodePayload:
 
 def reconcile(node: Node) -> int:
     """Make Podman and the log agree; return how many sandboxes run."""
+    # Listed before the containers: a cgroup made by a create that finishes meanwhile
+    # then either has its container listed or is busy; and rmdir refuses a cgroup that
+    # still holds processes, so the sweep can never empty a live sandbox.
+    leftovers = set(node.driver.cgroup_sandbox_ids())
     running = 0
     for box in node.driver.list_sandboxes():
+        leftovers.discard(box.sandbox_id)
         if node.is_busy(box.sandbox_id):
             running += 1
             continue
@@ -58,6 +64,8 @@ def reconcile(node: Node) -> int:
         job = box.labels.get(LABEL_JOB, "default")
         if box.running and expired(box.labels):
             node.stop(box.sandbox_id, tenant, job, StopReason.TTL, "time to live reached")
+        elif box.running and box.oom_killed:
+            node.stop(box.sandbox_id, tenant, job, StopReason.OOM, "out of memory (OOM kill)")
         elif not box.running:
             reason = StopReason.OOM if box.oom_killed else StopReason.FAILED
             node.stop(
@@ -73,6 +81,9 @@ def reconcile(node: Node) -> int:
             if not node.agents.is_registered(box.sandbox_id):
                 # After a worker restart: listen again, the agent calls back.
                 node.agents.register(box.sandbox_id, node.run_dir(box.sandbox_id))
+    for sandbox_id in sorted(leftovers):
+        if not node.is_busy(sandbox_id) and node.driver.remove_cgroups(sandbox_id):
+            log.info("removed leftover cgroups of %s", sandbox_id)
     return running
 
 
