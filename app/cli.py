@@ -69,7 +69,7 @@ def status(as_json: JsonOpt = False) -> None:
 
     settings = get_settings()
     rows = []
-    for service in stack.services(settings, nodes=stack._known_nodes(settings)):
+    for service in stack.services(settings, stack.known_node_ids(settings)):
         pid = service.pid(settings)
         alive = pid is not None or (service.ready is not None and service.ready())
         rows.append(

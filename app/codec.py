@@ -24,6 +24,7 @@ class DeadLetterReason(StrEnum):
     UNKNOWN_TYPE = "unknown_type"
     UNSUPPORTED_VERSION = "unsupported_version"
     INVALID = "invalid"
+    UNSTORABLE = "unstorable"
 
 
 class DecodeError(DsecError, ValueError):

@@ -45,5 +45,9 @@ class SandboxNotFound(SandboxRejected, LookupError):
     """The sandbox does not exist (or no longer does)."""
 
 
+class StorageRefused(DsecError, ValueError):
+    """The database refused to store something (bad data, a violated constraint)."""
+
+
 class LogTamperRefused(DsecError, PermissionError):
     """The database refused to change or remove a recorded event."""

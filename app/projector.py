@@ -17,15 +17,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kafka.consumer.fetcher import ConsumerRecord
+from sqlalchemy.exc import DBAPIError
 
 from app import metrics
 from app.bus import Publisher
-from app.codec import DecodeError, decode_event
+from app.codec import DeadLetterReason, DecodeError, decode_event
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
 from app.db import log as event_log
 from app.db import projections
 from app.db.engine import transaction
+from app.errors import StorageRefused
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class Projector:
         """Decode, dead-letter, append and project one batch in one transaction."""
         outcome = BatchOutcome()
         good: list[event_log.SourcedEvent] = []
+        sources: dict[int, ConsumerRecord] = {}
         for record in records:
             outcome.offsets[record.partition] = record.offset + 1
             try:
@@ -75,26 +78,72 @@ class Projector:
                 metrics.DEAD_LETTERS.labels(self.name, exc.reason.value).inc()
                 outcome.dead += 1
                 continue
-            good.append(
-                event_log.SourcedEvent(
-                    event, record.topic, self.consumer.topic_id, record.partition, record.offset
-                )
+            item = event_log.SourcedEvent(
+                event, record.topic, self.consumer.topic_id, record.partition, record.offset
             )
+            good.append(item)
+            sources[id(item)] = record
         if outcome.dead:
             # Dead letters are flushed before the offsets move past them: a crash in
             # between sends a letter twice, never zero times.
             self.publisher.flush()
-        with metrics.BATCH_SECONDS.time(), transaction(self.settings.database_url) as conn:
-            appended = event_log.append(conn, good)
-            projections.apply_batch(conn, [(item.event, position) for item, position in appended])
-            event_log.save_offsets(
-                conn, self.name, self.settings.topic_events, self.consumer.topic_id, outcome.offsets
-            )
+        try:
+            appended = self._commit(good, outcome.offsets)
+        except StorageRefused as exc:
+            # One event the database cannot store (it passed validation, but e.g.
+            # jsonb refuses a NUL character) must not stop the log: find it, event by
+            # event, and dead-letter it; the others are appended as usual.
+            log.warning("%s: batch refused (%s); appending event by event", self.name, exc)
+            appended = self._commit_singly(good, outcome, sources)
         outcome.appended = len(appended)
         outcome.duplicates = len(good) - len(appended)
         metrics.EVENTS_APPENDED.inc(outcome.appended)
         metrics.EVENTS_DUPLICATE.inc(outcome.duplicates)
         return outcome
+
+    def _commit(
+        self, good: list[event_log.SourcedEvent], offsets: dict[int, int]
+    ) -> list[tuple[event_log.SourcedEvent, int]]:
+        with metrics.BATCH_SECONDS.time(), transaction(self.settings.database_url) as conn:
+            appended = event_log.append(conn, good)
+            projections.apply_batch(conn, [(item.event, position) for item, position in appended])
+            event_log.save_offsets(
+                conn, self.name, self.settings.topic_events, self.consumer.topic_id, offsets
+            )
+        return appended
+
+    def _commit_singly(
+        self,
+        good: list[event_log.SourcedEvent],
+        outcome: BatchOutcome,
+        sources: dict[int, ConsumerRecord],
+    ) -> list[tuple[event_log.SourcedEvent, int]]:
+        appended: list[tuple[event_log.SourcedEvent, int]] = []
+        refused: list[tuple[event_log.SourcedEvent, str]] = []
+        with transaction(self.settings.database_url) as conn:
+            for item in good:
+                savepoint = conn.begin_nested()
+                try:
+                    one = event_log.append(conn, [item])
+                    projections.apply_batch(conn, [(e.event, p) for e, p in one])
+                except DBAPIError as exc:
+                    savepoint.rollback()
+                    refused.append((item, str(exc.orig)[:500]))
+                    continue
+                savepoint.commit()
+                appended.extend(one)
+            for item, why in refused:
+                dead_letter(
+                    self.publisher, self.settings, self.name, sources[id(item)],
+                    DeadLetterReason.UNSTORABLE, why,
+                )  # fmt: skip
+                metrics.DEAD_LETTERS.labels(self.name, DeadLetterReason.UNSTORABLE.value).inc()
+            self.publisher.flush()  # before the offsets pass them, as above
+            event_log.save_offsets(
+                conn, self.name, self.settings.topic_events, self.consumer.topic_id, outcome.offsets
+            )
+        outcome.dead += len(refused)
+        return appended
 
     def run_once(self, timeout_ms: int = 200) -> BatchOutcome | None:
         """Poll once and handle what came."""

@@ -133,14 +133,24 @@ def broker_binary() -> str:
 
 
 def node_ids(settings: Settings, nodes: int) -> list[str]:
-    """Ids of the embedded nodes: the configured one, then numbered siblings."""
-    if nodes <= 1:
-        return [settings.node_id]
-    return [f"node{i}" for i in range(nodes)]
+    """Ids of the embedded nodes: the configured one, then numbered siblings
+    (``node0`` -> ``node1``, ``node2``; ``edge`` -> ``edge1``, ``edge2``)."""
+    base = settings.node_id.rstrip("0123456789")
+    digits = settings.node_id[len(base) :]
+    first = int(digits) if digits else 0
+    siblings = [f"{base}{first + i}" for i in range(1, max(nodes, 1))]
+    return [settings.node_id, *siblings]
 
 
-def services(settings: Settings, nodes: int = 1) -> list[Service]:
-    """Every process of the embedded stack, in start order."""
+def known_node_ids(settings: Settings) -> list[str]:
+    """The configured node and every node whose worker left a pid file."""
+    run = settings.state_dir / "run"
+    found = sorted(p.name[len("worker-") : -len(".pid")] for p in run.glob("worker-*.pid"))
+    return [settings.node_id, *(n for n in found if n != settings.node_id)]
+
+
+def services(settings: Settings, nodes: int | list[str] = 1) -> list[Service]:
+    """Every process of the embedded stack, in start order (nodes: a count or ids)."""
     py = sys.executable
     host, port = _host_port(settings.kafka_bootstrap.split(",")[0])
     out = [
@@ -168,7 +178,7 @@ def services(settings: Settings, nodes: int = 1) -> list[Service]:
             endpoint=f"http://127.0.0.1:{settings.metrics_port + 1}/metrics",
         ),
     ]
-    for node in node_ids(settings, nodes):
+    for node in nodes if isinstance(nodes, list) else node_ids(settings, nodes):
         out.append(
             Service(
                 f"worker-{node}",
@@ -284,13 +294,8 @@ def down(settings: Settings, log: Callable[[str], None] = print) -> None:
     """Stop every process the stack started (Postgres and Redis are left alone)."""
     from workers.node_setup import stop_all_podman_services
 
-    for service in reversed(services(settings, nodes=_known_nodes(settings))):
+    for service in reversed(services(settings, known_node_ids(settings))):
         if service.stop(settings):
             log(f"{service.name}: stopped")
     stop_all_podman_services()
     log("podman services: stopped")
-
-
-def _known_nodes(settings: Settings) -> int:
-    run = settings.state_dir / "run"
-    return max(1, len(list(run.glob("worker-*.pid")))) if run.exists() else 1

@@ -9,7 +9,7 @@ from functools import lru_cache
 from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from app.errors import LogTamperRefused, ServiceUnavailable
+from app.errors import LogTamperRefused, ServiceUnavailable, StorageRefused
 
 
 @lru_cache(maxsize=8)
@@ -29,4 +29,4 @@ def transaction(url: str) -> Iterator[Connection]:
     except DBAPIError as exc:
         if "append-only" in str(exc.orig) or "permission denied" in str(exc.orig):
             raise LogTamperRefused(str(exc.orig)) from exc
-        raise
+        raise StorageRefused(str(exc.orig)) from exc

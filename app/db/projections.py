@@ -117,7 +117,9 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
                 state, columns = change
                 box.state = advance(box.state, state)
                 box.columns.update({k: v for k, v in columns.items() if v is not None})
-            box.last_position = position
+                # Only events that change the row move its position: an event that
+                # leaves no trace (a refused exec) must not, or batching would show.
+                box.last_position = position
         match event:
             case SandboxStarted():
                 u = out.usage.setdefault(tenant_job, UsageFold())
@@ -129,6 +131,7 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
                 u.last_position = position
             case CommandCompleted(payload=p):
                 out.sandboxes[event.sandbox_id or ""].commands += 1
+                out.sandboxes[event.sandbox_id or ""].last_position = position
                 u = out.usage.setdefault(tenant_job, UsageFold())
                 u.commands += 1
                 u.last_position = position

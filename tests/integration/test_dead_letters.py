@@ -47,7 +47,17 @@ def _too_large(settings: Settings) -> bytes:
     return json.dumps(body).encode()
 
 
+def _nul_character() -> bytes:
+    # Valid JSON and a valid event, but Postgres' jsonb cannot store U+0000.
+    return (
+        NodeLost(node_id=f"dl-{uuid.uuid4().hex[:8]}", payload=NodeLostPayload(detail="a\x00b"))
+        .model_dump_json()
+        .encode()
+    )
+
+
 CASES = {
+    "unstorable": lambda s: _nul_character(),
     "malformed_json": lambda s: b'{"type": "NodeLost", ',
     "unknown_type": lambda s: json.dumps({"type": "SandboxTeleported", "version": 1}).encode(),
     "unsupported_version": lambda s: _version_99(),
