@@ -25,10 +25,12 @@ from app.domain.base import FailReason, StopReason, derived_id, utcnow
 from app.domain.events import (
     CommandCompleted,
     CommandPayload,
+    CommandReplayed,
     FailedPayload,
     FilePayload,
     FileRead,
     FileWritten,
+    ReplayedPayload,
     SandboxFailed,
     SandboxStarted,
     SandboxStopped,
@@ -50,6 +52,7 @@ from workers.errors import ImageNotFound, NodeError, SandboxCreateFailed
 from workers.events_out import Outlet
 from workers.podman_driver import PodmanDriver
 from workers.sandbox_spec import SandboxSpec
+from workers.trajectory import StepGuard, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ log = logging.getLogger(__name__)
 AUDIT_HEAD = 256
 #: How long a create waits for the in-sandbox agent to call home.
 AGENT_CONNECT_S = 15.0
+#: Each replayed command of a trajectory restore gets this long.
+RESTORE_COMMAND_TIMEOUT_S = 300.0
 #: How long an exec waits for a sandbox's agent (reconnecting after a worker restart).
 AGENT_WAIT_S = 10.0
 #: How long the node remembers an exec request id (redelivery window).
@@ -110,6 +115,7 @@ class Node:
         self.agents = agents
         self.outlet = Outlet(settings)
         self.redis = redis.Redis.from_url(settings.celery_broker_url)
+        self.steps = StepGuard(self.redis)
         self.sandbox_root = settings.state_dir / "nodes" / node_id / "sandboxes"
         self.agent_dir = settings.state_dir / "agent"
         # Sandboxes being created or destroyed right now: the reconciler leaves them
@@ -198,12 +204,16 @@ class Node:
             run_dir=self.run_dir(request.sandbox_id),
         )
 
-    def create(self, request: CreateSandbox) -> None:
-        """Create and start the sandbox, wait for its agent, say so."""
-        with self.busy(request.sandbox_id):
-            self._create(request)
+    def create(self, request: CreateSandbox, restore: list[str | list[str]] | None = None) -> None:
+        """Create and start the sandbox, wait for its agent, say so.
 
-    def _create(self, request: CreateSandbox) -> None:
+        ``restore``: a trajectory's commands, replayed in order into the fresh sandbox
+        before the trainer hears it is ready (rebuilding a lost sandbox's state).
+        """
+        with self.busy(request.sandbox_id):
+            self._create(request, restore or [])
+
+    def _create(self, request: CreateSandbox, restore: list[str | list[str]]) -> None:
         spec = self.spec_for(request)
         try:
             if spec.network and not self.settings.allow_egress:
@@ -228,12 +238,60 @@ class Node:
                 payload=StartedPayload(request_id=request.request_id, container_id=container_id),
             )
         )
+        if restore and not self._restore(request, restore):
+            return
         self.outlet.reply(
             request.reply_to,
             SandboxReady(
                 request_id=request.request_id, sandbox_id=request.sandbox_id, node_id=self.node_id
             ),
         )
+
+    def _restore(self, request: CreateSandbox, commands: list[str | list[str]]) -> bool:
+        """Replay a trajectory's commands into the new sandbox; False if it broke."""
+        for i, command in enumerate(commands):
+            replay = Exec(
+                request_id=derived_id(request.request_id, f"restore:{i}"),
+                sandbox_id=request.sandbox_id,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                actor=f"restore of {request.restore_trajectory}",
+                command=command,
+                timeout_s=RESTORE_COMMAND_TIMEOUT_S,
+            )
+            try:
+                argv = ["/bin/sh", "-c", command] if isinstance(command, str) else command
+                conn = self.agents.connection(request.sandbox_id, AGENT_WAIT_S)
+                result = conn.exec(argv, timeout_s=RESTORE_COMMAND_TIMEOUT_S)
+            except Exception as exc:
+                self._fail(request, exc)
+                self.stop(
+                    request.sandbox_id, request.tenant, request.job_id, StopReason.FAILED,
+                    f"restore of {request.restore_trajectory} broke at command {i}: {exc}",
+                )  # fmt: skip
+                return False
+            self.outlet.event(
+                CommandCompleted(
+                    event_id=derived_id(replay.request_id, "completed"),
+                    sandbox_id=request.sandbox_id,
+                    node_id=self.node_id,
+                    tenant=request.tenant,
+                    job_id=request.job_id,
+                    payload=CommandPayload(
+                        request_id=replay.request_id,
+                        actor=replay.actor,
+                        command=command,
+                        exit_code=result.exit_code,
+                        duration_ms=result.duration_s * 1000,
+                        stdout_bytes=len(result.stdout),
+                        stderr_bytes=len(result.stderr),
+                        stdout_head=_audit_head(result.stdout),
+                        stderr_head=_audit_head(result.stderr),
+                        timed_out=result.timed_out,
+                    ),
+                )
+            )
+        return True
 
     def _discard(self, sandbox_id: str) -> bool:
         """Remove the container, its agent listener and run dir; True if it existed."""
@@ -301,6 +359,16 @@ class Node:
         if not self._claim(request):
             log.info("exec %s already ran on this node; skipping", request.request_id)
             return
+        traj, step = request.trajectory_id, request.step
+        claimed_elsewhere = (
+            traj is not None
+            and step is not None
+            and not self.steps.claim(traj, step, str(request.request_id))
+        )
+        if claimed_elsewhere:
+            assert traj is not None and step is not None
+            self._answer_claimed_step(request, traj, step)
+            return
         argv = (
             ["/bin/sh", "-c", request.command]
             if isinstance(request.command, str)
@@ -316,10 +384,29 @@ class Node:
                 stdin=base64.b64decode(request.stdin_b64),
             )
         except Exception as exc:
+            if traj is not None and step is not None:
+                self.steps.release(traj, step)  # it never ran: a retry may run it
             self._fail(request, exc)
             return
         duration_ms = result.duration_s * 1000
         truncated = result.stdout_truncated or result.stderr_truncated
+        stdout_b64 = base64.b64encode(result.stdout).decode()
+        stderr_b64 = base64.b64encode(result.stderr).decode()
+        if traj is not None and step is not None:
+            self.steps.record(
+                traj,
+                step,
+                StepResult(
+                    request_id=str(request.request_id),
+                    exit_code=result.exit_code,
+                    stdout_b64=stdout_b64,
+                    stderr_b64=stderr_b64,
+                    duration_ms=duration_ms,
+                    timed_out=result.timed_out,
+                    stdout_truncated=result.stdout_truncated,
+                    stderr_truncated=result.stderr_truncated,
+                ),
+            )
         self.outlet.event(
             CommandCompleted(
                 event_id=derived_id(request.request_id, "completed"),
@@ -341,6 +428,9 @@ class Node:
                     truncated=truncated,
                     trajectory_id=request.trajectory_id,
                     step=request.step,
+                    # Whole output only for trajectory steps: it is what a replay returns.
+                    stdout_b64=stdout_b64 if traj is not None else None,
+                    stderr_b64=stderr_b64 if traj is not None else None,
                 ),
             )
         )
@@ -352,12 +442,53 @@ class Node:
                 request_id=request.request_id,
                 sandbox_id=request.sandbox_id,
                 exit_code=result.exit_code,
-                stdout_b64=base64.b64encode(result.stdout).decode(),
-                stderr_b64=base64.b64encode(result.stderr).decode(),
+                stdout_b64=stdout_b64,
+                stderr_b64=stderr_b64,
                 duration_ms=duration_ms,
                 timed_out=result.timed_out,
                 stdout_truncated=result.stdout_truncated,
                 stderr_truncated=result.stderr_truncated,
+            ),
+        )
+
+    def _answer_claimed_step(self, request: Exec, traj: str, step: int) -> None:
+        """A step another request already ran (or runs): answer with its result."""
+        recorded = self.steps.wait(traj, step, request.timeout_s + AGENT_WAIT_S)
+        if recorded is None:
+            self._fail(
+                request,
+                AgentTimeout(f"trajectory {traj} step {step} is claimed but has no result yet"),
+            )
+            return
+        self.outlet.event(
+            CommandReplayed(
+                event_id=derived_id(request.request_id, "replayed"),
+                sandbox_id=request.sandbox_id,
+                node_id=self.node_id,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                payload=ReplayedPayload(
+                    request_id=request.request_id,
+                    actor=request.actor,
+                    trajectory_id=traj,
+                    step=step,
+                    original_request_id=uuid.UUID(recorded.request_id),
+                ),
+            )
+        )
+        self.outlet.reply(
+            request.reply_to,
+            ExecOutput(
+                request_id=request.request_id,
+                sandbox_id=request.sandbox_id,
+                exit_code=recorded.exit_code,
+                stdout_b64=recorded.stdout_b64,
+                stderr_b64=recorded.stderr_b64,
+                duration_ms=recorded.duration_ms,
+                timed_out=recorded.timed_out,
+                stdout_truncated=recorded.stdout_truncated,
+                stderr_truncated=recorded.stderr_truncated,
+                replayed=True,
             ),
         )
 

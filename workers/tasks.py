@@ -6,6 +6,7 @@ it validated, so this means version skew), never retried into a loop.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -89,9 +90,10 @@ def _run(task: NodeTask, model: type[R], body: str, handler: Callable[[R], None]
 
 
 @celery.task(name=NodeTask.CREATE)
-def create(body: str) -> None:
-    """Create and start a sandbox."""
-    _run(NodeTask.CREATE, CreateSandbox, body, runtime.node().create)
+def create(body: str, restore: str | None = None) -> None:
+    """Create and start a sandbox (replaying a trajectory's commands, if given)."""
+    commands: list[str | list[str]] = json.loads(restore) if restore else []
+    _run(NodeTask.CREATE, CreateSandbox, body, lambda r: runtime.node().create(r, commands))
 
 
 @celery.task(name=NodeTask.EXEC)
