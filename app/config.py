@@ -51,7 +51,17 @@ class Settings(BaseSettings):
     tenant_quotas: dict[str, int] = Field(
         default_factory=dict, description='Per-tenant quotas, JSON: {"team-a": 500}.'
     )
+    lease_ttl_s: float = Field(30.0, description="Default trainer lease, seconds.")
+    lease_grace_s: float = Field(300.0, description="Frozen this long after a lapse.")
     max_message_bytes: int = Field(1_048_576, description="Largest accepted Kafka message.")
+    warm_pool: dict[str, int] = Field(
+        default_factory=lambda: {"dsec/busybox:latest": 4},
+        description=(
+            'Started sandboxes each node keeps ready per image, JSON: {"dsec/busybox:latest": 8}'
+            " ({} turns warm pools off). A create of that image with the default disk and no"
+            " network claims one instead of starting a container (workers/warm_pool.py)."
+        ),
+    )
 
     @property
     def topic_requests(self) -> str:

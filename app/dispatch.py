@@ -23,7 +23,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 from app import metrics
 from app.codec import DecodeError, decode_event, decode_request, encode, peek
 from app.config import Settings
-from app.domain.base import RejectReason, StopReason, derived_id, utcnow
+from app.domain.base import RejectReason, StopReason, derived_id, new_id, utcnow
 from app.domain.events import (
     CommandReplayed,
     NodeHeartbeat,
@@ -42,6 +42,7 @@ from app.domain.events import (
     ScheduledPayload,
     StoppedPayload,
 )
+from app.domain.lease import Lease, LeaseAction, LeaseState
 from app.domain.placement import Allocation, NodeView, Placement
 from app.domain.reconcile import NodeLedger
 from app.domain.replies import Done, ErrorReply, ExecOutput
@@ -51,8 +52,12 @@ from app.domain.requests import (
     DestroyGroup,
     DestroySandbox,
     Exec,
+    FreezeSandbox,
+    RenewLease,
     ReplyTo,
     Request,
+    RequestBase,
+    ThawSandbox,
     expand_group,
     member_request_id,
 )
@@ -108,6 +113,10 @@ class Dispatcher:
         # Creates sent to a node whose Started has not come back: if the node is
         # lost first, the waiting trainer is told here.
         self.awaiting_start: dict[str, tuple[uuid.UUID, ReplyTo | None]] = {}
+        # Trainer leases live in memory: after a restart they are learned again from
+        # the next renewals (TTLs still bound every sandbox meanwhile).
+        self.leases: dict[str, Lease] = {}
+        self.lease_of: dict[str, str] = {}
         self.ledgers: dict[str, NodeLedger] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()
         self.heartbeat_timeout = heartbeat_timeout
@@ -150,6 +159,7 @@ class Dispatcher:
                 self.awaiting_start.pop(event.sandbox_id or "", None)
             case SandboxStopped(payload=p):
                 self.awaiting_start.pop(event.sandbox_id or "", None)
+                self._unlease(event.sandbox_id or "")
                 self.placement.release(event.sandbox_id or "")
                 self._ended(event.sandbox_id or "", p.reason.value)
             case SandboxFailed(payload=p) if p.request_type == "CreateSandbox":
@@ -304,6 +314,14 @@ class Dispatcher:
     def _schedule(self, out: Outbox, request: CreateSandbox, placed: Allocation) -> None:
         """Requested + Scheduled, and the node task, for one placed sandbox."""
         self.awaiting_start[request.sandbox_id] = (request.request_id, request.reply_to)
+        if request.lease_id is not None:
+            lease = self.leases.get(request.lease_id)
+            if lease is None:
+                ttl, grace = self.settings.lease_ttl_s, self.settings.lease_grace_s
+                lease = Lease(request.lease_id, ttl, grace, time.monotonic() + ttl)
+                self.leases[request.lease_id] = lease
+            lease.sandboxes.add(request.sandbox_id)
+            self.lease_of[request.sandbox_id] = request.lease_id
         common = {
             "sandbox_id": request.sandbox_id,
             "tenant": request.tenant,
@@ -372,6 +390,20 @@ class Dispatcher:
         if isinstance(request, DestroyGroup):
             self._destroy_group(out, request)
             return
+        if isinstance(request, RenewLease):
+            self._renew(out, request)
+            return
+        lease = self.leases.get(self.lease_of.get(request.sandbox_id, ""))
+        if (
+            lease is not None
+            and lease.state == LeaseState.LAPSED
+            and not isinstance(request, DestroySandbox | ThawSandbox)
+        ):
+            self._reject(
+                out, request, {}, RejectReason.SANDBOX_NOT_RUNNING,
+                f"sandbox {request.sandbox_id} is frozen: lease {lease.lease_id} lapsed",
+            )  # fmt: skip
+            return
         node = self.placement.node_of(request.sandbox_id)
         if node is None:
             ended = self.ended.get(request.sandbox_id)
@@ -390,6 +422,62 @@ class Dispatcher:
             return
         out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, [request.model_dump_json()]))
         metrics.REQUESTS.labels(request.type, "routed").inc()
+
+    def _unlease(self, sandbox_id: str) -> None:
+        lease_id = self.lease_of.pop(sandbox_id, None)
+        lease = self.leases.get(lease_id or "")
+        if lease is not None:
+            lease.sandboxes.discard(sandbox_id)
+
+    def _renew(self, out: Outbox, request: RenewLease) -> None:
+        now = time.monotonic()
+        lease = self.leases.get(request.sandbox_id)
+        if lease is None:
+            lease = Lease(request.sandbox_id, request.ttl_s, request.grace_s, now + request.ttl_s)
+            self.leases[request.sandbox_id] = lease
+        if lease.renew(now, request.ttl_s, request.grace_s) == LeaseAction.THAW:
+            log.info("scheduler: lease %s renewed after a lapse: thawing", lease.lease_id)
+            self._lease_tasks(out, lease, LeaseAction.THAW)
+        if request.reply_to is not None:
+            done = Done(request_id=request.request_id, sandbox_id=request.sandbox_id)
+            out.replies.append((request.reply_to, request.sandbox_id, encode(done)))
+
+    def _lease_tasks(self, out: Outbox, lease: Lease, action: LeaseAction) -> None:
+        """Freeze, thaw or destroy every live sandbox of a lease."""
+        for sandbox_id in sorted(lease.sandboxes):
+            node = self.placement.node_of(sandbox_id)
+            allocation = self.placement.allocations.get(sandbox_id)
+            if node is None or allocation is None:
+                continue
+            common = {
+                "request_id": new_id(),
+                "sandbox_id": sandbox_id,
+                "tenant": allocation.tenant,
+                "job_id": allocation.job_id,
+                "actor": f"lease {lease.lease_id}",
+            }
+            task: RequestBase
+            if action == LeaseAction.FREEZE:
+                task = FreezeSandbox(reason=StopReason.LEASE_LAPSED.value, **common)
+            elif action == LeaseAction.THAW:
+                task = ThawSandbox(**common)
+            else:
+                task = DestroySandbox(reason=StopReason.LEASE_LAPSED.value, **common)
+            out.tasks.append((TASK_FOR_REQUEST[task.type], node.queue, [task.model_dump_json()]))
+
+    def check_leases(self, out: Outbox) -> None:
+        """Freeze the sandboxes of lapsed leases; destroy them after the grace period."""
+        now = time.monotonic()
+        for lease in list(self.leases.values()):
+            action = lease.tick(now)
+            if action is None:
+                continue
+            log.warning(
+                "scheduler: lease %s: %s %d sandboxes", lease.lease_id, action, len(lease.sandboxes)
+            )
+            self._lease_tasks(out, lease, action)
+            if action == LeaseAction.DESTROY:
+                del self.leases[lease.lease_id]
 
     def _destroy_group(self, out: Outbox, request: DestroyGroup) -> None:
         """Route a destroy to every member; members already gone are answered here."""

@@ -117,6 +117,7 @@ class Scheduler:
         for record in self._poll_events():
             self.dispatcher.observe(out, record)
         self.dispatcher.check_nodes(out)
+        self.dispatcher.check_leases(out)
         self.dispatcher.retry_pending(out)
         records = self.requests.poll(timeout_ms=50, max_records=500)
         offsets: dict[int, int] = {}

@@ -37,6 +37,7 @@ from app.domain.requests import (
     DestroySandbox,
     Exec,
     ReadFile,
+    RenewLease,
     ReplyTo,
     RequestBase,
     WriteFile,
@@ -107,7 +108,14 @@ class Client:
         job_id: str = "default",
         actor: str = "sdk",
         timeout_s: float = 120.0,
+        lease: bool | str = False,
+        lease_ttl_s: float = 30.0,
+        lease_grace_s: float = 300.0,
     ) -> None:
+        """Connect; with ``lease``, tie every sandbox this client creates to a lease it
+        renews in the background (a string reattaches to an earlier lease by id): if
+        this trainer dies, its sandboxes are frozen after ``lease_ttl_s`` and
+        destroyed ``lease_grace_s`` later unless a client reattaches."""
         self.settings = settings or get_settings()
         self.tenant, self.job_id, self.actor = tenant, job_id, actor
         self.timeout_s = timeout_s
@@ -124,6 +132,12 @@ class Client:
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_replies, name="dsec-replies", daemon=True)
         self._reader.start()
+        self.lease_id: str | None = None
+        if lease:
+            self.lease_id = lease if isinstance(lease, str) else "lease-" + uuid.uuid4().hex[:20]
+            self._lease_ttl_s, self._lease_grace_s = lease_ttl_s, lease_grace_s
+            self._renew_lease()
+            threading.Thread(target=self._keep_lease, name="dsec-lease", daemon=True).start()
 
     # --- plumbing ---------------------------------------------------------------
 
@@ -139,6 +153,25 @@ class Client:
                         future = self._waiting.pop(reply.request_id, None)
                     if future is not None:
                         future.set_result(reply)
+
+    def _renew_lease(self) -> None:
+        assert self.lease_id is not None
+        renew = RenewLease(
+            sandbox_id=self.lease_id, tenant=self.tenant, job_id=self.job_id, actor=self.actor,
+            ttl_s=self._lease_ttl_s, grace_s=self._lease_grace_s,
+        )  # fmt: skip
+        self._publisher.publish(self.settings.topic_requests, self.lease_id, renew)
+
+    def _keep_lease(self) -> None:
+        # Three renewals per lease period: one lost message does not lapse it.
+        while not self._closed.wait(self._lease_ttl_s / 3):
+            try:
+                self._renew_lease()
+            except Exception:  # the next round tries again; a lapse is recoverable
+                continue
+
+    def _shape(self) -> dict[str, Any]:
+        return {"lease_id": self.lease_id} if self.lease_id else {}
 
     def _common(self, sandbox_id: str) -> dict[str, Any]:
         return {
@@ -196,7 +229,7 @@ class Client:
             CreateSandbox(
                 image=image or self.settings.default_image,
                 **self._common(new_sandbox_id()),
-                **options,
+                **{**self._shape(), **options},
             )
             for _ in range(n)
         ]
@@ -236,7 +269,7 @@ class Client:
             image=image or self.settings.default_image,
             members=members,
             **self._common(gid),
-            **options,
+            **{**self._shape(), **options},
         )
         futures = {m: self.expect(member_request_id(request.request_id, m)) for m in members}
         self._publisher.publish(self.settings.topic_requests, gid, request)

@@ -67,7 +67,7 @@ class AsyncClient:
             CreateSandbox(
                 image=image or self._client.settings.default_image,
                 **self._client._common(new_sandbox_id()),
-                **options,
+                **{**self._client._shape(), **options},
             )
             for _ in range(n)
         ]

@@ -24,6 +24,8 @@ class NodeTask(StrEnum):
     WRITE_FILE = "dsec.node.write_file"
     READ_FILE = "dsec.node.read_file"
     DESTROY = "dsec.node.destroy"
+    FREEZE = "dsec.node.freeze"
+    THAW = "dsec.node.thaw"
 
 
 #: Which task carries out each request type.
@@ -33,6 +35,8 @@ TASK_FOR_REQUEST = {
     "WriteFile": NodeTask.WRITE_FILE,
     "ReadFile": NodeTask.READ_FILE,
     "DestroySandbox": NodeTask.DESTROY,
+    "FreezeSandbox": NodeTask.FREEZE,
+    "ThawSandbox": NodeTask.THAW,
 }
 
 

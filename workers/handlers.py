@@ -30,10 +30,13 @@ from app.domain.events import (
     FilePayload,
     FileRead,
     FileWritten,
+    FreezePayload,
     ReplayedPayload,
     SandboxFailed,
+    SandboxFrozen,
     SandboxStarted,
     SandboxStopped,
+    SandboxThawed,
     StartedPayload,
     StoppedPayload,
 )
@@ -42,8 +45,10 @@ from app.domain.requests import (
     CreateSandbox,
     DestroySandbox,
     Exec,
+    FreezeSandbox,
     ReadFile,
     RequestBase,
+    ThawSandbox,
     WriteFile,
 )
 from workers.agent.client import AgentPool
@@ -51,7 +56,7 @@ from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUn
 from workers.errors import ImageNotFound, NodeError, SandboxCreateFailed
 from workers.events_out import Outlet
 from workers.podman_driver import PodmanDriver
-from workers.sandbox_spec import SandboxSpec
+from workers.sandbox_spec import AGENT_BIN_MOUNT, SandboxSpec
 from workers.trajectory import StepGuard, StepResult
 
 log = logging.getLogger(__name__)
@@ -330,6 +335,45 @@ class Node:
             )
         )
 
+    def freeze(self, request: FreezeSandbox) -> None:
+        """Stop every process of the sandbox but its agent (SIGSTOP), keeping state."""
+        self._signal_all(request, "STOP", SandboxFrozen, request.reason)
+
+    def thaw(self, request: ThawSandbox) -> None:
+        """Let a frozen sandbox's processes run again (SIGCONT)."""
+        self._signal_all(request, "CONT", SandboxThawed, "thawed")
+
+    def _signal_all(
+        self,
+        request: FreezeSandbox | ThawSandbox,
+        signal_name: str,
+        event_type: type[SandboxFrozen] | type[SandboxThawed],
+        reason: str,
+    ) -> None:
+        # kill(-1) from a child of the agent reaches every process of the sandbox
+        # except PID 1 (the agent, which must keep answering) and the caller itself.
+        # Portable: no freezer cgroup needed, works on cgroup v1 and v2 alike.
+        argv = [f"{AGENT_BIN_MOUNT}/busybox", "kill", f"-{signal_name}", "-1"]
+        try:
+            conn = self.agents.connection(request.sandbox_id, AGENT_WAIT_S)
+            conn.exec(argv, timeout_s=10)
+        except Exception as exc:
+            self._fail(request, exc)
+            return
+        self.outlet.event(
+            event_type(
+                sandbox_id=request.sandbox_id,
+                node_id=self.node_id,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                payload=FreezePayload(reason=reason, request_id=request.request_id),
+            )
+        )
+        self.outlet.reply(
+            request.reply_to,
+            Done(request_id=request.request_id, sandbox_id=request.sandbox_id, detail=reason),
+        )
+
     def destroy(self, request: DestroySandbox) -> None:
         """Destroy on request; a second destroy is answered without a second Stopped."""
         with self.busy(request.sandbox_id):
@@ -339,7 +383,7 @@ class Node:
                     request.sandbox_id,
                     request.tenant,
                     request.job_id,
-                    StopReason.DESTROYED,
+                    StopReason(request.reason),
                     f"destroyed by {request.actor}",
                     request,
                 )

@@ -19,7 +19,16 @@ from app.codec import peek
 from app.domain.base import FailReason, derived_id
 from app.domain.events import FailedPayload, SandboxFailed
 from app.domain.replies import ErrorReply
-from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReadFile, ReplyTo, WriteFile
+from app.domain.requests import (
+    CreateSandbox,
+    DestroySandbox,
+    Exec,
+    FreezeSandbox,
+    ReadFile,
+    ReplyTo,
+    ThawSandbox,
+    WriteFile,
+)
 from app.taskqueue import NodeTask
 from workers import runtime
 from workers.celery_app import celery
@@ -112,6 +121,18 @@ def write_file(body: str) -> None:
 def read_file(body: str) -> None:
     """Read a file from a sandbox."""
     _run(NodeTask.READ_FILE, ReadFile, body, runtime.node().read_file)
+
+
+@celery.task(name=NodeTask.FREEZE)
+def freeze(body: str) -> None:
+    """Freeze a sandbox (its trainer's lease lapsed, or it was asked)."""
+    _run(NodeTask.FREEZE, FreezeSandbox, body, runtime.node().freeze)
+
+
+@celery.task(name=NodeTask.THAW)
+def thaw(body: str) -> None:
+    """Thaw a frozen sandbox."""
+    _run(NodeTask.THAW, ThawSandbox, body, runtime.node().thaw)
 
 
 @celery.task(name=NodeTask.DESTROY)

@@ -140,6 +140,13 @@ class FilePayload(Message):
     size: int = Field(description="Bytes moved.")
 
 
+class FreezePayload(Message):
+    """Why a sandbox was frozen or thawed."""
+
+    reason: str = Field(description="lease_lapsed, requested, lease_renewed ...")
+    request_id: uuid.UUID | None = Field(None, description="The request behind it.")
+
+
 class NodePayload(Message):
     """A node's declared capacity and current load."""
 
@@ -205,6 +212,20 @@ class SandboxStopped(EventBase):
     payload: StoppedPayload
 
 
+class SandboxFrozen(EventBase):
+    """Every process of the sandbox was stopped; its state is kept."""
+
+    type: Literal["SandboxFrozen"] = "SandboxFrozen"
+    payload: FreezePayload
+
+
+class SandboxThawed(EventBase):
+    """A frozen sandbox runs again."""
+
+    type: Literal["SandboxThawed"] = "SandboxThawed"
+    payload: FreezePayload
+
+
 class CommandCompleted(EventBase):
     """A command finished in the sandbox."""
 
@@ -261,6 +282,8 @@ Event = Annotated[
     | SandboxStarted
     | SandboxFailed
     | SandboxStopped
+    | SandboxFrozen
+    | SandboxThawed
     | CommandCompleted
     | CommandReplayed
     | FileWritten
@@ -279,6 +302,8 @@ EVENT_TYPES = frozenset(
         "SandboxStarted",
         "SandboxFailed",
         "SandboxStopped",
+        "SandboxFrozen",
+        "SandboxThawed",
         "CommandCompleted",
         "CommandReplayed",
         "FileWritten",

@@ -52,6 +52,9 @@ class SandboxShape(Message):
     queue_s: float = Field(
         30.0, ge=0, le=3600, description="Wait this long for room (nodes, quota); 0: now or never."
     )
+    lease_id: Name | None = Field(
+        None, description="Tie the sandbox to this trainer lease (frozen when it lapses)."
+    )
 
 
 class CreateSandbox(RequestBase, SandboxShape):
@@ -117,10 +120,45 @@ class DestroySandbox(RequestBase):
     """Throw a sandbox away."""
 
     type: Literal["DestroySandbox"] = "DestroySandbox"
+    reason: Literal["destroyed", "lease_lapsed"] = Field(
+        "destroyed", description="Recorded as the SandboxStopped reason."
+    )
+
+
+class FreezeSandbox(RequestBase):
+    """Stop every process in a sandbox, keeping its state (SIGSTOP)."""
+
+    type: Literal["FreezeSandbox"] = "FreezeSandbox"
+    reason: str = Field("requested", max_length=64, description="Why (e.g. lease_lapsed).")
+
+
+class ThawSandbox(RequestBase):
+    """Let a frozen sandbox's processes run again (SIGCONT)."""
+
+    type: Literal["ThawSandbox"] = "ThawSandbox"
+
+
+class RenewLease(RequestBase):
+    """A trainer is alive: ``sandbox_id`` names its lease (and keys the message)."""
+
+    type: Literal["RenewLease"] = "RenewLease"
+    ttl_s: float = Field(30.0, ge=1, le=3600, description="Lapses this long after now.")
+    grace_s: float = Field(
+        300.0, ge=0, le=86_400, description="Frozen this long after a lapse, then destroyed."
+    )
 
 
 Request = Annotated[
-    CreateSandbox | CreateGroup | DestroyGroup | Exec | WriteFile | ReadFile | DestroySandbox,
+    CreateSandbox
+    | CreateGroup
+    | DestroyGroup
+    | Exec
+    | WriteFile
+    | ReadFile
+    | DestroySandbox
+    | FreezeSandbox
+    | ThawSandbox
+    | RenewLease,
     Field(discriminator="type"),
 ]
 REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
@@ -133,6 +171,9 @@ REQUEST_TYPES = frozenset(
         "WriteFile",
         "ReadFile",
         "DestroySandbox",
+        "FreezeSandbox",
+        "ThawSandbox",
+        "RenewLease",
     }
 )
 #: Label carried by every member of a rollout group.
