@@ -25,13 +25,11 @@ from app.codec import DecodeError, decode_event, decode_request, encode, peek
 from app.config import Settings
 from app.domain.base import RejectReason, StopReason, derived_id, new_id, utcnow
 from app.domain.events import (
-    CommandReplayed,
     NodeHeartbeat,
     NodeLost,
     NodeLostPayload,
     NodeRegistered,
     RejectedPayload,
-    ReplayedPayload,
     RequestedPayload,
     SandboxFailed,
     SandboxRejected,
@@ -45,7 +43,7 @@ from app.domain.events import (
 from app.domain.lease import Lease, LeaseAction, LeaseState
 from app.domain.placement import Allocation, NodeView, Placement
 from app.domain.reconcile import NodeLedger
-from app.domain.replies import Done, ErrorReply, ExecOutput
+from app.domain.replies import Done, ErrorReply
 from app.domain.requests import (
     CreateGroup,
     CreateSandbox,
@@ -61,7 +59,7 @@ from app.domain.requests import (
     expand_group,
     member_request_id,
 )
-from app.domain.trajectory import TrajectoryLog
+from app.domain.trajectory import TrajectoryLog, replay_answer
 from app.taskqueue import TASK_FOR_REQUEST
 
 log = logging.getLogger(__name__)
@@ -199,7 +197,8 @@ class Dispatcher:
 
     def _reconcile(self, out: Outbox, node_id: str, reported: set[str]) -> None:
         ledger = self.ledgers.setdefault(node_id, NodeLedger())
-        verdict = ledger.observe(self.placement.placed_on(node_id), reported)
+        placed = self.placement.placed_on(node_id)
+        verdict = ledger.observe(placed, reported, self.awaiting_start.keys() & placed)
         for sandbox_id in sorted(verdict.vanished):
             allocation = self.placement.allocations.get(sandbox_id)
             if allocation is not None:
@@ -505,33 +504,19 @@ class Dispatcher:
         recorded = self.trajectory.lookup(request.trajectory_id, request.step)
         if recorded is None:
             return False
-        event = CommandReplayed(
-            event_id=derived_id(request.request_id, "replayed"),
-            sandbox_id=request.sandbox_id,
-            tenant=request.tenant,
-            job_id=request.job_id,
-            payload=ReplayedPayload(
-                request_id=request.request_id,
-                actor=request.actor,
-                trajectory_id=request.trajectory_id,
-                step=request.step,
-                original_request_id=recorded.request_id,
-            ),
+        event, reply = replay_answer(
+            request,
+            recorded.request_id,
+            exit_code=recorded.exit_code,
+            stdout_b64=recorded.stdout_b64,
+            stderr_b64=recorded.stderr_b64,
+            duration_ms=recorded.duration_ms,
+            timed_out=recorded.timed_out,
+            stdout_truncated=recorded.truncated,
+            stderr_truncated=recorded.truncated,
         )
         out.events.append((event.key, encode(event)))
         if request.reply_to is not None:
-            reply = ExecOutput(
-                request_id=request.request_id,
-                sandbox_id=request.sandbox_id,
-                exit_code=recorded.exit_code,
-                stdout_b64=recorded.stdout_b64,
-                stderr_b64=recorded.stderr_b64,
-                duration_ms=recorded.duration_ms,
-                timed_out=recorded.timed_out,
-                stdout_truncated=recorded.truncated,
-                stderr_truncated=recorded.truncated,
-                replayed=True,
-            )
             out.replies.append((request.reply_to, request.sandbox_id, encode(reply)))
         metrics.REQUESTS.labels(request.type, "replayed").inc()
         return True

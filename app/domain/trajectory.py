@@ -12,6 +12,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from app.domain.base import derived_id
+from app.domain.events import CommandReplayed, ReplayedPayload
+from app.domain.replies import ExecOutput
+from app.domain.requests import Exec
+
 
 @dataclass(frozen=True)
 class RecordedStep:
@@ -50,3 +55,47 @@ class InMemoryTrajectoryLog:
     def steps(self, trajectory_id: str) -> list[RecordedStep]:
         found = [s for (t, _), s in self.recorded.items() if t == trajectory_id]
         return sorted(found, key=lambda s: s.step)
+
+
+def replay_answer(
+    request: Exec,
+    original_request_id: uuid.UUID,
+    *,
+    exit_code: int,
+    stdout_b64: str,
+    stderr_b64: str,
+    duration_ms: float,
+    timed_out: bool,
+    stdout_truncated: bool,
+    stderr_truncated: bool,
+    node_id: str | None = None,
+) -> tuple[CommandReplayed, ExecOutput]:
+    """The audit event and the trainer's reply for a step answered from the log."""
+    assert request.trajectory_id is not None and request.step is not None
+    event = CommandReplayed(
+        event_id=derived_id(request.request_id, "replayed"),
+        sandbox_id=request.sandbox_id,
+        node_id=node_id,
+        tenant=request.tenant,
+        job_id=request.job_id,
+        payload=ReplayedPayload(
+            request_id=request.request_id,
+            actor=request.actor,
+            trajectory_id=request.trajectory_id,
+            step=request.step,
+            original_request_id=original_request_id,
+        ),
+    )
+    reply = ExecOutput(
+        request_id=request.request_id,
+        sandbox_id=request.sandbox_id,
+        exit_code=exit_code,
+        stdout_b64=stdout_b64,
+        stderr_b64=stderr_b64,
+        duration_ms=duration_ms,
+        timed_out=timed_out,
+        stdout_truncated=stdout_truncated,
+        stderr_truncated=stderr_truncated,
+        replayed=True,
+    )
+    return event, reply
