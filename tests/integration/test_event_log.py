@@ -169,3 +169,36 @@ def test_rebuild_equals_live_projections_after_mixed_workload(stack: Settings, c
     # Then they equal the live ones row for row
     assert set(live) ^ set(rebuilt) == set()
     assert any(row[0] == "commands" for row in live)
+
+
+def test_positions_can_commit_out_of_order_across_writers(stack: Settings) -> None:
+    """The race docs/guarantees.md describes: with two writers (partition-parallel
+    projectors), a reader following `position` can see a later position before an
+    earlier one commits. Readers that need a gapless feed follow Kafka offsets."""
+    from app.db.engine import engine_for
+    from app.db.log import SourcedEvent, append
+
+    engine = engine_for(stack.database_url)
+    topic_id = uuid.uuid4()
+
+    def event(n: int) -> SourcedEvent:
+        lost = NodeLost(node_id=f"race-{uuid.uuid4().hex[:6]}", payload=NodeLostPayload(detail="r"))
+        return SourcedEvent(lost, "race", topic_id, n, 0)
+
+    with engine.connect() as writer_a, engine.connect() as writer_b, engine.connect() as reader:
+        # Given writer A appends first but has not committed
+        tx_a = writer_a.begin()
+        (_, first), *_ = append(writer_a, [event(0)])
+        # When writer B appends after it and commits
+        with writer_b.begin():
+            (_, second), *_ = append(writer_b, [event(1)])
+        # Then a reader sees B's later position while A's earlier one is missing
+        visible = set(
+            reader.execute(
+                text("SELECT position FROM events WHERE position IN (:a, :b)"),
+                {"a": first, "b": second},
+            ).scalars()
+        )
+        reader.rollback()
+        assert first < second and visible == {second}
+        tx_a.commit()
