@@ -326,9 +326,11 @@ def exec_(
     job: JobOpt = "",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result object.")] = False,
 ) -> None:
-    """Run a command in a sandbox: its output, raw, and its exit code (124 timeout, 125 dsec).
+    """Run a command in a sandbox: print its output raw, exit with its exit code.
 
-    dsec exec SANDBOX -- ls -l /workspace    |    dsec exec SANDBOX 'echo $HOME | wc -c'
+    dsec exec SANDBOX -- ls -l /workspace   |   dsec exec SANDBOX 'echo $HOME | wc -c'
+
+    Exit 124: the command ran out of time; 128+N: signal N; 125: dsec could not run it.
     """
     from app import cli_sandbox
 

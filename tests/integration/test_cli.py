@@ -1,0 +1,115 @@
+"""The ``dsec`` CLI as a person drives it: create, exec, ps, events, destroy, top, bench.
+
+Everything runs against the real stack; each test works in its own tenant.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from app.cli import cli
+from app.config import Settings
+from tests.conftest import scalar, wait_for
+
+pytestmark = pytest.mark.integration
+
+runner = CliRunner()
+
+
+def dsec(*args: str) -> Result:
+    return runner.invoke(cli, list(args))
+
+
+def _json(result: Result) -> Any:
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _types(result: Result) -> set[str]:
+    """Event types in a JSON listing of events (``dsec events``, ``dsec audit``)."""
+    return {row["type"] for row in _json(result)}
+
+
+def test_a_sandbox_from_create_to_destroy(stack: Settings, db: Callable[[], Any]) -> None:
+    tenant = f"cli-{uuid.uuid4().hex[:8]}"
+    # Given a sandbox created from the shell
+    created = dsec("create", "--tenant", tenant, "--job", "shell", "--memory-mb", "128")
+    assert created.exit_code == 0, created.output
+    sandbox_id = created.stdout.strip()
+    assert sandbox_id.startswith("sb-")
+    try:
+        # When a command runs in it, with no --tenant
+        ran = dsec("exec", sandbox_id, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+        # Then its output comes back raw, on the right streams, and its exit code is ours
+        assert ran.exit_code == 3, ran.output
+        assert ran.stdout == "out\n"
+        assert ran.stderr == "err\n"
+        # And one argument is a shell string; --json prints the result object
+        result = _json(dsec("exec", "--json", sandbox_id, "echo $((6 * 7))"))
+        assert (result["exit_code"], result["stdout"], result["timed_out"]) == (0, "42\n", False)
+        # And a command that outlives its timeout ends the CLI with 124, like timeout(1)
+        assert dsec("exec", "--timeout", "0.5", sandbox_id, "--", "sleep", "5").exit_code == 124
+
+        # Then `dsec ps` shows it running, for the tenant it was created for
+        rows = _json(dsec("ps", "--json", "--tenant", tenant))
+        assert [(r["sandbox_id"], r["job_id"], r["state"]) for r in rows] == [
+            (sandbox_id, "shell", "running")
+        ]
+        # And `dsec events` lists its start
+        wait_for(
+            lambda: "SandboxStarted" in _types(dsec("events", sandbox_id, "--json")),
+            what="SandboxStarted in `dsec events`",
+        )
+        # And the commands were billed to the sandbox's tenant, found through `dsec ps`
+        with db() as conn:
+            billed = scalar(
+                conn,
+                "SELECT array_agg(DISTINCT tenant) FROM events"
+                " WHERE sandbox_id = :sb AND type = 'CommandCompleted'",
+                sb=sandbox_id,
+            )
+        assert billed == [tenant]
+    finally:
+        destroyed = dsec("destroy", sandbox_id)
+    assert destroyed.exit_code == 0, destroyed.output
+    # Then it has ended, and the audit trail (--json, the same as --format json) says so
+    wait_for(
+        lambda: "SandboxStopped" in _types(dsec("audit", "--sandbox", sandbox_id, "--json")),
+        what="SandboxStopped in `dsec audit --json`",
+    )
+    assert _json(dsec("ps", "--json", "--tenant", tenant)) == []
+
+
+def test_exec_in_an_unknown_sandbox_fails_with_125(stack: Settings) -> None:
+    # When a command is sent to a sandbox that never existed
+    result = dsec("exec", "--tenant", "cli", "sb-never-was-here", "--", "true")
+    # Then the CLI says why on stderr and ends with 125, never a command's code
+    assert result.exit_code == 125
+    assert "unknown_sandbox" in result.stderr
+
+
+def test_top_lists_the_node(stack: Settings) -> None:
+    frame = _json(dsec("top", "--once", "--json"))
+    node = next(n for n in frame["nodes"] if n["node_id"] == stack.node_id)
+    assert node["state"] == "alive"
+    assert node["capacity_sandboxes"] > 0
+    assert node["images"] >= 1
+    assert node["heartbeat_age_s"] is not None
+    # And the terminal frame renders too
+    shown = dsec("top", "--once")
+    assert shown.exit_code == 0, shown.output
+    assert stack.node_id in shown.stdout
+
+
+def test_bench_without_a_name_lists_the_benchmarks(stack: Settings) -> None:
+    listed = {row["name"] for row in _json(dsec("bench", "--json"))}
+    assert {"exec", "schedule", "e2e"} <= listed
+    shown = dsec("bench")
+    assert shown.exit_code == 0, shown.output
+    assert "schedule" in shown.stdout
