@@ -20,6 +20,8 @@ from workers.handlers import LABEL_JOB, LABEL_TENANT, Node, expired
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
+#: Podman states of a container whose process has ended.
+ENDED_STATES = frozenset({"exited", "stopped", "dead"})
 
 
 def _capacity(node: Node) -> tuple[float, int]:
@@ -66,7 +68,7 @@ def reconcile(node: Node) -> int:
             node.stop(box.sandbox_id, tenant, job, StopReason.TTL, "time to live reached")
         elif box.running and box.oom_killed:
             node.stop(box.sandbox_id, tenant, job, StopReason.OOM, "out of memory (OOM kill)")
-        elif not box.running:
+        elif box.state in ENDED_STATES:
             reason = StopReason.OOM if box.oom_killed else StopReason.FAILED
             node.stop(
                 box.sandbox_id,
@@ -76,6 +78,10 @@ def reconcile(node: Node) -> int:
                 f"container exited with {box.exit_code}"
                 + (" (OOM killed)" if box.oom_killed else ""),
             )
+        elif not box.running:
+            # Created or initialised but not started: a create that finished after
+            # the list was taken (it is no longer busy). Judged next round.
+            running += 1
         else:
             running += 1
             if not node.agents.is_registered(box.sandbox_id):
