@@ -97,3 +97,20 @@ def test_unknown_image_fails_with_reason_and_node_survives(client: Any, db: Any)
 def test_exec_on_unknown_sandbox_is_rejected(client: Any) -> None:
     with pytest.raises(SandboxNotFound):
         client.sandbox("sb-doesnotexist00000000").exec("true")
+
+
+def test_ttl_reaps_a_forgotten_sandbox(client: Any, db: Any) -> None:
+    # Given a sandbox with a two-second time to live that nobody destroys
+    sandbox = client.create(ttl_s=2)
+    # Then the node's reaper ends it with the reason ttl
+    with db() as conn:
+        reason = wait_for(
+            lambda: scalar(
+                conn,
+                "SELECT end_reason FROM sandboxes WHERE sandbox_id = :s AND state = 'stopped'",
+                s=sandbox.id,
+            ),
+            timeout_s=30,
+            what="the TTL reaper",
+        )
+    assert reason == "ttl"
