@@ -215,6 +215,9 @@ _ADD_USAGE = text(
         last_position = greatest(u.last_position, excluded.last_position)
     """
 )
+_ALREADY_STOPPED = text(
+    "SELECT sandbox_id FROM sandboxes WHERE sandbox_id = ANY(:ids) AND state = 'stopped'"
+)
 # Ended sandboxes are charged from their projected row (started_at, cpus, memory),
 # which the sandboxes upsert above has just brought up to date.
 _CHARGE_ENDED = text(
@@ -262,6 +265,14 @@ def apply_batch(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
                 "last_position": f.last_position, **f.columns,
             }
         )  # fmt: skip
+    # A sandbox is charged once, at its first Stopped: a second one (two parties
+    # ending it at once) must count neither live nor in a rebuild, however batched.
+    stopping = [sid for u in folded.usage.values() for sid in u.ended]
+    already_ended: set[str] = set()
+    if stopping:
+        already_ended = set(
+            conn.execute(_ALREADY_STOPPED, {"ids": sorted(set(stopping))}).scalars()
+        )
     if lifecycle:
         conn.execute(_UPSERT_SANDBOXES, {"rows": _rows(lifecycle)})
     if counts:
@@ -277,9 +288,9 @@ def apply_batch(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
             for (t, j), u in sorted(folded.usage.items())
         ]  # fmt: skip
         conn.execute(_ADD_USAGE, {"rows": _rows(usage_rows)})
-        ended = [sid for u in folded.usage.values() for sid in u.ended]
+        ended = {sid for u in folded.usage.values() for sid in u.ended}
         if ended:
-            conn.execute(_CHARGE_ENDED, {"ids": ended})
+            conn.execute(_CHARGE_ENDED, {"ids": sorted(ended - already_ended)})
 
 
 def _upsert_node(conn: Connection, node_id: str, row: dict[str, Any]) -> None:

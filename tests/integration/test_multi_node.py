@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from app import stack as stack_mod
+from app.bus import Publisher
 from app.config import Settings
+from app.domain.events import NodeLost, NodeLostPayload
 from app.errors import SandboxRejected
 from tests.conftest import scalar, wait_for
 
@@ -20,10 +23,23 @@ NODES = 3
 
 
 @pytest.fixture(scope="module")
-def three_nodes(stack: Settings) -> Settings:
-    """The stack with two more node workers (each its own user and Podman service)."""
+def three_nodes(stack: Settings) -> Iterator[Settings]:
+    """The stack with two more node workers (each its own user and Podman service).
+
+    Afterwards the extra workers are stopped and declared lost at once, so the next
+    tests (and the next `make test`) place sandboxes on the configured node only.
+    """
     stack_mod.up(stack, nodes=NODES, log=lambda _m: None)
-    return stack
+    yield stack
+    extra = stack_mod.node_ids(stack, NODES)[1:]
+    publisher = Publisher(stack)
+    for node in extra:
+        _worker(stack, node).stop(stack)
+        lost = NodeLost(node_id=node, payload=NodeLostPayload(detail="stopped by the tests"))
+        publisher.publish(stack.topic_events, lost.key, lost)
+    publisher.flush()
+    publisher.close()
+    time.sleep(1.0)
 
 
 def _worker(settings: Settings, node: str) -> stack_mod.Service:
