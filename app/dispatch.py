@@ -197,7 +197,8 @@ class Dispatcher:
 
     def _reconcile(self, out: Outbox, node_id: str, reported: set[str]) -> None:
         ledger = self.ledgers.setdefault(node_id, NodeLedger())
-        verdict = ledger.observe(self.placement.placed_on(node_id), reported)
+        placed = self.placement.placed_on(node_id)
+        verdict = ledger.observe(placed, reported, self.awaiting_start.keys() & placed)
         for sandbox_id in sorted(verdict.vanished):
             allocation = self.placement.allocations.get(sandbox_id)
             if allocation is not None:

@@ -196,6 +196,11 @@ class CgroupLayout:
         """1 or 2."""
         return self.hierarchy.version
 
+    @property
+    def renamable(self) -> bool:
+        """A live sandbox's cgroups can take a new name (v1 only: cgroup2 has no rename)."""
+        return self.version == 1
+
     def _controllers(self) -> tuple[str, ...]:
         if self.version == 2:
             return ("",)
@@ -319,6 +324,34 @@ class CgroupLimiter:
         for d in self.layout.unique_dirs(sandbox_id):
             d.mkdir(exist_ok=True)
         _write_all(self.layout.writes(sandbox_id, limits))
+
+    def update(self, sandbox_id: str, limits: Limits) -> None:
+        """Rewrite the limits of a live sandbox (a warm one being claimed).
+
+        v1 refuses a memory limit above memory+swap, so when memory grows memsw is
+        written first. Lowering it below what the sandbox holds makes the kernel reclaim
+        and fail (EBUSY) if it cannot; a warm sandbox holds only its idle agent.
+        """
+        writes = self.layout.writes(sandbox_id, limits)
+        if self.layout.version == 1:
+            current = self.layout.dirs(sandbox_id)["memory"] / "memory.limit_in_bytes"
+            if limits.memory_bytes > int(current.read_text()):
+                writes[0], writes[1] = writes[1], writes[0]
+        _write_all(writes)
+
+    def rename(self, old: str, new: str) -> None:
+        """Give a sandbox's cgroups a new name, processes and limits untouched.
+
+        v1 only (:attr:`CgroupLayout.renamable`); the sandbox's read-only view of them
+        follows, being bind mounts of the directories. Idempotent: a controller already
+        renamed is skipped.
+        """
+        if not self.layout.renamable:
+            raise OSError(errno.EOPNOTSUPP, "cgroup v2 cannot rename a cgroup")
+        targets = self.layout.unique_dirs(new)
+        for source, target in zip(self.layout.unique_dirs(old), targets, strict=True):
+            if source.exists() or not target.exists():
+                source.rename(target)
 
     def attach(self, sandbox_id: str, pid: int) -> None:
         """Move process ``pid`` (all its threads) into the sandbox's cgroups."""

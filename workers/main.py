@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import resource
 
 from app.config import get_settings
 from workers import runtime
@@ -13,25 +14,52 @@ from workers.limits import CgroupLimiter
 from workers.node_setup import ensure_node_user, ensure_podman_service
 from workers.podman_driver import PodmanDriver
 from workers.upkeep import Upkeep
+from workers.warm_pool import WarmPool
 
 log = logging.getLogger(__name__)
 
 
+def _raise_open_files() -> None:
+    """Up to the hard limit: each sandbox holds two descriptors here (its agent's
+    listener and connection), so a soft limit of 1024 caps a node near 500."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def run(node_id: str, concurrency: int = 16) -> None:
-    """Serve ``node.<node_id>`` until the worker is stopped."""
+    """Serve ``node.<node_id>`` until the worker is stopped.
+
+    A clean stop (SIGTERM: ``dsec down``) removes the warm pool's waiting containers;
+    after a crash the next start does.
+    """
+    _raise_open_files()
     settings = get_settings()
     user = ensure_node_user(node_id, allow_egress=settings.allow_egress)
     socket_url = ensure_podman_service(user)
     driver = PodmanDriver(socket_url, limiter=CgroupLimiter.detect(node_id))
     node = Node(settings, node_id, driver, AgentPool())
     runtime.install(node)
+    node.warm = WarmPool(node, settings.warm_pool)
+    node.warm.start()
     Upkeep(node).start()
-    log.info("node %s: podman at %s, queue %s", node_id, socket_url, settings.node_queue(node_id))
+    log.info(
+        "node %s: podman at %s, queue %s, warm pools %s",
+        node_id, socket_url, settings.node_queue(node_id), node.warm.sizes or "off",
+    )  # fmt: skip
+    try:
+        _serve(settings.node_queue(node_id), node_id, concurrency)
+    finally:
+        node.warm.close(drain=True)
+
+
+def _serve(queue: str, node_id: str, concurrency: int) -> None:
     celery.worker_main(
         [
             "worker",
             "--queues",
-            settings.node_queue(node_id),
+            queue,
             "--pool",
             "threads",
             "--concurrency",

@@ -6,7 +6,9 @@ requests exception is mapped to :mod:`workers.errors` here; callers never see th
 
 Containers are named ``dsec-<sandbox_id>`` and labelled ``dsec.sandbox_id``, and are
 secure by default: no network, all capabilities dropped, no-new-privileges, read-only
-root, tmpfs /tmp and /workspace, pids/memory/CPU limits, no tty.
+root, tmpfs /tmp and /workspace, pids/memory/CPU limits, no tty. The name is what
+identifies a sandbox: a warm-pool container is renamed when it is claimed, and its
+labels, fixed at create, keep naming its warm slot (workers/warm_pool.py).
 
 Rootless Podman ignores the limits here (cgroup v1, and cgroup v2 with cgroupfs), so
 with a :class:`~workers.limits.CgroupLimiter` the driver creates the sandbox's cgroups
@@ -43,8 +45,11 @@ from workers.sandbox_spec import (
 
 log = logging.getLogger(__name__)
 
-#: Label every sandbox container carries; the value is the sandbox id.
+#: Label every sandbox container carries; the value is the sandbox id it was created
+#: for (for a warm one, its slot id: labels cannot change when it is claimed).
 LABEL_SANDBOX_ID = "dsec.sandbox_id"
+#: Label of warm-pool containers; the value is the pool's image (workers/warm_pool.py).
+LABEL_WARM = "dsec.warm"
 #: What a sandbox runs unless told otherwise: the in-sandbox agent calling home.
 DEFAULT_COMMAND: tuple[str, ...] = (
     f"{AGENT_BIN_MOUNT}/dsec-agent",
@@ -77,6 +82,17 @@ class SandboxContainer:
     def running(self) -> bool:
         """The container's process is alive."""
         return self.state == "running"
+
+    @property
+    def warm(self) -> bool:
+        """A warm-pool container nobody has claimed (still named after its slot)."""
+        return LABEL_WARM in self.labels and self.labels.get(LABEL_SANDBOX_ID) == self.sandbox_id
+
+    @property
+    def claimed(self) -> bool:
+        """A warm-pool container renamed to the sandbox that claimed it: its labels
+        still describe the slot, the node's claim record describes the sandbox."""
+        return LABEL_WARM in self.labels and self.labels.get(LABEL_SANDBOX_ID) != self.sandbox_id
 
 
 class PodmanDriver:
@@ -157,8 +173,43 @@ class PodmanDriver:
         self._remove_cgroups(sandbox_id)
         return existed
 
+    def rename(self, old_id: str, new_id: str) -> None:
+        """Rename the container of sandbox ``old_id`` to ``new_id``'s name (a claim).
+
+        Podman renames a running container atomically in its database; the labels stay.
+        """
+        with self._mapped(NodeError, f"rename {_name(old_id)}"):
+            response = self._client().api.post(
+                f"/containers/{_name(old_id)}/rename", params={"name": _name(new_id)}
+            )
+            response.raise_for_status()
+
+    @property
+    def can_rename_cgroups(self) -> bool:
+        """A live sandbox's cgroups can be renamed here (cgroup v1, or no limiter)."""
+        return self.limiter is None or self.limiter.layout.renamable
+
+    def rename_cgroups(self, old_id: str, new_id: str) -> None:
+        """Rename a live sandbox's cgroups (see :meth:`CgroupLimiter.rename`)."""
+        if self.limiter is None:
+            return
+        try:
+            self.limiter.rename(old_id, new_id)
+        except (OSError, ValueError) as exc:
+            raise NodeError(f"rename cgroups of {old_id} to {new_id}: {exc}") from exc
+
+    def update_limits(self, sandbox_id: str, memory_mb: int, pids: int, cpus: float) -> None:
+        """Rewrite a live sandbox's limits in its cgroups (Podman's stay as created)."""
+        if self.limiter is None:
+            return
+        try:
+            self.limiter.update(sandbox_id, Limits.of(memory_mb, pids, cpus))
+        except (OSError, ValueError) as exc:
+            raise NodeError(f"limits of {sandbox_id}: {exc}") from exc
+
     def list_sandboxes(self) -> list[SandboxContainer]:
-        """Every container of this node that carries the sandbox label."""
+        """Every container of this node that carries the sandbox label (warm ones too:
+        see :attr:`SandboxContainer.warm`)."""
         with self._mapped(NodeError, "list sandboxes"):
             client = self._client()
             found = []
@@ -192,9 +243,10 @@ class PodmanDriver:
         return dataclasses.replace(box, oom_killed=True) if killed else box
 
     def inspect(self, sandbox_id: str) -> dict[str, Any] | None:
-        """Podman's full inspect document of the sandbox's container, or None."""
+        """Podman's full inspect document of the sandbox's container, or None (also
+        when it is removed during the call)."""
         with self._mapped(NodeError, f"inspect {_name(sandbox_id)}"):
-            return self._inspect(self._client(), _name(sandbox_id))
+            return self._inspect_if_there(self._client(), _name(sandbox_id))
 
     def logs(self, sandbox_id: str, tail: int | None = None) -> str | None:
         """What the sandbox's PID 1 wrote (stdout and stderr, capped by Podman), or None."""
@@ -429,12 +481,19 @@ def _name(sandbox_id: str) -> str:
     return f"dsec-{sandbox_id}"
 
 
+def _sandbox_id(name: str, labels: dict[str, str]) -> str:
+    # The name, not the label: a claimed warm container was renamed to its sandbox's
+    # name, while its labels, fixed at create, still name the warm slot.
+    name = name.lstrip("/")
+    return name[len("dsec-") :] if name.startswith("dsec-") else labels.get(LABEL_SANDBOX_ID, "")
+
+
 def _from_list(attrs: dict[str, Any], oom_killed: bool) -> SandboxContainer:
     labels = dict(attrs.get("Labels") or {})
     names = attrs.get("Names") or [""]
     state = str(attrs.get("State", ""))
     return SandboxContainer(
-        sandbox_id=labels.get(LABEL_SANDBOX_ID, ""),
+        sandbox_id=_sandbox_id(str(names[0]), labels),
         container_id=str(attrs.get("Id", "")),
         name=str(names[0]),
         image=str(attrs.get("Image", "")),
@@ -450,7 +509,7 @@ def _from_inspect(data: dict[str, Any]) -> SandboxContainer:
     labels = dict((data.get("Config") or {}).get("Labels") or {})
     state = str(st.get("Status", ""))
     return SandboxContainer(
-        sandbox_id=labels.get(LABEL_SANDBOX_ID, ""),
+        sandbox_id=_sandbox_id(str(data.get("Name", "")), labels),
         container_id=str(data.get("Id", "")),
         name=str(data.get("Name", "")),
         image=str(data.get("ImageName") or data.get("Image", "")),

@@ -4,14 +4,32 @@ Every few seconds the node compares what Podman runs with what it should: a
 container that exited is stopped in the log with the reason Podman gives (OOM or
 failure), one whose cgroup saw an OOM kill is ended (oom), an expired one is reaped
 (ttl), and a live one gets its agent listener back after a worker restart. Cgroups
-left without a container are removed. Then it tells the scheduler its load.
+left without a container are removed, and so are the agent listener and run directory
+of a sandbox whose container vanished behind the node's back (the scheduler ends it in
+the log: it no longer appears in heartbeats). Warm-pool containers are the pool's
+business (:meth:`WarmPool.check`) and are no sandboxes: heartbeats leave them out.
+
+Heartbeats go out on their own clock, from a thread that never waits for Podman: a
+round's length grows with the node's sandboxes (listing 2,000 containers takes ~2 s
+here, several times that while Podman is busy removing), and a node whose heartbeats
+waited for it was declared lost (no heartbeat for 20 s) with 2,000 healthy sandboxes.
+The sandbox list a heartbeat carries is not a listing either: a listing is as old as
+its round, and the scheduler compares it with what it knows when the heartbeat
+arrives, so two slow rounds in a row "lost" sandboxes started after their listings
+(33 of 1,000 here). It is the node's own view at sending time (:func:`held`): the
+sandboxes whose agent it listens for (registered when a create begins, dropped when
+a sandbox ends, and by the reconciler when a container vanished) plus those in a
+transition, minus warm slots. Until the first round has re-registered what runs
+(after a worker restart) heartbeats carry no list (``None``, "not reported").
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
+import time
 
 from app.domain.base import StopReason
 from app.domain.events import NodeHeartbeat, NodePayload, NodeRegistered
@@ -33,38 +51,55 @@ def _capacity(node: Node) -> tuple[float, int]:
     return cpus, int(memory)
 
 
-def payload(node: Node, running: int) -> NodePayload:
+def held(node: Node) -> list[str]:
+    """The sandboxes the node runs or is creating, as it knows them now."""
+    ids = node.agents.registered() | node.busy_ids()
+    if node.warm is not None:
+        ids -= node.warm.slot_ids()
+    return sorted(ids)
+
+
+def payload(node: Node, sandboxes: list[str] | None, images: list[str]) -> NodePayload:
     """The node's capacity and load as a heartbeat carries it."""
     cpus, memory = _capacity(node)
-    try:
-        images = sorted(node.driver.list_images())
-    except Exception:
-        images = []
     return NodePayload(
         capacity_sandboxes=node.settings.node_capacity_sandboxes,
         capacity_cpus=cpus,
         capacity_memory_mb=memory,
-        running=running,
+        running=len(sandboxes if sandboxes is not None else held(node)),
         images=images,
         queue=node.settings.node_queue(node.node_id),
+        sandboxes=sandboxes,
     )
 
 
-def reconcile(node: Node) -> int:
-    """Make Podman and the log agree; return how many sandboxes run."""
+def reconcile(node: Node) -> list[str]:
+    """Make Podman and the log agree; return the sandboxes the node runs or creates."""
     # Listed before the containers: a cgroup made by a create that finishes meanwhile
     # then either has its container listed or is busy; and rmdir refuses a cgroup that
-    # still holds processes, so the sweep can never empty a live sandbox.
+    # still holds processes, so the sweep can never empty a live sandbox. The same
+    # holds for agent listeners: one registered before the listing whose sandbox is
+    # neither listed nor busy (before or after it) lost its container.
     leftovers = set(node.driver.cgroup_sandbox_ids())
-    running = 0
+    listening = node.agents.registered()
+    busy_before = node.busy_ids()
+    live: set[str] = set()
     for box in node.driver.list_sandboxes():
         leftovers.discard(box.sandbox_id)
-        if node.is_busy(box.sandbox_id):
-            running += 1
+        listening.discard(box.sandbox_id)
+        if box.warm:
+            if node.warm is not None:
+                node.warm.check(box)
             continue
-        tenant = box.labels.get(LABEL_TENANT, "unknown")
-        job = box.labels.get(LABEL_JOB, "default")
-        if box.running and expired(box.labels):
+        # Busy before the listing too: a create that finished while it ran is listed
+        # as it was then (created, "configured"), not as it is.
+        if box.sandbox_id in busy_before or node.is_busy(box.sandbox_id):
+            live.add(box.sandbox_id)
+            continue
+        labels = node.warm.labels_of(box) if node.warm is not None else box.labels
+        tenant = labels.get(LABEL_TENANT, "unknown")
+        job = labels.get(LABEL_JOB, "default")
+        if box.running and expired(labels):
             node.stop(box.sandbox_id, tenant, job, StopReason.TTL, "time to live reached")
         elif box.running and box.oom_killed:
             node.stop(box.sandbox_id, tenant, job, StopReason.OOM, "out of memory (OOM kill)")
@@ -78,41 +113,73 @@ def reconcile(node: Node) -> int:
                 f"container exited with {box.exit_code}"
                 + (" (OOM killed)" if box.oom_killed else ""),
             )
-        elif not box.running:
-            # Created or initialised but not started: a create that finished after
-            # the list was taken (it is no longer busy). Judged next round.
-            running += 1
         else:
-            running += 1
+            live.add(box.sandbox_id)
             if not node.agents.is_registered(box.sandbox_id):
                 # After a worker restart: listen again, the agent calls back.
-                node.agents.register(box.sandbox_id, node.run_dir(box.sandbox_id))
-    for sandbox_id in sorted(leftovers):
-        if not node.is_busy(sandbox_id) and node.driver.remove_cgroups(sandbox_id):
+                env = node.warm.env_of(box) if node.warm is not None else {}
+                node.agents.register(box.sandbox_id, node.run_dir(box.sandbox_id), env)
+    # A warm container being made is nobody's transition but the pool's own.
+    busy = busy_before | node.busy_ids()
+    warm = node.warm
+    for sandbox_id in sorted(leftovers - busy):
+        if (warm is None or not warm.owns(sandbox_id)) and node.driver.remove_cgroups(sandbox_id):
             log.info("removed leftover cgroups of %s", sandbox_id)
-    return running
+    for sandbox_id in sorted(listening - busy):
+        if warm is None or not warm.owns(sandbox_id):
+            log.info("container of %s vanished: dropping its listener", sandbox_id)
+            node.agents.unregister(sandbox_id)
+            shutil.rmtree(node.run_dir(sandbox_id), ignore_errors=True)
+    if warm is not None:
+        warm.forget(live | busy)
+    return sorted(live | node.busy_ids())
 
 
 class Upkeep(threading.Thread):
-    """Runs :func:`reconcile` and sends a heartbeat every few seconds."""
+    """Sends a heartbeat every few seconds; a second thread runs :func:`reconcile`
+    rounds, one every ``interval_s`` (and at least 1 s apart when rounds are slow)."""
 
     def __init__(self, node: Node, interval_s: float = HEARTBEAT_S) -> None:
-        super().__init__(name="dsec-upkeep", daemon=True)
+        super().__init__(name="dsec-heartbeat", daemon=True)
         self.node = node
         self.interval_s = interval_s
         self.stopping = threading.Event()
+        #: Images in the node's store, as the last round found them.
+        self.images: list[str] = []
+        self.rounds = threading.Event()  # set once a first round has completed
+        self._rounds = threading.Thread(target=self._reconcile, name="dsec-reconcile", daemon=True)
+
+    def start(self) -> None:
+        self._rounds.start()
+        super().start()
+
+    def _reconcile(self) -> None:
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            try:
+                reconcile(self.node)
+                self.images = sorted(self.node.driver.list_images())
+                self.rounds.set()
+            except Exception:
+                log.exception("reconcile round failed")
+            elapsed = time.monotonic() - started
+            self.stopping.wait(max(1.0, self.interval_s - elapsed))
 
     def run(self) -> None:
-        first = True
+        # The first round, if it is quick, makes the registration complete.
+        self.rounds.wait(self.interval_s)
+        cls: type[NodeRegistered | NodeHeartbeat] = NodeRegistered
         while not self.stopping.is_set():
+            sandboxes = held(self.node) if self.rounds.is_set() else None
             try:
-                running = reconcile(self.node)
-                cls = NodeRegistered if first else NodeHeartbeat
                 self.node.outlet.event(
-                    cls(node_id=self.node.node_id, payload=payload(self.node, running))
+                    cls(
+                        node_id=self.node.node_id,
+                        payload=payload(self.node, sandboxes, self.images),
+                    )
                 )
                 self.node.outlet.flush()
-                first = False
+                cls = NodeHeartbeat
             except Exception:
-                log.exception("upkeep round failed")
+                log.exception("heartbeat failed")
             self.stopping.wait(self.interval_s)

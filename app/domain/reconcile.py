@@ -9,6 +9,7 @@ create may be under way while a heartbeat is cut.
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 #: Heartbeats in a row that must agree before the scheduler acts.
@@ -30,9 +31,17 @@ class NodeLedger:
     missing: dict[str, int] = field(default_factory=dict)
     extra: dict[str, int] = field(default_factory=dict)
 
-    def observe(self, placed: set[str], reported: set[str]) -> Verdict:
-        """Compare one heartbeat's list with what the scheduler placed on the node."""
-        self.missing = {s: self.missing.get(s, 0) + 1 for s in placed - reported}
+    def observe(
+        self, placed: set[str], reported: set[str], starting: Set[str] = frozenset()
+    ) -> Verdict:
+        """Compare one heartbeat's list with what the scheduler placed on the node.
+
+        ``starting``: placed sandboxes whose create the node has not answered yet. A
+        node reports a sandbox from the moment it begins creating it, but a create can
+        wait in the node's queue for longer than two heartbeats (a burst of thousands);
+        so these are not missing, and a lost create is the trainer's timeout to report.
+        """
+        self.missing = {s: self.missing.get(s, 0) + 1 for s in placed - reported - starting}
         self.extra = {s: self.extra.get(s, 0) + 1 for s in reported - placed}
         return Verdict(
             vanished=frozenset(s for s, n in self.missing.items() if n >= SIGHTINGS),

@@ -34,3 +34,13 @@ def test_released_sandbox_still_reported_becomes_orphan() -> None:
     ledger.observe({"a"}, {"a"})
     ledger.observe(set(), {"a"})
     assert ledger.observe(set(), {"a"}).orphans == {"a"}
+
+
+def test_a_create_still_queued_on_the_node_is_not_vanished() -> None:
+    # Given a placed sandbox whose create waits in the node's queue (not yet reported)
+    ledger = NodeLedger()
+    for _ in range(3):
+        verdict = ledger.observe({"a", "q"}, {"a"}, starting={"q"})
+    # Then it is neither vanished nor, once reported while starting, an orphan
+    assert verdict.vanished == frozenset()
+    assert ledger.observe({"a", "q"}, {"a", "q"}, starting={"q"}).orphans == frozenset()

@@ -110,6 +110,9 @@ class AgentConnection:
         self.peer_pid: int = pid
         #: The agent's uid as the host sees it (the sandbox's mapped uid).
         self.peer_uid: int = uid
+        #: Environment every command gets under its own ``env``: a claimed warm sandbox's
+        #: environment from its create request (its container's is fixed at create).
+        self.default_env: Mapping[str, str] = {}
 
     @property
     def closed(self) -> bool:
@@ -143,7 +146,8 @@ class AgentConnection:
     ) -> ExecResult:
         """Run ``argv`` in the sandbox and wait for it.
 
-        ``env`` overrides entries of the sandbox's environment; ``cwd`` defaults to
+        ``env`` overrides entries of :attr:`default_env`, which override the sandbox's
+        environment; ``cwd`` defaults to
         /workspace. After ``timeout_s`` the command's process group is killed and the
         result has ``timed_out``; ``None`` waits without limit (the host too).
         ``max_output`` caps stdout and stderr separately. A program that cannot be
@@ -154,9 +158,10 @@ class AgentConnection:
         timeout_ms = 0
         if timeout_s is not None:
             timeout_ms = max(1, math.ceil(timeout_s * 1000))
+        merged = {**self.default_env, **(env or {})}
         request = ExecRequest(
             argv=tuple(argv),
-            env=tuple(f"{key}={value}" for key, value in (env or {}).items()),
+            env=tuple(f"{key}={value}" for key, value in merged.items()),
             cwd=cwd or "",
             timeout_ms=timeout_ms,
             max_output=max_output,
@@ -328,6 +333,7 @@ class _Slot:
     sandbox_id: str
     listener: AgentListener
     conn: AgentConnection | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
     pending: set[_Pending] = field(default_factory=set)
 
 
@@ -387,11 +393,14 @@ class AgentPool:
 
     # ------------------------------------------------------------ public API
 
-    def register(self, sandbox_id: str, run_dir: Path) -> Path:
+    def register(
+        self, sandbox_id: str, run_dir: Path, env: Mapping[str, str] | None = None
+    ) -> Path:
         """Listen for the agent of ``sandbox_id`` in ``run_dir`` (before the container
-        starts); returns the socket path. Registering again replaces the listener."""
+        starts); returns the socket path. Registering again replaces the listener.
+        ``env`` becomes every connection's :attr:`AgentConnection.default_env`."""
         listener = AgentListener(run_dir)
-        slot = _Slot(sandbox_id, listener)
+        slot = _Slot(sandbox_id, listener, env=dict(env or {}))
         with self._cond:
             old = self._slots.pop(sandbox_id, None)
             self._slots[sandbox_id] = slot
@@ -401,6 +410,31 @@ class AgentPool:
             lambda: self._selector.register(listener.fileno(), selectors.EVENT_READ, slot)
         )
         return listener.path
+
+    def rename(
+        self, old: str, new: str, run_dir: Path, env: Mapping[str, str] | None = None
+    ) -> None:
+        """Move ``old``'s listener and live connection to ``new`` (a claimed warm
+        sandbox) after the host renamed its run directory to ``run_dir``; ``env`` as in
+        :meth:`register`. Raises :class:`AgentUnavailable` if ``old`` is not registered
+        or ``new`` already is."""
+        with self._cond:
+            slot = self._slots.get(old)
+            if slot is None or new in self._slots:
+                raise AgentUnavailable(f"cannot move agent slot {old} to {new}")
+            del self._slots[old]
+            slot.sandbox_id = new
+            slot.listener.path = Path(run_dir) / slot.listener.path.name
+            slot.env = dict(env or {})
+            if slot.conn is not None:
+                slot.conn.default_env = slot.env
+            self._slots[new] = slot
+            self._cond.notify_all()
+
+    def registered(self) -> set[str]:
+        """The sandboxes the pool listens for."""
+        with self._cond:
+            return set(self._slots)
 
     def unregister(self, sandbox_id: str) -> None:
         """Stop listening for ``sandbox_id`` and close its connection (idempotent)."""
@@ -588,6 +622,8 @@ class AgentPool:
             if self._slots.get(slot.sandbox_id) is not slot:
                 old = conn  # unregistered meanwhile
             else:
+                # Under the lock: rename() may be changing the slot's env right now.
+                conn.default_env = slot.env
                 old, slot.conn = slot.conn, conn
                 self._cond.notify_all()
         if old is not None:

@@ -1,0 +1,266 @@
+"""Warm pool logic without Podman: identity, claim records, limits rewrites, and the
+claim and refill rules against in-memory fakes of the driver and the agent pool."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from workers import limits as limits_mod
+from workers.errors import NodeError
+from workers.limits import CgroupLayout, CgroupLimiter, Hierarchy, Limits
+from workers.podman_driver import LABEL_SANDBOX_ID, LABEL_WARM, SandboxContainer, _from_list
+from workers.sandbox_spec import SandboxSpec
+from workers.upkeep import held
+from workers.warm_pool import RECORD_NAME, ClaimRecord, WarmPool, read_record, write_record
+
+IMAGE = "dsec/busybox:latest"
+
+
+def _box(name: str, label_id: str, warm: bool) -> SandboxContainer:
+    labels = {LABEL_SANDBOX_ID: label_id, **({LABEL_WARM: IMAGE} if warm else {})}
+    return _from_list({"Names": [name], "Labels": labels, "State": "running", "Id": "c1"}, False)
+
+
+def test_the_name_identifies_a_sandbox_and_tells_warm_from_claimed() -> None:
+    cold = _box("dsec-sb-1", "sb-1", warm=False)
+    waiting = _box("dsec-warm-1", "warm-1", warm=True)
+    claimed = _box("dsec-sb-2", "warm-1", warm=True)
+    assert (cold.sandbox_id, cold.warm, cold.claimed) == ("sb-1", False, False)
+    assert (waiting.sandbox_id, waiting.warm, waiting.claimed) == ("warm-1", True, False)
+    assert (claimed.sandbox_id, claimed.warm, claimed.claimed) == ("sb-2", False, True)
+
+
+def test_claim_record_round_trip_and_refusals(tmp_path: Path) -> None:
+    record = ClaimRecord("sb-1", "warm-1", IMAGE, {"dsec.tenant": "a"}, {"K": "v"})
+    write_record(tmp_path, record)
+    assert read_record(tmp_path) == record
+    # A symlink is never followed, garbage is no record
+    (tmp_path / RECORD_NAME).unlink()
+    os.symlink("/etc/passwd", tmp_path / RECORD_NAME)
+    assert read_record(tmp_path) is None
+    (tmp_path / RECORD_NAME).unlink()
+    (tmp_path / RECORD_NAME).write_text("{not json")
+    assert read_record(tmp_path) is None
+
+
+@pytest.fixture
+def limiter(tmp_path: Path) -> CgroupLimiter:
+    hierarchy = Hierarchy(1, {c: tmp_path / c for c in ("memory", "pids", "cpu", "cpuacct")})
+    limiter = CgroupLimiter(CgroupLayout(hierarchy, "n"))
+    limiter.create("warm-1", Limits.of(512, 256, 1.0))
+    (tmp_path / "memory/dsec/n/warm-1/memory.memsw.limit_in_bytes").write_text(str(512 << 20))
+    return limiter
+
+
+@pytest.mark.parametrize(("memory_mb", "first"), [(64, "memory.limit_in_bytes"), (1024, "memsw")])
+def test_a_memory_limit_grows_memsw_first_and_shrinks_it_last(
+    limiter: CgroupLimiter, monkeypatch: pytest.MonkeyPatch, memory_mb: int, first: str
+) -> None:
+    written: list[str] = []
+    real = limits_mod._write_all
+    monkeypatch.setattr(
+        limits_mod, "_write_all", lambda ws: (written.extend(p.name for p, _, _ in ws), real(ws))
+    )
+    limiter.update("warm-1", Limits.of(memory_mb, 32, 0.5))
+    assert first in written[0]
+    assert limiter.read("warm-1", "memory", "memory.limit_in_bytes") == str(memory_mb << 20)
+    assert limiter.read("warm-1", "pids", "pids.max") == "32"
+
+
+def test_rename_moves_every_controller_and_is_idempotent(limiter: CgroupLimiter) -> None:
+    limiter.rename("warm-1", "sb-9")
+    limiter.rename("warm-1", "sb-9")
+    assert limiter.sandbox_ids() == ["sb-9"]
+    assert limiter.read("sb-9", "pids", "pids.max") == "256"
+
+
+def test_cgroup_v2_cannot_rename(tmp_path: Path) -> None:
+    v2 = CgroupLimiter(CgroupLayout(Hierarchy(2, {"": tmp_path}), "n"))
+    assert not v2.layout.renamable
+    with pytest.raises(OSError, match="cannot rename"):
+        v2.rename("warm-1", "sb-9")
+
+
+# --- the pool against fakes -------------------------------------------------------
+
+
+class FakeDriver:
+    can_rename_cgroups = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+        self.fail_on: str | None = None
+
+    def _do(self, *call: str) -> None:
+        self.calls.append(call)
+        if call[0] == self.fail_on:
+            raise NodeError(f"{call[0]} failed")
+
+    def create_and_start(self, spec: SandboxSpec) -> str:
+        self._do("create", spec.sandbox_id)
+        return f"cid-{spec.sandbox_id}"
+
+    def update_limits(self, sandbox_id: str, *_: Any) -> None:
+        self._do("limits", sandbox_id)
+
+    def rename_cgroups(self, old: str, new: str) -> None:
+        self._do("cgroups", old, new)
+
+    def rename(self, old: str, new: str) -> None:
+        self._do("rename", old, new)
+
+    def remove(self, sandbox_id: str) -> bool:
+        self._do("remove", sandbox_id)
+        return True
+
+    def remove_cgroups(self, sandbox_id: str) -> bool:
+        return True
+
+    def list_sandboxes(self) -> list[SandboxContainer]:
+        return []
+
+
+class FakeAgents:
+    def __init__(self) -> None:
+        self.slots: dict[str, dict[str, str]] = {}
+        self.dead: set[str] = set()
+
+    def register(self, sandbox_id: str, run_dir: Path, env: Any = None) -> None:
+        self.slots[sandbox_id] = dict(env or {})
+
+    def rename(self, old: str, new: str, run_dir: Path, env: Any = None) -> None:
+        del self.slots[old]
+        self.slots[new] = dict(env or {})
+
+    def unregister(self, sandbox_id: str) -> None:
+        self.slots.pop(sandbox_id, None)
+
+    def registered(self) -> set[str]:
+        return set(self.slots)
+
+    def is_connected(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.slots and sandbox_id not in self.dead
+
+    def connection(self, sandbox_id: str, wait_s: float) -> Any:
+        return type("Conn", (), {"ping": lambda self: None})()
+
+
+class FakeNode:
+    def __init__(self, root: Path) -> None:
+        self.node_id = "n"
+        self.driver = FakeDriver()
+        self.agents = FakeAgents()
+        self.sandbox_root = root
+        self.agent_dir = root / "agent"
+        self.last_transition = 0.0
+        self.busy: set[str] = set()
+
+    def run_dir(self, sandbox_id: str) -> Path:
+        return self.sandbox_root / sandbox_id
+
+    def busy_ids(self) -> set[str]:
+        return set(self.busy)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> FakeNode:
+    return FakeNode(tmp_path)
+
+
+@pytest.fixture
+def pool(node: FakeNode) -> Iterator[WarmPool]:
+    pool = WarmPool(node, {IMAGE: 2}, idle_s=0.05)  # type: ignore[arg-type]
+    pool.start()
+    deadline = time.monotonic() + 5
+    while pool.ready(IMAGE) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield pool
+    pool.close(drain=False)
+
+
+def _spec(node: FakeNode, sandbox_id: str = "sb-1", **kw: Any) -> SandboxSpec:
+    shape: dict[str, Any] = {"image": IMAGE, "env": {"K": "v"}, **kw}
+    return SandboxSpec(sandbox_id=sandbox_id, run_dir=node.run_dir(sandbox_id), **shape)
+
+
+def test_a_claim_renames_everything_and_the_container_last(pool: WarmPool, node: FakeNode) -> None:
+    node.driver.calls.clear()
+    container = pool.claim(_spec(node, memory_mb=64))
+    assert container is not None and container.startswith("cid-warm-")
+    kinds = [c[0] for c in node.driver.calls if c[0] != "create"]
+    assert kinds[:3] == ["limits", "cgroups", "rename"]  # the rename commits
+    assert node.agents.slots["sb-1"] == {"K": "v"}
+    assert read_record(node.run_dir("sb-1")) == pool.record("sb-1")
+
+
+def test_shapes_the_pool_cannot_serve_start_cold(pool: WarmPool, node: FakeNode) -> None:
+    assert pool.claim(_spec(node, network=True)) is None
+    assert pool.claim(_spec(node, disk_mb=1024)) is None
+    assert pool.claim(_spec(node, image="other:latest")) is None
+    assert pool.ready(IMAGE) == 2
+
+
+def test_a_failed_hand_over_leaves_nothing_and_goes_cold(pool: WarmPool, node: FakeNode) -> None:
+    node.driver.fail_on = "rename"
+    assert pool.claim(_spec(node)) is None
+    removed = {c[1] for c in node.driver.calls if c[0] == "remove"}
+    assert removed >= {"sb-1"} and any(r.startswith("warm-") for r in removed)
+    assert "sb-1" not in node.agents.slots and not node.run_dir("sb-1").exists()
+
+
+def test_a_slot_whose_agent_hung_up_is_skipped(pool: WarmPool, node: FakeNode) -> None:
+    node.driver.fail_on = "create"  # no refill meanwhile
+    first = next(s for s in node.agents.slots if s.startswith("warm-"))
+    node.agents.dead.add(first)
+    container = pool.claim(_spec(node))
+    assert container is not None and first not in container
+    assert pool.ready(IMAGE) == 0
+
+
+def test_refill_waits_while_sandboxes_are_busy(pool: WarmPool, node: FakeNode) -> None:
+    # Given the pool emptied by claims while a create is still in flight
+    node.busy.add("sb-x")
+    assert pool.claim(_spec(node, "sb-1")) and pool.claim(_spec(node, "sb-2"))
+    time.sleep(0.3)
+    # Then nothing is refilled until the node is quiet
+    assert pool.ready(IMAGE) == 0
+    node.busy.clear()
+    node.last_transition = time.monotonic()
+    deadline = time.monotonic() + 5
+    while pool.ready(IMAGE) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.ready(IMAGE) == 2
+
+
+def test_concurrent_claims_never_share_a_slot(pool: WarmPool, node: FakeNode) -> None:
+    node.driver.fail_on = "create"  # no refill: two slots for eight claims
+    got: list[str | None] = []
+    threads = [
+        threading.Thread(target=lambda i=i: got.append(pool.claim(_spec(node, f"sb-{i}"))))
+        for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    claimed = [c for c in got if c is not None]
+    assert len(claimed) == 2 and len(set(claimed)) == 2
+
+
+def test_heartbeats_list_sandboxes_and_creates_never_warm_slots(
+    pool: WarmPool, node: FakeNode
+) -> None:
+    # Given a create in flight (which holds the refill back) and a claimed sandbox
+    node.busy.add("sb-2")
+    pool.claim(_spec(node, "sb-1"))
+    node.warm = pool  # type: ignore[attr-defined]
+    # Then the heartbeat's list is the sandboxes, not the slot still waiting
+    assert len(node.agents.slots) == 2 and pool.ready(IMAGE) == 1
+    assert held(node) == ["sb-1", "sb-2"]  # type: ignore[arg-type]
