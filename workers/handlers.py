@@ -172,10 +172,7 @@ class Node:
         self.outlet.event(
             SandboxFailed(
                 event_id=derived_id(request.request_id, "failed"),
-                sandbox_id=request.sandbox_id,
-                node_id=self.node_id,
-                tenant=request.tenant,
-                job_id=request.job_id,
+                **self._envelope(request),
                 payload=FailedPayload(
                     request_id=request.request_id,
                     request_type=request.type,
@@ -193,6 +190,15 @@ class Node:
                 detail=detail,
             ),
         )
+
+    def _envelope(self, request: RequestBase) -> dict[str, str]:
+        """The envelope of an event this node records about a request's sandbox."""
+        return {
+            "sandbox_id": request.sandbox_id,
+            "node_id": self.node_id,
+            "tenant": request.tenant,
+            "job_id": request.job_id,
+        }
 
     def _claim(self, request: RequestBase) -> bool:
         """True the first time a request id is seen on this node."""
@@ -256,10 +262,7 @@ class Node:
         self.outlet.event(
             SandboxStarted(
                 event_id=derived_id(request.request_id, "started"),
-                sandbox_id=request.sandbox_id,
-                node_id=self.node_id,
-                tenant=request.tenant,
-                job_id=request.job_id,
+                **self._envelope(request),
                 payload=StartedPayload(
                     request_id=request.request_id,
                     container_id=container_id,
@@ -302,10 +305,7 @@ class Node:
             self.outlet.event(
                 CommandCompleted(
                     event_id=derived_id(replay.request_id, "completed"),
-                    sandbox_id=request.sandbox_id,
-                    node_id=self.node_id,
-                    tenant=request.tenant,
-                    job_id=request.job_id,
+                    **self._envelope(request),
                     payload=CommandPayload(
                         request_id=replay.request_id,
                         actor=replay.actor,
@@ -386,10 +386,7 @@ class Node:
             return
         self.outlet.event(
             event_type(
-                sandbox_id=request.sandbox_id,
-                node_id=self.node_id,
-                tenant=request.tenant,
-                job_id=request.job_id,
+                **self._envelope(request),
                 payload=FreezePayload(reason=reason, request_id=request.request_id),
             )
         )
@@ -480,10 +477,7 @@ class Node:
         self.outlet.event(
             CommandCompleted(
                 event_id=derived_id(request.request_id, "completed"),
-                sandbox_id=request.sandbox_id,
-                node_id=self.node_id,
-                tenant=request.tenant,
-                job_id=request.job_id,
+                **self._envelope(request),
                 payload=CommandPayload(
                     request_id=request.request_id,
                     actor=request.actor,
@@ -573,10 +567,7 @@ class Node:
         self.outlet.event(
             FileWritten(
                 event_id=derived_id(request.request_id, "written"),
-                sandbox_id=request.sandbox_id,
-                node_id=self.node_id,
-                tenant=request.tenant,
-                job_id=request.job_id,
+                **self._envelope(request),
                 payload=FilePayload(
                     request_id=request.request_id, actor=request.actor, path=request.path, size=size
                 ),
@@ -600,10 +591,7 @@ class Node:
         self.outlet.event(
             FileRead(
                 event_id=derived_id(request.request_id, "read"),
-                sandbox_id=request.sandbox_id,
-                node_id=self.node_id,
-                tenant=request.tenant,
-                job_id=request.job_id,
+                **self._envelope(request),
                 payload=FilePayload(
                     request_id=request.request_id,
                     actor=request.actor,
