@@ -75,7 +75,9 @@ def status(as_json: JsonOpt = False) -> None:
         rows.append(
             {
                 "service": service.name,
-                "state": "running" if alive else "stopped",
+                "state": ("stale code" if service.stale(settings) else "running")
+                if alive
+                else "stopped",
                 "pid": pid,
                 "endpoint": service.endpoint,
                 "log": str(service.logfile(settings)),

@@ -9,6 +9,8 @@ detached processes with pid files and logs under the state directory.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -26,6 +28,19 @@ from sqlalchemy.engine import make_url
 
 from app.config import Settings
 from app.errors import ConfigError, ServiceUnavailable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def code_fingerprint() -> str:
+    """What code a process started from this checkout runs: its path, its
+    interpreter and a digest of every Python source under app/ and workers/."""
+    digest = hashlib.sha256(f"{REPO_ROOT}\0{sys.executable}".encode())
+    for package in ("app", "workers"):
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            digest.update(str(path.relative_to(REPO_ROOT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _host_port(hostport: str) -> tuple[str, int]:
@@ -61,12 +76,35 @@ class Service:
     endpoint: str = ""
     env: dict[str, str] = field(default_factory=dict)
     ready: Callable[[], bool] | None = None
+    # Our own processes run this checkout's code; the broker is a foreign binary.
+    runs_our_code: bool = True
 
     def pidfile(self, settings: Settings) -> Path:
         return settings.state_dir / "run" / f"{self.name}.pid"
 
     def logfile(self, settings: Settings) -> Path:
         return settings.state_dir / "logs" / f"{self.name}.log"
+
+    def codefile(self, settings: Settings) -> Path:
+        return settings.state_dir / "run" / f"{self.name}.code"
+
+    def stale(self, settings: Settings) -> bool:
+        """It runs, but other code than this checkout's: another clone, an older
+        commit, or a tree since deleted (reusing it would test the wrong code)."""
+        if not self.runs_our_code or self.pid(settings) is None:
+            return False
+        try:
+            return self.codefile(settings).read_text().strip() != code_fingerprint()
+        except FileNotFoundError:
+            return True
+
+    def log_tail(self, settings: Settings, lines: int = 25) -> str:
+        """The last lines of its log, for an error that says why it did not come up."""
+        try:
+            text = self.logfile(settings).read_text(errors="replace")
+        except FileNotFoundError:
+            return f"(no log at {self.logfile(settings)})"
+        return "\n".join(text.splitlines()[-lines:])
 
     def pid(self, settings: Settings) -> int | None:
         """Pid of the running process, if it runs."""
@@ -83,7 +121,9 @@ class Service:
         return pid if self.argv[-1].encode() in cmdline or b"dsec" in cmdline else None
 
     def start(self, settings: Settings) -> bool:
-        """Start unless running; True if it was started now."""
+        """Start unless running this checkout's code; True if it was started now."""
+        if self.stale(settings):
+            self.stop(settings)
         if self.pid(settings) is not None:
             return False
         for d in (self.pidfile(settings).parent, self.logfile(settings).parent):
@@ -96,9 +136,11 @@ class Service:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env},
                 start_new_session=True,
-                cwd=Path(__file__).resolve().parents[1],
+                cwd=REPO_ROOT,
             )
         self.pidfile(settings).write_text(str(proc.pid))
+        if self.runs_our_code:
+            self.codefile(settings).write_text(code_fingerprint())
         return True
 
     def stop(self, settings: Settings, timeout_s: float = 10.0) -> bool:
@@ -109,16 +151,24 @@ class Service:
             return False
         os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        else:
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        if _alive(pid):
             os.killpg(pid, signal.SIGKILL)
         self.pidfile(settings).unlink(missing_ok=True)
         return True
+
+
+def _alive(pid: int) -> bool:
+    # A child of this very process (a test session's stack) stays a zombie until
+    # reaped, and a zombie still answers kill(0).
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def broker_binary() -> str:
@@ -166,6 +216,7 @@ def services(settings: Settings, nodes: int | list[str] = 1) -> list[Service]:
             ],
             endpoint=f"kafka://{host}:{port}",
             ready=lambda: port_open(host, port),
+            runs_our_code=False,
         ),
         Service(
             "projector",
@@ -280,12 +331,26 @@ def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -
     prepare_node_store(settings)
     log(f"layer store: {settings.layer_store} has {settings.default_image}")
     for service in rest:
-        log(f"{service.name}: {'started' if service.start(settings) else 'already running'}")
+        replaced = service.stale(settings)
+        started = service.start(settings)
+        said = "restarted: it ran other code" if replaced else "started"
+        log(f"{service.name}: {said if started else 'already running'}")
     for service in rest:
         if service.ready is not None:
             wait_until(service.ready, 60, service.name)
+    workers = {s.name: s for s in rest}
     for node in node_ids(settings, nodes):
-        wait_until(partial(node_alive, settings, node, started_at), 120, f"node {node} heartbeat")
+        try:
+            wait_until(
+                partial(node_alive, settings, node, started_at), 120, f"node {node} heartbeat"
+            )
+        except ServiceUnavailable as exc:
+            # Say why: the worker's and the projector's own last words.
+            tails = "\n".join(
+                f"--- last lines of {s.logfile(settings)}:\n{s.log_tail(settings)}"
+                for s in (workers[f"worker-{node}"], workers["projector"])
+            )
+            raise ServiceUnavailable(f"{exc}\n{tails}") from exc
         log(f"node {node}: alive")
     return stack
 

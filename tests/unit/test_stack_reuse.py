@@ -1,0 +1,67 @@
+"""`dsec up` reuses a running process only when it runs this checkout's code."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.config import Settings
+from app.stack import Service, code_fingerprint
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(state_dir=tmp_path)
+
+
+def sleeper(name: str = "dsec-sleeper") -> Service:
+    # "dsec" in the command line is how a pid file's process is recognised as ours.
+    return Service(name, [sys.executable, "-c", "import time; time.sleep(60)", name])
+
+
+def test_a_process_of_this_checkout_is_reused(settings: Settings) -> None:
+    service = sleeper()
+    try:
+        assert service.start(settings)
+        pid = service.pid(settings)
+        assert not service.stale(settings)
+        assert not service.start(settings)
+        assert service.pid(settings) == pid
+    finally:
+        service.stop(settings, timeout_s=2)
+
+
+@pytest.mark.parametrize("recorded", ["0123456789abcdef", None])
+def test_a_process_running_other_code_is_replaced(settings: Settings, recorded: str | None) -> None:
+    service = sleeper()
+    try:
+        assert service.start(settings)
+        old = service.pid(settings)
+        if recorded is None:  # started by a version that recorded no fingerprint
+            service.codefile(settings).unlink()
+        else:  # started from another clone or an older commit
+            service.codefile(settings).write_text(recorded)
+        assert service.stale(settings)
+        assert service.start(settings)
+        assert service.pid(settings) not in (None, old)
+        assert service.codefile(settings).read_text() == code_fingerprint()
+    finally:
+        service.stop(settings, timeout_s=2)
+
+
+def test_a_foreign_binary_is_never_stale(settings: Settings) -> None:
+    service = sleeper()
+    service.runs_our_code = False
+    try:
+        service.start(settings)
+        assert not service.codefile(settings).exists()
+        assert not service.stale(settings)
+    finally:
+        service.stop(settings, timeout_s=2)
+
+
+def test_the_fingerprint_follows_the_sources() -> None:
+    assert code_fingerprint() == code_fingerprint()
+    assert len(code_fingerprint()) == 16
