@@ -16,8 +16,6 @@ debootstrap's package configuration (most of the time).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import shutil
 import subprocess
@@ -28,6 +26,7 @@ from pathlib import Path
 
 from app.config import Settings, get_settings
 from workers.errors import NodeError
+from workers.file_lock import file_lock
 from workers.image_build import build_image, import_image
 from workers.image_store import image_exists, remove_image
 
@@ -121,7 +120,7 @@ def rootfs_tarball(
     cache.mkdir(mode=0o700, parents=True, exist_ok=True)
     tarball = cache / f"{suite}-minbase-{key[:12]}.tar"
     # One debootstrap at a time per cache; a second caller then finds the tarball.
-    with _locked(cache / ".lock"):
+    with file_lock(cache / ".lock"):
         if tarball.is_file() and not fresh:
             log(f"root filesystem cached at {tarball}")
             return tarball, None
@@ -236,13 +235,3 @@ def _remove_tree(root: Path) -> None:
     for point in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
         subprocess.run(["umount", "-l", point], check=False, capture_output=True)
     shutil.rmtree(root, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -35,7 +35,6 @@ that disagree are restarted (:func:`workers.node_setup.refresh_podman_services`)
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import json
 import os
@@ -48,6 +47,7 @@ from pathlib import Path
 
 from app.config import Settings, get_settings
 from workers.errors import ImageNotFound, NodeError
+from workers.file_lock import file_lock
 
 #: The busybox every sandbox image can rely on: Debian's busybox-static.
 BUSYBOX = Path("/bin/busybox")
@@ -334,23 +334,28 @@ def store_conf_dir(settings: Settings) -> Path:
     return conf
 
 
-@contextlib.contextmanager
-def store_lock(settings: Settings) -> Iterator[None]:
-    """Hold the store's writer lock: one import, build or removal at a time.
-
-    The lock file sits beside the store, not in a stack's ``state_dir``, because stacks
-    with different state dirs share one store. Podman's own locks keep the store
-    consistent; this one makes check-then-write (exists? import) atomic.
-    """
+def store_lock_path(settings: Settings) -> Path:
+    """The store's own lock file: beside the store, not in a stack's ``state_dir``,
+    because stacks with different state dirs share one store."""
     store = settings.layer_store
     store.parent.mkdir(parents=True, exist_ok=True)
-    path = store.parent / f".{store.name}.lock"
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return store.parent / f".{store.name}.lock"
+
+
+@contextlib.contextmanager
+def store_lock(settings: Settings) -> Iterator[None]:
+    """Hold the store's writer lock: one import, build or removal at a time, and no
+    node reading the store meanwhile.
+
+    Podman's own locks keep the store consistent but not deadlock-free: root's import
+    takes the layers lock then the images lock, a node service creating a container
+    takes them the other way round, and each waits for the other for ever (seen on
+    these hosts with Podman 4.3). Node workers hold this lock shared around every
+    call that reads the store (:class:`workers.podman_driver.PodmanDriver`), so the
+    two never interleave. It also makes check-then-write (exists? import) atomic.
+    """
+    with file_lock(store_lock_path(settings)):
+        yield
 
 
 def refresh_nodes(settings: Settings, image: str, present: bool) -> None:

@@ -10,6 +10,7 @@ from workers import runtime
 from workers.agent.client import AgentPool
 from workers.celery_app import celery
 from workers.handlers import Node
+from workers.image_store import store_lock_path
 from workers.limits import CgroupLimiter
 from workers.node_setup import ensure_node_user, ensure_podman_service
 from workers.podman_driver import PodmanDriver
@@ -38,7 +39,11 @@ def run(node_id: str, concurrency: int = 16) -> None:
     settings = get_settings()
     user = ensure_node_user(node_id, allow_egress=settings.allow_egress)
     socket_url = ensure_podman_service(user)
-    driver = PodmanDriver(socket_url, limiter=CgroupLimiter.detect(node_id))
+    driver = PodmanDriver(
+        socket_url,
+        limiter=CgroupLimiter.detect(node_id),
+        store_lock=store_lock_path(settings),
+    )
     node = Node(settings, node_id, driver, AgentPool())
     runtime.install(node)
     node.warm = WarmPool(node, settings.warm_pool)

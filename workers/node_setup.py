@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import logging
 import os
 import pwd
@@ -46,6 +45,7 @@ from pathlib import Path
 
 from app.config import Settings, get_settings
 from workers.errors import NodeError, PodmanUnavailable
+from workers.file_lock import file_lock
 from workers.image_store import ensure_store
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def ensure_node_user(
     _mkdir(settings.state_dir, 0o755)
     for sub in ("nodes", "run", "logs"):
         _mkdir(settings.state_dir / sub, 0o755)
-    with _locked(settings.state_dir / "run" / "node-setup.lock"):
+    with file_lock(settings.state_dir / "run" / "node-setup.lock"):
         name = user_name(node_id)
         home = settings.state_dir / "nodes" / node_id
         _ensure_system_user(name, home, node_id)
@@ -251,7 +251,7 @@ def ensure_podman_service(
     (own session), logging to ``state_dir/logs/podman-<id>.log``.
     """
     settings = settings or get_settings()
-    with _locked(_run_file(settings, user, "lock")):
+    with file_lock(_run_file(settings, user, "lock")):
         return _ensure_service(user, settings, timeout_s)
 
 
@@ -264,7 +264,7 @@ def restart_podman_service(
     started; a fresh one does. Sandboxes keep running meanwhile (conmon owns them).
     """
     settings = settings or get_settings()
-    with _locked(_run_file(settings, user, "lock")):
+    with file_lock(_run_file(settings, user, "lock")):
         _stop_service(user, settings)
         return _ensure_service(user, settings, timeout_s)
 
@@ -272,7 +272,7 @@ def restart_podman_service(
 def stop_podman_service(user: NodeUser, settings: Settings | None = None) -> bool:
     """Stop the node's service (sandboxes keep running); False if none ran."""
     settings = settings or get_settings()
-    with _locked(_run_file(settings, user, "lock")):
+    with file_lock(_run_file(settings, user, "lock")):
         return _stop_service(user, settings)
 
 
@@ -324,6 +324,17 @@ def service_sees_image(socket_path: Path, image: str, timeout_s: float = 5.0) ->
     return None if status is None else status == 204
 
 
+def _service_reads_store(user: NodeUser, settings: Settings, timeout_s: float = 15.0) -> bool:
+    """The service lists its images: ``/_ping`` answers even from a service stuck on a
+    storage lock (a restart frees it; its sandboxes keep running). Asked with the
+    store's lock held shared, so a root import in progress is waited for, not taken
+    for a hang."""
+    from workers.image_store import store_lock_path  # the store module imports this one
+
+    with file_lock(store_lock_path(settings), shared=True):
+        return _http_status(user.socket_path, "/v4.0.0/libpod/images/json", timeout_s) == 200
+
+
 def _http_status(socket_path: Path, path: str, timeout_s: float) -> int | None:
     """Status code of a bare ``GET path`` on a unix socket (setup needs no HTTP client)."""
     try:
@@ -348,7 +359,9 @@ def _ensure_service(user: NodeUser, settings: Settings, timeout_s: float) -> str
         _stop_service(user, settings)
         _kill_pause(user)
     if service_answers(user.socket_path):
-        return user.socket_url
+        if _service_reads_store(user, settings):
+            return user.socket_url
+        log.warning("node %s: podman answers but cannot read its store: restart", user.node_id)
     _stop_service(user, settings)
     user.socket_path.parent.mkdir(mode=0o700, exist_ok=True)
     os.chown(user.socket_path.parent, user.uid, user.gid)
@@ -797,17 +810,6 @@ def _mkdir(path: Path, mode: int, uid: int = 0, gid: int = 0) -> None:
 
 def _run_file(settings: Settings, user: NodeUser, suffix: str) -> Path:
     return settings.state_dir / "run" / f"podman-{user.node_id}.{suffix}"
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _run(cmd: list[str]) -> None:

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import podman
@@ -34,6 +35,7 @@ import podman.errors
 import requests
 
 from workers.errors import ImageNotFound, NodeError, PodmanUnavailable, SandboxCreateFailed
+from workers.file_lock import file_lock
 from workers.limits import CPU_PERIOD_US, CgroupLimiter, Limits, View
 from workers.sandbox_spec import (
     AGENT_BIN_MOUNT,
@@ -110,11 +112,16 @@ class PodmanDriver:
         command: Sequence[str] = DEFAULT_COMMAND,
         timeout_s: float = 60.0,
         limiter: CgroupLimiter | None = None,
+        store_lock: Path | None = None,
     ) -> None:
         self.socket_url = socket_url
         self.command = list(command)
         self.timeout_s = timeout_s
         self.limiter = limiter
+        # Held shared around calls that read the shared layer store, so root's
+        # imports (holding it exclusive) never interleave with them: see
+        # workers.image_store.store_lock. None: the caller coordinates.
+        self.store_lock = store_lock
         self._local = threading.local()
 
     # --- sandboxes -----------------------------------------------------------------
@@ -127,7 +134,7 @@ class PodmanDriver:
         cgroups.
         """
         name = spec.container_name
-        with self._mapped(SandboxCreateFailed, f"create {name}"):
+        with self._reading_store(), self._mapped(SandboxCreateFailed, f"create {name}"):
             client = self._client()
             existing = self._get(client, name)
             if existing is None:
@@ -305,12 +312,12 @@ class PodmanDriver:
 
     def image_exists(self, image: str) -> bool:
         """The node can run ``image`` (its own store or the shared layer store)."""
-        with self._mapped(NodeError, f"look up image {image}"):
+        with self._reading_store(), self._mapped(NodeError, f"look up image {image}"):
             return bool(self._client().images.exists(image))
 
     def list_images(self) -> list[str]:
         """Names of the images the node can run, ``localhost/`` dropped as users write them."""
-        with self._mapped(NodeError, "list images"):
+        with self._reading_store(), self._mapped(NodeError, "list images"):
             names: set[str] = set()
             for image in self._client().images.list():
                 for n in image.attrs.get("Names") or image.tags or ():
@@ -399,6 +406,14 @@ class PodmanDriver:
         except (OSError, ValueError) as exc:
             raise SandboxCreateFailed(f"move {sandbox_id} into its cgroups: {exc}") from exc
         container.start()
+
+    @contextmanager
+    def _reading_store(self) -> Iterator[None]:
+        if self.store_lock is None:
+            yield
+            return
+        with file_lock(self.store_lock, shared=True):
+            yield
 
     @contextmanager
     def _mapped(self, fallback: type[NodeError], what: str) -> Iterator[None]:

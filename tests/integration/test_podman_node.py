@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -165,3 +166,18 @@ def test_no_service_raises_podman_unavailable(workdir: Path) -> None:
         dead.list_sandboxes()
     with pytest.raises(PodmanUnavailable):
         dead.create_and_start(_spec(workdir))
+
+
+def test_a_node_does_not_read_the_store_while_root_writes_it(node: NodeUser, cfg: Settings) -> None:
+    # Root's import and a node's create take Podman's store locks in opposite orders
+    # and can wait for each other for ever; the store lock keeps them apart.
+    guarded = PodmanDriver(node.socket_url, store_lock=image_store.store_lock_path(cfg))
+    listed: list[list[str]] = []
+    with image_store.store_lock(cfg):
+        reader = threading.Thread(target=lambda: listed.append(guarded.list_images()))
+        reader.start()
+        reader.join(1.0)
+        assert reader.is_alive() and not listed, "the node read the store during a write"
+    reader.join(30)
+    assert listed and IMAGE in listed[0]
+    guarded.close()
