@@ -32,7 +32,7 @@ from app.domain.events import (
     SandboxStarted,
     SandboxStopped,
 )
-from app.domain.sandbox_state import SandboxState, advance, rank
+from app.domain.sandbox_state import TERMINAL, SandboxState, advance, rank
 
 PROJECTION_TABLES = (sandboxes, nodes, commands, usage)
 
@@ -113,7 +113,11 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
                 event.sandbox_id, SandboxFold(event.tenant, event.job_id)
             )
             change = _lifecycle(event)
-            if change is not None:
+            # A sandbox's first ending is its ending: a later Stopped (the node's, after
+            # the scheduler declared it lost) or a late Started stays in the audit trail
+            # but leaves the row, and what was charged, as they were. The upsert below
+            # holds to the same rule across batches, so batching never shows.
+            if change is not None and box.state not in TERMINAL:
                 state, columns = change
                 box.state = advance(box.state, state)
                 box.columns.update({k: v for k, v in columns.items() if v is not None})
@@ -130,8 +134,10 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
                 u.ended.append(event.sandbox_id or "")
                 u.last_position = position
             case CommandCompleted(payload=p):
-                out.sandboxes[event.sandbox_id or ""].commands += 1
-                out.sandboxes[event.sandbox_id or ""].last_position = position
+                box = out.sandboxes[event.sandbox_id or ""]
+                box.commands += 1
+                if box.state not in TERMINAL:
+                    box.last_position = position
                 u = out.usage.setdefault(tenant_job, UsageFold())
                 u.commands += 1
                 u.last_position = position
@@ -168,6 +174,7 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
 
 _RANK_CASE = "CASE {col} " + " ".join(f"WHEN '{s.value}' THEN {rank(s)}" for s in SandboxState)
 _COLS = ", ".join(SANDBOX_COLUMNS)
+_ENDED = "s.state IN (" + ", ".join(f"'{t.value}'" for t in sorted(TERMINAL)) + ")"
 
 # Each statement takes its rows as ONE json parameter that Postgres unpacks
 # (jsonb_populate_recordset): binding thousands of parameters from Python costs more
@@ -178,19 +185,23 @@ _UPSERT_SANDBOXES = text(
     SELECT sandbox_id, tenant, job_id, state, commands, last_position, {_COLS}
     FROM jsonb_populate_recordset(NULL::sandboxes, CAST(:rows AS jsonb))
     ON CONFLICT (sandbox_id) DO UPDATE SET
-        state = CASE WHEN ({_RANK_CASE.format(col="s.state")} END)
+        state = CASE WHEN {_ENDED} THEN s.state
+                     WHEN ({_RANK_CASE.format(col="s.state")} END)
                        <= ({_RANK_CASE.format(col="excluded.state")} END)
                      THEN excluded.state ELSE s.state END,
         commands = s.commands + excluded.commands,
-        last_position = greatest(s.last_position, excluded.last_position),
-        {", ".join(f"{c} = coalesce(excluded.{c}, s.{c})" for c in SANDBOX_COLUMNS)}
+        last_position = CASE WHEN {_ENDED} THEN s.last_position
+                             ELSE greatest(s.last_position, excluded.last_position) END,
+        {", ".join(f"{c} = CASE WHEN {_ENDED} THEN s.{c} ELSE coalesce(excluded.{c}, s.{c}) END"
+                   for c in SANDBOX_COLUMNS)}
     """
 )
 # Commands of a sandbox whose lifecycle events came in an earlier batch.
 _COUNT_COMMANDS = text(
-    """
+    f"""
     UPDATE sandboxes AS s SET commands = s.commands + r.commands,
-                              last_position = greatest(s.last_position, r.last_position)
+                              last_position = CASE WHEN {_ENDED} THEN s.last_position
+                                  ELSE greatest(s.last_position, r.last_position) END
     FROM jsonb_to_recordset(CAST(:rows AS jsonb))
          AS r(sandbox_id text, commands int, last_position bigint)
     WHERE s.sandbox_id = r.sandbox_id
