@@ -113,11 +113,17 @@ class Service:
             os.kill(pid, 0)
         except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
             return None
-        # A recycled pid after a reboot would look alive: check it is ours.
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            return None
+        # A recycled pid after a reboot would look alive: check it is ours. A process
+        # caught in exec (just started) shows an empty command line for a moment; a
+        # zombie shows one for good.
+        for _ in range(50):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                return None
+            if cmdline or not _alive(pid):
+                break
+            time.sleep(0.01)
         return pid if self.argv[-1].encode() in cmdline or b"dsec" in cmdline else None
 
     def start(self, settings: Settings) -> bool:
