@@ -328,7 +328,7 @@ def exec_(
     job: JobOpt = "",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result object.")] = False,
 ) -> None:
-    """Run a command in a sandbox: print its output raw, exit with its exit code.
+    """Run a command in a sandbox: print its output raw as it comes, exit with its exit code.
 
     dsec exec SANDBOX -- ls -l /workspace   |   dsec exec SANDBOX 'echo $HOME | wc -c'
 

@@ -106,19 +106,24 @@ def run_exec(
     tenant, job = resolve_owner(settings, sandbox_id, tenant, job)
     try:
         with Client(settings, tenant=tenant, job_id=job, actor=ACTOR) as client:
-            result = client.sandbox(sandbox_id).exec(command, timeout_s=timeout_s)
+            box = client.sandbox(sandbox_id)
+            if as_json:
+                result = box.exec(command, timeout_s=timeout_s)
+            else:
+                # Streamed: a long command's output shows as it comes.
+                run = box.stream(command, timeout_s=timeout_s)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                for chunk in run:
+                    # Raw bytes, as the command wrote them: binary output survives a pipe.
+                    out = sys.stdout if chunk.stream == "stdout" else sys.stderr
+                    out.buffer.write(chunk.data)
+                    out.buffer.flush()
+                result = run.result
     except (DsecError, ValueError) as exc:
         return _fail(exc)
     if as_json:
         print(json.dumps(result_json(sandbox_id, result), indent=2))
-    else:
-        # Raw bytes, as the command wrote them: binary output survives a pipe.
-        sys.stdout.flush()
-        sys.stdout.buffer.write(result.stdout)
-        sys.stdout.buffer.flush()
-        sys.stderr.flush()
-        sys.stderr.buffer.write(result.stderr)
-        sys.stderr.buffer.flush()
     return exit_code_of(result)
 
 

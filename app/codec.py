@@ -10,7 +10,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from app.domain.base import SCHEMA_VERSION
 from app.domain.events import EVENT_ADAPTER, EVENT_TYPES, Event
-from app.domain.replies import REPLY_ADAPTER, Reply
+from app.domain.replies import REPLY_ADAPTER, REPLY_KINDS, Reply
 from app.domain.requests import REQUEST_ADAPTER, REQUEST_TYPES, Request
 from app.errors import DsecError
 
@@ -99,8 +99,7 @@ def decode_request(raw: bytes, max_bytes: int = 1 << 20) -> Request:
 
 def decode_reply(raw: bytes, max_bytes: int = 32 << 20) -> Reply:
     """Validate a reply."""
-    kinds = frozenset({"ready", "exec", "file", "done", "error"})
-    reply: Reply = _validate(REPLY_ADAPTER, _load(raw, max_bytes, "kind", kinds))
+    reply: Reply = _validate(REPLY_ADAPTER, _load(raw, max_bytes, "kind", REPLY_KINDS))
     return reply
 
 

@@ -13,15 +13,17 @@ on one partition of the replies topic that this client picked and reads alone.
 from __future__ import annotations
 
 import base64
+import queue
 import random
 import threading
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from kafka import TopicPartition
 
@@ -29,7 +31,14 @@ from app import bus
 from app.codec import DecodeError, decode_reply
 from app.config import Settings, get_settings
 from app.domain.base import RejectReason, new_sandbox_id
-from app.domain.replies import ErrorReply, ExecOutput, FileContent, Reply, SandboxReady
+from app.domain.replies import (
+    ErrorReply,
+    ExecOutput,
+    FileContent,
+    OutputChunk,
+    Reply,
+    SandboxReady,
+)
 from app.domain.requests import (
     CreateGroup,
     CreateSandbox,
@@ -89,6 +98,37 @@ class ExecResult:
         )
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a running command's output."""
+
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+OutputHandler = Callable[[Chunk], None]
+
+
+def exec_request(
+    common: dict[str, Any],
+    command: str | Iterable[str],
+    *,
+    timeout_s: float,
+    stdin: bytes = b"",
+    stream_output: bool = False,
+    **options: Any,
+) -> Exec:
+    """The Exec request for a command (a shell string or an argv list)."""
+    return Exec(
+        command=command if isinstance(command, str) else list(command),
+        timeout_s=timeout_s,
+        stdin_b64=base64.b64encode(stdin).decode(),
+        stream_output=stream_output,
+        **options,
+        **common,
+    )
+
+
 def _raise_for(reply: ErrorReply) -> None:
     if reply.reason == RejectReason.UNKNOWN_SANDBOX:
         raise SandboxNotFound(reply.sandbox_id, reply.reason, reply.detail)
@@ -128,6 +168,7 @@ class Client:
         self._consumer.position(tp)  # resolve now: replies to our first request must count
         self._reply_to = ReplyTo(topic=self.settings.topic_replies, partition=self._partition)
         self._waiting: dict[uuid.UUID, Future[Reply]] = {}
+        self._output: dict[uuid.UUID, tuple[OutputHandler, list[int]]] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_replies, name="dsec-replies", daemon=True)
@@ -149,10 +190,27 @@ class Client:
                         reply = decode_reply(record.value or b"")
                     except DecodeError:
                         continue  # not ours to judge: another client's garbage
+                    if isinstance(reply, OutputChunk):
+                        self._pass_output(reply)
+                        continue
                     with self._lock:
                         future = self._waiting.pop(reply.request_id, None)
+                        self._output.pop(reply.request_id, None)
                     if future is not None:
                         future.set_result(reply)
+
+    def _pass_output(self, chunk: OutputChunk) -> None:
+        with self._lock:
+            handler, expected = self._output.get(chunk.request_id, (None, [0]))
+            # A producer retry can deliver a chunk twice; the partition keeps order.
+            if handler is None or chunk.seq < expected[0]:
+                return
+            expected[0] = chunk.seq + 1
+        try:
+            handler(Chunk(chunk.stream, base64.b64decode(chunk.data_b64)))
+        except Exception:  # the trainer's handler must not stop the reply reader
+            with self._lock:
+                self._output.pop(chunk.request_id, None)
 
     def _renew_lease(self) -> None:
         assert self.lease_id is not None
@@ -189,8 +247,13 @@ class Client:
             self._waiting[request_id] = future
         return future
 
-    def send(self, request: RequestBase) -> Future[Reply]:
-        """Send a request; the future completes with its reply."""
+    def send(self, request: RequestBase, on_output: OutputHandler | None = None) -> Future[Reply]:
+        """Send a request; the future completes with its reply. ``on_output`` gets the
+        output chunks of an Exec with ``stream_output``, in order, on the reply reader's
+        thread (keep it quick)."""
+        if on_output is not None:
+            with self._lock:
+                self._output[request.request_id] = (on_output, [0])
         future = self.expect(request.request_id)
         self._publisher.publish(self.settings.topic_requests, request.sandbox_id, request)
         return future
@@ -202,6 +265,7 @@ class Client:
         except FutureTimeout as exc:
             with self._lock:
                 self._waiting.pop(request.request_id, None)
+                self._output.pop(request.request_id, None)
             raise RequestTimeout(
                 f"{request.type} {request.sandbox_id}: no reply in {timeout_s or self.timeout_s}s"
             ) from exc
@@ -209,9 +273,14 @@ class Client:
             _raise_for(reply)
         return reply
 
-    def call(self, request: RequestBase, timeout_s: float | None = None) -> Reply:
+    def call(
+        self,
+        request: RequestBase,
+        timeout_s: float | None = None,
+        on_output: OutputHandler | None = None,
+    ) -> Reply:
         """Send and wait."""
-        return self.wait(request, self.send(request), timeout_s)
+        return self.wait(request, self.send(request, on_output), timeout_s)
 
     # --- API --------------------------------------------------------------------
 
@@ -363,6 +432,46 @@ class Group:
         self.close()
 
 
+class ExecStream:
+    """A running command's output chunks (iterate), then its :attr:`result`."""
+
+    _END = object()
+
+    def __init__(
+        self, sandbox: Sandbox, command: str | Iterable[str], timeout_s: float, options: Any
+    ) -> None:
+        self._chunks: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._request = exec_request(
+            sandbox.client._common(sandbox.id), command, timeout_s=timeout_s,
+            stream_output=True, **options,
+        )  # fmt: skip
+        self._client = sandbox.client
+        self._limit_s = timeout_s + 30
+        self._deadline = time.monotonic() + self._limit_s
+        self._future = sandbox.client.send(self._request, self._chunks.put)
+        # The final reply comes after every chunk (one partition): it ends the stream.
+        self._future.add_done_callback(lambda _f: self._chunks.put(self._END))
+
+    def __iter__(self) -> Iterator[Chunk]:
+        while True:
+            try:
+                item = self._chunks.get(timeout=max(0.0, self._deadline - time.monotonic()))
+            except queue.Empty:
+                return  # ``result`` raises the timeout
+            if item is self._END:
+                return
+            assert isinstance(item, Chunk)
+            yield item
+
+    @property
+    def result(self) -> ExecResult:
+        """How the command ended (waits for it; typed errors as :meth:`Sandbox.exec`)."""
+        remaining = max(0.1, self._deadline - time.monotonic())
+        reply = self._client.wait(self._request, self._future, remaining)
+        assert isinstance(reply, ExecOutput)
+        return ExecResult.from_reply(reply)
+
+
 class Sandbox:
     """One sandbox; closing it destroys it."""
 
@@ -383,22 +492,35 @@ class Sandbox:
         max_output_bytes: int = 1 << 20,
         trajectory_id: str | None = None,
         step: int | None = None,
+        on_output: OutputHandler | None = None,
     ) -> ExecResult:
-        """Run a command (a shell string or an argv list) and return its result."""
-        request = Exec(
-            command=command if isinstance(command, str) else list(command),
-            timeout_s=timeout_s,
-            env=env or {},
-            cwd=cwd,
-            stdin_b64=base64.b64encode(stdin).decode(),
-            max_output_bytes=max_output_bytes,
-            trajectory_id=trajectory_id,
-            step=step,
-            **self.client._common(self.id),
-        )
-        reply = self.client.call(request, timeout_s + 30)
+        """Run a command (a shell string or an argv list) and return its result.
+
+        With ``on_output``, the command's output also arrives while it runs, as
+        :class:`Chunk` s (called on the client's reply thread, in order).
+        """
+        request = exec_request(
+            self.client._common(self.id), command, timeout_s=timeout_s, stdin=stdin,
+            stream_output=on_output is not None, env=env or {}, cwd=cwd,
+            max_output_bytes=max_output_bytes, trajectory_id=trajectory_id, step=step,
+        )  # fmt: skip
+        reply = self.client.call(request, timeout_s + 30, on_output)
         assert isinstance(reply, ExecOutput)
         return ExecResult.from_reply(reply)
+
+    def stream(
+        self, command: str | Iterable[str], *, timeout_s: float = 60.0, **options: Any
+    ) -> ExecStream:
+        """Run a command and iterate over its output as it comes::
+
+            run = sandbox.stream("pytest -x")
+            for chunk in run:
+                print(chunk.data.decode(), end="")
+            print(run.result.exit_code)
+
+        ``options`` are :meth:`exec`'s.
+        """
+        return ExecStream(self, command, timeout_s, options)
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` inside the sandbox."""

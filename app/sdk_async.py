@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Self
 
 from app.config import Settings
@@ -25,13 +25,12 @@ from app.domain.replies import ErrorReply, ExecOutput, FileContent, Reply, Sandb
 from app.domain.requests import (
     CreateSandbox,
     DestroySandbox,
-    Exec,
     ReadFile,
     RequestBase,
     WriteFile,
 )
 from app.errors import RequestTimeout
-from app.sdk import Client, ExecResult, _raise_for
+from app.sdk import Chunk, Client, ExecResult, _raise_for, exec_request
 
 
 class AsyncClient:
@@ -40,9 +39,14 @@ class AsyncClient:
     def __init__(self, settings: Settings | None = None, **options: Any) -> None:
         self._client = Client(settings, **options)
 
-    async def call(self, request: RequestBase, timeout_s: float | None = None) -> Reply:
+    async def call(
+        self,
+        request: RequestBase,
+        timeout_s: float | None = None,
+        on_output: Callable[[Chunk], None] | None = None,
+    ) -> Reply:
         """Send a request and await its reply (typed errors as in the sync client)."""
-        future = self._client.send(request)
+        future = self._client.send(request, on_output)
         limit = timeout_s or self._client.timeout_s
         try:
             reply = await asyncio.wait_for(asyncio.wrap_future(future), limit)
@@ -111,17 +115,22 @@ class AsyncSandbox:
         self, command: str | Iterable[str], *, timeout_s: float = 60.0, **options: Any
     ) -> ExecResult:
         """Run a command; see :meth:`app.sdk.Sandbox.exec` for the options."""
-        stdin = options.pop("stdin", b"")
-        request = Exec(
-            command=command if isinstance(command, str) else list(command),
-            timeout_s=timeout_s,
-            stdin_b64=base64.b64encode(stdin).decode(),
-            **options,
-            **self._common(),
-        )
+        request = exec_request(self._common(), command, timeout_s=timeout_s, **options)
         reply = await self.client.call(request, timeout_s + 30)
         assert isinstance(reply, ExecOutput)
         return ExecResult.from_reply(reply)
+
+    def stream(
+        self, command: str | Iterable[str], *, timeout_s: float = 60.0, **options: Any
+    ) -> AsyncExecStream:
+        """Run a command and iterate over its output as it comes::
+
+        run = sandbox.stream("pytest -x")
+        async for chunk in run:
+            print(chunk.data.decode(), end="")
+        print((await run.result()).exit_code)
+        """
+        return AsyncExecStream(self, command, timeout_s, options)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` inside the sandbox."""
@@ -148,3 +157,34 @@ class AsyncSandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class AsyncExecStream:
+    """A running command's output chunks (``async for``), then ``await result()``."""
+
+    def __init__(
+        self, sandbox: AsyncSandbox, command: str | Iterable[str], timeout_s: float, options: Any
+    ) -> None:
+        self._client = sandbox.client
+        self._chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def put(item: Chunk | None) -> None:  # called on the client's reply thread
+            loop.call_soon_threadsafe(self._chunks.put_nowait, item)
+
+        request = exec_request(
+            sandbox._common(), command, timeout_s=timeout_s, stream_output=True, **options
+        )
+        # The final reply comes after every chunk (one partition): None ends the stream.
+        self._reply = asyncio.ensure_future(self._client.call(request, timeout_s + 30, put))
+        self._reply.add_done_callback(lambda _t: self._chunks.put_nowait(None))
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        while (chunk := await self._chunks.get()) is not None:
+            yield chunk
+
+    async def result(self) -> ExecResult:
+        """How the command ended (typed errors as :meth:`AsyncSandbox.exec`)."""
+        reply = await self._reply
+        assert isinstance(reply, ExecOutput)
+        return ExecResult.from_reply(reply)

@@ -8,13 +8,14 @@ runs, so a redelivered task never runs a command twice.
 from __future__ import annotations
 
 import base64
+import itertools
 import logging
 import shutil
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
@@ -41,7 +42,14 @@ from app.domain.events import (
     StartedPayload,
     StoppedPayload,
 )
-from app.domain.replies import Done, ErrorReply, ExecOutput, FileContent, SandboxReady
+from app.domain.replies import (
+    Done,
+    ErrorReply,
+    ExecOutput,
+    FileContent,
+    OutputChunk,
+    SandboxReady,
+)
 from app.domain.requests import (
     CreateSandbox,
     DestroySandbox,
@@ -55,6 +63,8 @@ from app.domain.requests import (
 from app.domain.trajectory import replay_answer
 from workers.agent.client import AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
+from workers.agent.protocol import ExecResult as AgentExecResult
+from workers.agent.protocol import Output as AgentOutput
 from workers.errors import ImageNotFound, NodeError, SandboxCreateFailed
 from workers.events_out import Outlet
 from workers.podman_driver import PodmanDriver
@@ -302,24 +312,7 @@ class Node:
                     f"restore of {request.restore_trajectory} broke at command {i}: {exc}",
                 )  # fmt: skip
                 return False
-            self.outlet.event(
-                CommandCompleted(
-                    event_id=derived_id(replay.request_id, "completed"),
-                    **self._envelope(request),
-                    payload=CommandPayload(
-                        request_id=replay.request_id,
-                        actor=replay.actor,
-                        command=command,
-                        exit_code=result.exit_code,
-                        duration_ms=result.duration_s * 1000,
-                        stdout_bytes=len(result.stdout),
-                        stderr_bytes=len(result.stderr),
-                        stdout_head=_audit_head(result.stdout),
-                        stderr_head=_audit_head(result.stderr),
-                        timed_out=result.timed_out,
-                    ),
-                )
-            )
+            self.outlet.event(self._completed(replay, result))
         return True
 
     def _discard(self, sandbox_id: str) -> bool:
@@ -449,6 +442,7 @@ class Node:
                 timeout_s=request.timeout_s,
                 max_output=request.max_output_bytes,
                 stdin=base64.b64decode(request.stdin_b64),
+                on_output=self._streamer(request) if request.stream_output else None,
             )
         except Exception as exc:
             if traj is not None and step is not None:
@@ -456,7 +450,6 @@ class Node:
             self._fail(request, exc)
             return
         duration_ms = result.duration_s * 1000
-        truncated = result.stdout_truncated or result.stderr_truncated
         stdout_b64 = base64.b64encode(result.stdout).decode()
         stderr_b64 = base64.b64encode(result.stderr).decode()
         if traj is not None and step is not None:
@@ -474,30 +467,7 @@ class Node:
                     stderr_truncated=result.stderr_truncated,
                 ),
             )
-        self.outlet.event(
-            CommandCompleted(
-                event_id=derived_id(request.request_id, "completed"),
-                **self._envelope(request),
-                payload=CommandPayload(
-                    request_id=request.request_id,
-                    actor=request.actor,
-                    command=request.command,
-                    exit_code=result.exit_code,
-                    duration_ms=duration_ms,
-                    stdout_bytes=len(result.stdout),
-                    stderr_bytes=len(result.stderr),
-                    stdout_head=_audit_head(result.stdout),
-                    stderr_head=_audit_head(result.stderr),
-                    timed_out=result.timed_out,
-                    truncated=truncated,
-                    trajectory_id=request.trajectory_id,
-                    step=request.step,
-                    # Whole output only for trajectory steps: it is what a replay returns.
-                    stdout_b64=stdout_b64 if traj is not None else None,
-                    stderr_b64=stderr_b64 if traj is not None else None,
-                ),
-            )
-        )
+        self.outlet.event(self._completed(request, result))
         if result.exit_code == -signal.SIGKILL and not result.timed_out:
             self._end_if_oom(request)
         self.outlet.reply(
@@ -514,6 +484,50 @@ class Node:
                 stderr_truncated=result.stderr_truncated,
             ),
         )
+
+    def _completed(self, request: Exec, result: AgentExecResult) -> CommandCompleted:
+        """The log's record of one command that ran."""
+        traj = request.trajectory_id
+        whole = traj is not None  # whole output only for steps: what a replay returns
+        return CommandCompleted(
+            event_id=derived_id(request.request_id, "completed"),
+            **self._envelope(request),
+            payload=CommandPayload(
+                request_id=request.request_id,
+                actor=request.actor,
+                command=request.command,
+                exit_code=result.exit_code,
+                duration_ms=result.duration_s * 1000,
+                stdout_bytes=len(result.stdout),
+                stderr_bytes=len(result.stderr),
+                stdout_head=_audit_head(result.stdout),
+                stderr_head=_audit_head(result.stderr),
+                timed_out=result.timed_out,
+                truncated=result.stdout_truncated or result.stderr_truncated,
+                trajectory_id=traj,
+                step=request.step,
+                stdout_b64=base64.b64encode(result.stdout).decode() if whole else None,
+                stderr_b64=base64.b64encode(result.stderr).decode() if whole else None,
+            ),
+        )
+
+    def _streamer(self, request: Exec) -> Callable[[AgentOutput], None]:
+        """Pass a running command's output to its trainer as OutputChunk replies."""
+        seq = itertools.count()
+
+        def send(output: AgentOutput) -> None:
+            self.outlet.reply(
+                request.reply_to,
+                OutputChunk(
+                    request_id=request.request_id,
+                    sandbox_id=request.sandbox_id,
+                    seq=next(seq),
+                    stream="stdout" if output.stream == 1 else "stderr",
+                    data_b64=base64.b64encode(output.data).decode(),
+                ),
+            )
+
+        return send
 
     def _answer_claimed_step(self, request: Exec, traj: str, step: int) -> None:
         """A step another request already ran (or runs): answer with its result."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
@@ -76,3 +76,10 @@ class FailReason(StrEnum):
     REFUSED = "refused"
     INTERNAL = "internal"
     INCOMPATIBLE = "incompatible"
+
+
+def tags(union: Any, field: str) -> frozenset[str]:
+    """The discriminator values (``field``'s defaults) of an annotated union of models:
+    the message kinds a decoder knows, listed once, by the union itself."""
+    members = get_args(get_args(union)[0])
+    return frozenset(str(m.model_fields[field].default) for m in members)

@@ -20,6 +20,7 @@ from app.domain.base import (
     RejectReason,
     StopReason,
     new_id,
+    tags,
     utcnow,
 )
 
@@ -294,22 +295,4 @@ Event = Annotated[
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
-EVENT_TYPES = frozenset(
-    {
-        "SandboxRequested",
-        "SandboxScheduled",
-        "SandboxRejected",
-        "SandboxStarted",
-        "SandboxFailed",
-        "SandboxStopped",
-        "SandboxFrozen",
-        "SandboxThawed",
-        "CommandCompleted",
-        "CommandReplayed",
-        "FileWritten",
-        "FileRead",
-        "NodeRegistered",
-        "NodeHeartbeat",
-        "NodeLost",
-    }
-)
+EVENT_TYPES = tags(Event, "type")

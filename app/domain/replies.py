@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
-from app.domain.base import SCHEMA_VERSION, Message
+from app.domain.base import SCHEMA_VERSION, Message, tags
 
 
 class ReplyBase(Message):
@@ -39,6 +39,20 @@ class ExecOutput(ReplyBase):
     replayed: bool = Field(False, description="Answered from the trajectory log.")
 
 
+class OutputChunk(ReplyBase):
+    """Output of a running command (Exec with ``stream_output``), before its ExecOutput.
+
+    The chunks of one stream, in ``seq`` order, add up to the ExecOutput's output for
+    that stream (both capped at ``max_output_bytes``). A step answered from the
+    trajectory log streams nothing: its ExecOutput carries everything.
+    """
+
+    kind: Literal["output"] = "output"
+    seq: int = Field(ge=0, description="Position among this command's chunks, from 0.")
+    stream: Literal["stdout", "stderr"] = Field(description="Which stream it came from.")
+    data_b64: str = Field(description="The bytes, base64.")
+
+
 class FileContent(ReplyBase):
     """A file read from the sandbox."""
 
@@ -63,6 +77,8 @@ class ErrorReply(ReplyBase):
 
 
 Reply = Annotated[
-    SandboxReady | ExecOutput | FileContent | Done | ErrorReply, Field(discriminator="kind")
+    SandboxReady | ExecOutput | OutputChunk | FileContent | Done | ErrorReply,
+    Field(discriminator="kind"),
 ]
 REPLY_ADAPTER: TypeAdapter[Reply] = TypeAdapter(Reply)
+REPLY_KINDS = tags(Reply, "kind")

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
-from app.domain.base import SCHEMA_VERSION, Message, new_id, utcnow
+from app.domain.base import SCHEMA_VERSION, Message, new_id, tags, utcnow
 
 SandboxId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{2,62}$")]
 Name = Annotated[str, Field(min_length=1, max_length=128)]
@@ -97,6 +97,10 @@ class Exec(RequestBase):
     stdin_b64: str = Field("", description="Standard input, base64.")
     trajectory_id: Name | None = Field(None, description="Trajectory this step belongs to.")
     step: int | None = Field(None, ge=0, description="Step number within the trajectory.")
+    stream_output: bool = Field(
+        False,
+        description="Send OutputChunk replies while the command runs, before its ExecOutput.",
+    )
 
 
 class WriteFile(RequestBase):
@@ -162,20 +166,7 @@ Request = Annotated[
     Field(discriminator="type"),
 ]
 REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
-REQUEST_TYPES = frozenset(
-    {
-        "CreateSandbox",
-        "CreateGroup",
-        "DestroyGroup",
-        "Exec",
-        "WriteFile",
-        "ReadFile",
-        "DestroySandbox",
-        "FreezeSandbox",
-        "ThawSandbox",
-        "RenewLease",
-    }
-)
+REQUEST_TYPES = tags(Request, "type")
 #: Label carried by every member of a rollout group.
 GROUP_LABEL = "dsec.group"
 

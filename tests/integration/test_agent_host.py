@@ -27,6 +27,7 @@ import pytest
 from workers.agent.build import ensure_agent_dir, is_static_elf
 from workers.agent.client import AgentConnection, AgentListener, AgentPool
 from workers.agent.errors import AgentBuildError, AgentRefused, AgentUnavailable
+from workers.agent.protocol import Output
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +103,37 @@ def test_echo_stdout_and_exit_zero(agent: Agent) -> None:
     assert (result.exit_code, result.stdout, result.stderr) == (0, b"hi\n", b"")
     assert not (result.timed_out or result.stdout_truncated or result.stderr_truncated)
     assert 0 < result.duration_s < 1
+
+
+def test_streaming_exec_sends_output_while_the_command_runs(agent: Agent) -> None:
+    got: list[tuple[float, Output]] = []
+    started = time.monotonic()
+    result = agent.conn.exec(
+        ["sh", "-c", "echo one; sleep 0.5; echo two >&2; sleep 0.5; echo three"],
+        cwd=str(agent.work),
+        on_output=lambda out: got.append((time.monotonic() - started, out)),
+    )
+    assert agent.conn.hello.version == 2
+    assert [out for _, out in got] == [
+        Output(1, b"one\n"),
+        Output(2, b"two\n"),
+        Output(1, b"three\n"),
+    ]
+    # "one" came long before the end (its linger is 50 ms, the command runs 1 s).
+    assert got[0][0] < result.duration_s - 0.4
+    assert (result.stdout, result.stderr) == (b"one\nthree\n", b"two\n")
+
+
+def test_streamed_chunks_add_up_to_a_large_output(agent: Agent) -> None:
+    pieces: list[Output] = []
+    result = agent.conn.exec(
+        ["sh", "-c", "head -c 3000000 /dev/urandom | od -An -v"],
+        cwd=str(agent.work),
+        max_output=1 << 22,
+        on_output=pieces.append,
+    )
+    assert b"".join(p.data for p in pieces if p.stream == 1) == result.stdout
+    assert len(result.stdout) > 3_000_000 and len(pieces) > 10
 
 
 def test_stderr_is_separate_and_exit_code_kept(agent: Agent) -> None:
@@ -295,7 +327,7 @@ def test_malformed_unknown_and_oversized_frames(
         try:
             sock, _ = server.accept()
             sock.settimeout(5)
-            assert _recv_frame(sock)[:5] == bytes.fromhex("1000000001")
+            assert _recv_frame(sock)[:5] == bytes.fromhex("1000000002")  # HELLO, version 2
             # Malformed EXEC and unknown op: an error reply, the connection stays usable
             sock.sendall(bytes.fromhex("0000000502ffffffff"))
             assert _recv_frame(sock)[0] == 1

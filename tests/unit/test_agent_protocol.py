@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from workers.agent.client import AgentConnection
 from workers.agent.errors import AgentProtocolError
 from workers.agent.protocol import (
     HEADER_LEN,
@@ -15,6 +19,7 @@ from workers.agent.protocol import (
     ExecResult,
     Hello,
     Op,
+    Output,
     PingRequest,
     Pong,
     ReadFileRequest,
@@ -129,6 +134,21 @@ def test_other_responses_roundtrip() -> None:
         assert _response_roundtrip(op, error) == error
 
 
+def test_streaming_exec_roundtrips_with_its_output_frames() -> None:
+    request = ExecRequest(("yes",), stream=True)
+    assert op_of(request) == Op.EXEC_STREAM
+    assert _request_roundtrip(request) == request
+    for output in (Output(1, b"out\n"), Output(2, b"\0\xff")):
+        assert _response_roundtrip(Op.EXEC_STREAM, output) == output
+    # Output belongs to a streaming EXEC only, and names stdout or stderr.
+    with pytest.raises(AgentProtocolError):
+        _response_roundtrip(Op.EXEC, Output(1, b"x"))
+    with pytest.raises(AgentProtocolError):
+        _response_roundtrip(Op.EXEC_STREAM, Output(3, b"x"))
+    result = ExecResult(0, b"a", b"b", duration_s=0.5)
+    assert _response_roundtrip(Op.EXEC_STREAM, result) == result
+
+
 def test_exec_ok_property() -> None:
     assert ExecResult(0, b"", b"").ok
     assert not ExecResult(1, b"", b"").ok
@@ -139,6 +159,7 @@ def test_op_of_matches_the_encoded_op_byte() -> None:
     requests: list[Request] = [
         PingRequest(),
         ExecRequest(("true",)),
+        ExecRequest(("true",), stream=True),
         WriteFileRequest("/a", b""),
         ReadFileRequest("/a", 1),
     ]
@@ -225,3 +246,26 @@ def test_encoding_refuses_bad_arguments() -> None:
 
 def test_frame_prefixes_length() -> None:
     assert frame(b"abc") == b"\x00\x00\x00\x03abc"
+
+
+def test_a_version_1_agent_gets_a_plain_exec_and_the_output_comes_at_the_end() -> None:
+    host, fake_agent = socket.socketpair()
+    seen_ops: list[int] = []
+
+    def serve() -> None:
+        header = fake_agent.recv(HEADER_LEN, socket.MSG_WAITALL)
+        payload = fake_agent.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
+        seen_ops.append(payload[0])
+        fake_agent.sendall(encode_response(ExecResult(0, b"out", b"err")))
+
+    server = threading.Thread(target=serve)
+    server.start()
+    got: list[Output] = []
+    conn = AgentConnection(host, Hello(version=1, pid=1))
+    result = conn.exec(["true"], on_output=got.append)
+    server.join()
+    conn.close()
+    fake_agent.close()
+    assert seen_ops == [Op.EXEC]
+    assert got == [Output(1, b"out"), Output(2, b"err")]
+    assert (result.stdout, result.stderr) == (b"out", b"err")

@@ -36,11 +36,12 @@ from workers.agent.protocol import (
     HEADER_LEN,
     HELLO_PAYLOAD_LEN,
     MAX_RESPONSE_FRAME,
-    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     ErrorReply,
     ExecRequest,
     ExecResult,
     Hello,
+    Output,
     PingRequest,
     ReadFileRequest,
     ReadFileResult,
@@ -71,9 +72,9 @@ _DEAD_EVENTS = select.POLLHUP | select.POLLERR | select.POLLRDHUP | select.POLLN
 def _check_hello(raw: bytes | bytearray) -> Hello:
     frame_length(raw[:HEADER_LEN], HELLO_PAYLOAD_LEN)
     hello = decode_hello(raw[HEADER_LEN:])
-    if hello.version != PROTOCOL_VERSION:
+    if hello.version not in SUPPORTED_VERSIONS:
         raise AgentProtocolError(
-            f"agent speaks protocol {hello.version}, host speaks {PROTOCOL_VERSION}"
+            f"agent speaks protocol {hello.version}, host speaks {sorted(SUPPORTED_VERSIONS)}"
         )
     return hello
 
@@ -143,8 +144,13 @@ class AgentConnection:
         timeout_s: float | None = None,
         max_output: int = 1 << 20,
         stdin: bytes = b"",
+        on_output: Callable[[Output], None] | None = None,
     ) -> ExecResult:
         """Run ``argv`` in the sandbox and wait for it.
+
+        With ``on_output``, output is handed over while the command runs, in pieces
+        that add up to the result's stdout and stderr (an agent older than protocol 2
+        hands it over in one piece per stream at the end).
 
         ``env`` overrides entries of :attr:`default_env`, which override the sandbox's
         environment; ``cwd`` defaults to
@@ -166,10 +172,15 @@ class AgentConnection:
             timeout_ms=timeout_ms,
             max_output=max_output,
             stdin=stdin,
+            stream=on_output is not None and self.hello.version >= 2,
         )
         wait = None if timeout_s is None else timeout_s + self.exec_margin_s
-        result = self.request(request, wait)
+        result = self.request(request, wait, on_output)
         assert isinstance(result, ExecResult)
+        if on_output is not None and not request.stream:
+            for stream, data in ((1, result.stdout), (2, result.stderr)):
+                if data:
+                    on_output(Output(stream, data))
         return result
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
@@ -187,9 +198,15 @@ class AgentConnection:
         assert isinstance(result, ReadFileResult)
         return result.data, result.truncated
 
-    def request(self, request: Request, timeout_s: float | None) -> Response:
+    def request(
+        self,
+        request: Request,
+        timeout_s: float | None,
+        on_output: Callable[[Output], None] | None = None,
+    ) -> Response:
         """Send one request and return its response; the lower-level form of the
-        methods above. ``timeout_s`` bounds the whole round trip."""
+        methods above. ``timeout_s`` bounds the whole round trip; ``on_output`` gets
+        the :class:`Output` frames of a streaming EXEC as they come."""
         data = encode_request(request)  # bad arguments fail here, connection untouched
         with self._lock:
             if self._closed:
@@ -198,8 +215,19 @@ class AgentConnection:
             try:
                 self._sock.settimeout(timeout_s)
                 self._sock.sendall(data)
-                length = frame_length(self._recv_exact(HEADER_LEN, deadline), MAX_RESPONSE_FRAME)
-                response = decode_response(op_of(request), self._recv_exact(length, deadline))
+                op = op_of(request)
+                while True:
+                    header = self._recv_exact(HEADER_LEN, deadline)
+                    length = frame_length(header, MAX_RESPONSE_FRAME)
+                    response = decode_response(op, self._recv_exact(length, deadline))
+                    if not isinstance(response, Output):
+                        break
+                    if on_output is not None:
+                        try:
+                            on_output(response)
+                        except Exception:  # the command's result must still be read
+                            log.exception("output handler failed: no more output passed on")
+                            on_output = None
             except TimeoutError as exc:
                 # A late answer would desynchronise the stream; closing also makes the
                 # agent kill the command.

@@ -10,7 +10,7 @@
  * node worker may restart). So the host never opens a path the sandbox can write
  * and never follows a sandbox-made symlink.
  *
- * Wire protocol (version 1); all integers big-endian.
+ * Wire protocol (version 2: version 1 + EXEC_STREAM); all integers big-endian.
  *   frame  = u32 length, then `length` bytes of payload
  *   bytes  = u32 length, then the bytes          (strings: UTF-8, no NUL bytes)
  *   list   = u32 count, then the items
@@ -22,6 +22,8 @@
  *                    (per stream, clamped to 64 MiB), bytes stdin
  *   0x03 WRITE_FILE  bytes path, u32 mode, bytes data
  *   0x04 READ_FILE   bytes path, u32 max_bytes (clamped to 64 MiB)
+ *   0x05 EXEC_STREAM as EXEC; while the command runs the agent also sends OUTPUT
+ *                    frames, then the same final response as EXEC
  * Responses (agent -> host), payload = u8 status + body:
  *   status 1 (error, any op): u32 errno (0 if not an OS error), bytes message
  *   status 0 PING:       (empty)
@@ -30,6 +32,10 @@
  *                        u64 duration_ns, bytes stdout, bytes stderr
  *   status 0 WRITE_FILE: u64 bytes_written
  *   status 0 READ_FILE:  u8 truncated, bytes data
+ *   status 2 OUTPUT (EXEC_STREAM only, before the final response): u8 stream (1
+ *                        stdout, 2 stderr), bytes data: output kept since the last
+ *                        OUTPUT frame of that stream, sent STREAM_LINGER_MS after its
+ *                        first byte or once STREAM_CHUNK bytes wait, whichever first
  * Request frames above 64 MiB are answered with an error and the connection is
  * closed. Closing the connection while an EXEC runs cancels it (the command's process
  * group is killed).
@@ -76,7 +82,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTO_VERSION 1u
+#define PROTO_VERSION 2u
 #define MAX_FRAME (64u << 20)
 #define MAX_OUTPUT (64u << 20)
 #define DEFAULT_SOCKET "/.dsec/run/agent.sock"
@@ -85,10 +91,20 @@
 #define DEFAULT_CWD "/workspace"
 #define LINGER_NS (100ull * 1000000ull)
 #define KILL_WAIT_NS (2000ull * 1000000ull)
+#define STREAM_LINGER_NS (50ull * 1000000ull)
+#define STREAM_CHUNK (32u << 10)
 #define RETRY_MIN_MS 50
 #define RETRY_MAX_MS 200
 
-enum { OP_PING = 0x01, OP_EXEC = 0x02, OP_WRITE_FILE = 0x03, OP_READ_FILE = 0x04, OP_HELLO = 0x10 };
+enum {
+    OP_PING = 0x01,
+    OP_EXEC = 0x02,
+    OP_WRITE_FILE = 0x03,
+    OP_READ_FILE = 0x04,
+    OP_EXEC_STREAM = 0x05,
+    OP_HELLO = 0x10
+};
+enum { STATUS_OK = 0, STATUS_ERROR = 1, STATUS_OUTPUT = 2 };
 
 extern char **environ;
 
@@ -449,7 +465,26 @@ struct obuf {
     int truncated;
     char *data;
     size_t len, cap, limit;
+    size_t sent; /* EXEC_STREAM: bytes already sent in OUTPUT frames */
 };
+
+/* EXEC_STREAM: send what each stream kept since its last OUTPUT frame. */
+static int send_output(int sock, struct obuf *ob)
+{
+    for (uint8_t i = 0; i < 2; i++) {
+        size_t n = ob[i].len - ob[i].sent;
+        if (!n)
+            continue;
+        uint8_t head[5];
+        head[0] = (uint8_t)(i + 1);
+        put_u32(head + 1, (uint32_t)n);
+        struct iovec body[2] = {{head, sizeof head}, {ob[i].data + ob[i].sent, n}};
+        if (send_response(sock, STATUS_OUTPUT, body, 2) < 0)
+            return -1;
+        ob[i].sent = ob[i].len;
+    }
+    return 0;
+}
 
 /* Drains what the pipe has (a few reads per wake-up); returns 0 once it is closed. */
 static int obuf_read(struct obuf *b)
@@ -521,7 +556,7 @@ static void run_child(char **argv, char **envp, const char *cwd, int in, int out
 }
 
 /* Returns 0 if the connection is still usable, -1 if it must be closed. */
-static int do_exec(int sock, struct reader *r)
+static int do_exec(int sock, struct reader *r, int stream)
 {
     uint32_t argc = 0, envc = 0;
     char **argv = rd_strlist(r, &argc);
@@ -574,7 +609,8 @@ static int do_exec(int sock, struct reader *r)
     close_fd(&out_p[1]);
     close_fd(&err_p[1]);
 
-    struct obuf ob[2] = {{out_p[0], 0, NULL, 0, 0, max_out}, {err_p[0], 0, NULL, 0, 0, max_out}};
+    struct obuf ob[2] = {{out_p[0], 0, NULL, 0, 0, max_out, 0},
+                         {err_p[0], 0, NULL, 0, 0, max_out, 0}};
     out_p[0] = err_p[0] = -1;
     set_nonblock(ob[0].fd);
     set_nonblock(ob[1].fd);
@@ -587,7 +623,7 @@ static int do_exec(int sock, struct reader *r)
         set_nonblock(in_fd);
 
     uint64_t deadline = timeout_ms ? t0 + (uint64_t)timeout_ms * 1000000ull : 0;
-    uint64_t linger_until = 0, kill_until = 0;
+    uint64_t linger_until = 0, kill_until = 0, flush_at = 0;
     int timed_out = 0, cancelled = 0;
 
     for (;;) {
@@ -635,6 +671,8 @@ static int do_exec(int sock, struct reader *r)
             i_in = np;
             p[np++] = (struct pollfd){in_fd, POLLOUT, 0};
         }
+        if (flush_at && (!next || flush_at < next))
+            next = flush_at;
         int tmo = -1;
         if (next)
             tmo = next > now ? (int)((next - now + 999999ull) / 1000000ull) : 0;
@@ -656,6 +694,21 @@ static int do_exec(int sock, struct reader *r)
             obuf_read(&ob[0]);
         if (i_err >= 0 && p[i_err].revents)
             obuf_read(&ob[1]);
+        if (stream) {
+            size_t waiting = (ob[0].len - ob[0].sent) + (ob[1].len - ob[1].sent);
+            uint64_t t = now_ns();
+            if (waiting && !flush_at)
+                flush_at = t + STREAM_LINGER_NS;
+            if (flush_at && (waiting >= STREAM_CHUNK || t >= flush_at)) {
+                flush_at = 0;
+                if (send_output(sock, ob) < 0) {
+                    kill(-pid, SIGKILL); /* nobody reads the output any more */
+                    kill(pid, SIGKILL);
+                    cancelled = 1;
+                    break;
+                }
+            }
+        }
         if (i_in >= 0 && p[i_in].revents) {
             ssize_t w = write(in_fd, in_data + in_off, in_len - in_off);
             if (w > 0)
@@ -672,6 +725,8 @@ static int do_exec(int sock, struct reader *r)
     close_fd(&ob[0].fd);
     close_fd(&ob[1].fd);
 
+    if (!cancelled && stream && send_output(sock, ob) < 0)
+        cancelled = 1;
     if (cancelled) {
         rc = -1;
     } else {
@@ -987,7 +1042,8 @@ static void serve(int sock)
                      : send_response(sock, 0, NULL, 0);
             break;
         case OP_EXEC:
-            rc = do_exec(sock, &r);
+        case OP_EXEC_STREAM:
+            rc = do_exec(sock, &r, buf[0] == OP_EXEC_STREAM);
             break;
         case OP_WRITE_FILE:
             rc = do_write_file(sock, &r);

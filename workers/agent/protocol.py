@@ -1,4 +1,4 @@
-"""Wire protocol between the host and ``dsec-agent``, version 1: encode/decode only, no I/O.
+"""Wire protocol between the host and ``dsec-agent``, version 2: encode/decode only, no I/O.
 
 All integers are big-endian. ``frame`` = u32 length + payload; ``bytes`` = u32 length
 + bytes (strings are UTF-8, ``surrogateescape`` so any POSIX byte string round-trips,
@@ -19,7 +19,16 @@ op          request fields                             ok body (status 0)
                                                        bytes stderr
 0x03 WRITE  bytes path, u32 mode, bytes data           u64 bytes_written
 0x04 READ   bytes path, u32 max_bytes                  u8 truncated, bytes data
+0x05 EXEC_  as EXEC                                    as EXEC, after any number of
+     STREAM                                            OUTPUT frames (status 2):
+                                                       u8 stream (1 out, 2 err),
+                                                       bytes data
 =========== ========================================= ================================
+
+OUTPUT frames (version 2) carry what a stream kept since its previous OUTPUT frame,
+sent 50 ms after its first byte or once 32 KiB wait; together they are exactly the
+final response's stdout and stderr. A version-1 agent knows no EXEC_STREAM: the host
+then runs a plain EXEC and hands over the output when it ends.
 
 An error (status 1, any op) carries ``u32 errno`` (0 if not an OS error) and ``bytes
 message``. The agent refuses request frames above :data:`MAX_REQUEST_FRAME` (and then
@@ -37,7 +46,9 @@ from enum import IntEnum
 from workers.agent.errors import AgentProtocolError
 
 #: Version the agent announces in HELLO; the host refuses any other.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+#: Versions the host accepts in HELLO (1: no EXEC_STREAM).
+SUPPORTED_VERSIONS = frozenset({1, 2})
 #: The agent refuses larger request frames (so at most this much file data per write).
 MAX_REQUEST_FRAME = 64 << 20
 #: The agent clamps per-stream EXEC output and READ_FILE sizes to this.
@@ -62,6 +73,7 @@ class Op(IntEnum):
     EXEC = 0x02
     WRITE_FILE = 0x03
     READ_FILE = 0x04
+    EXEC_STREAM = 0x05
     HELLO = 0x10
 
 
@@ -70,6 +82,7 @@ class Status(IntEnum):
 
     OK = 0
     ERROR = 1
+    OUTPUT = 2
 
 
 # ---------------------------------------------------------------- messages
@@ -106,6 +119,8 @@ class ExecRequest:
     """Keep at most this many bytes of stdout and (separately) of stderr."""
     stdin: bytes = b""
     """Fed to the command's stdin, which is then closed."""
+    stream: bool = False
+    """Send :class:`Output` frames while the command runs (``EXEC_STREAM``)."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +179,16 @@ class ExecResult:
 
 
 @dataclass(frozen=True)
+class Output:
+    """Status 2: output of a running ``EXEC_STREAM``, before its :class:`ExecResult`."""
+
+    stream: int
+    """1 for stdout, 2 for stderr."""
+    data: bytes
+    """What the stream kept since its previous :class:`Output`."""
+
+
+@dataclass(frozen=True)
 class WriteFileResult:
     """Answer to :class:`WriteFileRequest`."""
 
@@ -191,7 +216,7 @@ class ErrorReply:
     """Human-readable reason."""
 
 
-Response = Pong | ExecResult | WriteFileResult | ReadFileResult | ErrorReply
+Response = Pong | ExecResult | Output | WriteFileResult | ReadFileResult | ErrorReply
 
 
 # ---------------------------------------------------------------- encoding
@@ -251,7 +276,7 @@ def encode_request(request: Request) -> bytes:
                     raise ValueError(f"env entry is not K=V: {entry!r}")
             payload = b"".join(
                 (
-                    bytes([Op.EXEC]),
+                    bytes([op_of(request)]),
                     _str_list(request.argv, "argv"),
                     _str_list(request.env, "env"),
                     _str(request.cwd, "cwd"),
@@ -302,6 +327,8 @@ def encode_response(response: Response) -> bytes:
                     _bytes(response.stderr),
                 )
             )
+        case Output():
+            payload = bytes([Status.OUTPUT, response.stream]) + _bytes(response.data)
         case WriteFileResult():
             payload = ok + struct.pack(">Q", response.bytes_written)
         case ReadFileResult():
@@ -383,7 +410,7 @@ def decode_request(payload: bytes | bytearray | memoryview) -> Request:
     request: Request
     if op == Op.PING:
         request = PingRequest()
-    elif op == Op.EXEC:
+    elif op in (Op.EXEC, Op.EXEC_STREAM):
         request = ExecRequest(
             argv=r.text_list(),
             env=r.text_list(),
@@ -391,6 +418,7 @@ def decode_request(payload: bytes | bytearray | memoryview) -> Request:
             timeout_ms=r.u32(),
             max_output=r.u32(),
             stdin=r.blob(),
+            stream=op == Op.EXEC_STREAM,
         )
     elif op == Op.WRITE_FILE:
         request = WriteFileRequest(path=r.text(), mode=r.u32(), data=r.blob())
@@ -410,11 +438,16 @@ def decode_response(op: Op, payload: bytes | bytearray | memoryview) -> Response
     if status == Status.ERROR:
         errno = r.u32()
         response = ErrorReply(errno=errno, message=r.blob().decode("utf-8", "replace"))
+    elif status == Status.OUTPUT and op == Op.EXEC_STREAM:
+        stream = r.u8()
+        if stream not in (1, 2):
+            raise AgentProtocolError(f"output frame for unknown stream {stream}")
+        response = Output(stream=stream, data=r.blob())
     elif status != Status.OK:
         raise AgentProtocolError(f"unknown status {status}")
     elif op == Op.PING:
         response = Pong()
-    elif op == Op.EXEC:
+    elif op in (Op.EXEC, Op.EXEC_STREAM):
         exit_code, flags, duration_ns = r.unpack(_EXEC_HEAD)
         response = ExecResult(
             exit_code=exit_code,
@@ -443,7 +476,7 @@ def op_of(request: Request) -> Op:
         case PingRequest():
             return Op.PING
         case ExecRequest():
-            return Op.EXEC
+            return Op.EXEC_STREAM if request.stream else Op.EXEC
         case WriteFileRequest():
             return Op.WRITE_FILE
         case ReadFileRequest():
