@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -41,10 +42,12 @@ from app.domain.events import (
     StoppedPayload,
 )
 from app.domain.lease import Lease, LeaseAction, LeaseState
-from app.domain.placement import Allocation, NodeView, Placement
+from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement
 from app.domain.reconcile import NodeLedger
 from app.domain.replies import Done, ErrorReply
 from app.domain.requests import (
+    GROUP_LABEL,
+    LEASE_LABEL,
     CreateGroup,
     CreateSandbox,
     DestroyGroup,
@@ -84,6 +87,20 @@ class Pending:
     group: str | None = None
 
 
+@dataclass(frozen=True)
+class LiveSandbox:
+    """A sandbox the log shows alive, as a restarted scheduler recovers it."""
+
+    sandbox_id: str
+    node_id: str | None
+    cpus: float
+    memory_mb: int
+    tenant: str
+    job_id: str
+    labels: dict[str, str]
+    frozen: bool = False
+
+
 @dataclass
 class Outbox:
     """What one batch sends: events first, then (after they are acknowledged) tasks."""
@@ -111,13 +128,53 @@ class Dispatcher:
         # Creates sent to a node whose Started has not come back: if the node is
         # lost first, the waiting trainer is told here.
         self.awaiting_start: dict[str, tuple[uuid.UUID, ReplyTo | None]] = {}
-        # Trainer leases live in memory: after a restart they are learned again from
-        # the next renewals (TTLs still bound every sandbox meanwhile).
+        # Trainer leases: their sandboxes carry LEASE_LABEL in the log, so a restarted
+        # scheduler finds them again (:meth:`recover`); their clocks restart then.
         self.leases: dict[str, Lease] = {}
         self.lease_of: dict[str, str] = {}
         self.ledgers: dict[str, NodeLedger] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()
         self.heartbeat_timeout = heartbeat_timeout
+
+    def recover(
+        self, nodes: Iterable[tuple[str, NodeCapacity]], live: Iterable[LiveSandbox]
+    ) -> None:
+        """Take up where a previous scheduler left off, from what the log says.
+
+        Nodes count as alive but unconfirmed: no placement on one until it is heard
+        from again, and a fresh grace before it can be declared lost (the scheduler
+        was away, not the node). Live sandboxes hold their allocations, their groups
+        and their leases. A lease's clock restarts: a trainer that is still there
+        renews it; one that is gone lets it lapse one TTL later. A lease with a
+        frozen sandbox is recovered lapsed, so a renewal thaws it.
+        """
+        now = utcnow()
+        for node_id, node in nodes:
+            self.placement.upsert_node(NodeView.declared(node_id, node, now, confirmed=False))
+        clock = time.monotonic()
+        for box in live:
+            group = box.labels.get(GROUP_LABEL)
+            if group:
+                self.groups.setdefault(group, []).append(box.sandbox_id)
+            if box.node_id:
+                self.placement.assign(
+                    box.sandbox_id, box.node_id, box.cpus, box.memory_mb, box.tenant, box.job_id
+                )
+            lease_id = box.labels.get(LEASE_LABEL)
+            if lease_id:
+                lease = self._lease(lease_id, clock)
+                lease.sandboxes.add(box.sandbox_id)
+                self.lease_of[box.sandbox_id] = lease_id
+                if box.frozen:
+                    lease.state, lease.lapsed_s = LeaseState.LAPSED, clock
+
+    def _lease(self, lease_id: str, now_s: float) -> Lease:
+        """The lease, created with the default terms on first sight."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            ttl, grace = self.settings.lease_ttl_s, self.settings.lease_grace_s
+            lease = self.leases[lease_id] = Lease(lease_id, ttl, grace, now_s + ttl)
+        return lease
 
     def retry_pending(self, out: Outbox) -> None:
         """Try again, oldest first, the creates that wait for room."""
@@ -136,18 +193,8 @@ class Dispatcher:
         match event:
             case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):
                 assert event.node_id is not None
-                self.placement.upsert_node(
-                    NodeView(
-                        node_id=event.node_id,
-                        queue=p.queue,
-                        capacity_sandboxes=p.capacity_sandboxes,
-                        capacity_cpus=p.capacity_cpus,
-                        capacity_memory_mb=p.capacity_memory_mb,
-                        images=frozenset(p.images),
-                        # The scheduler's clock, not the node's: skew must not kill nodes.
-                        last_seen=utcnow(),
-                    )
-                )
+                # The scheduler's clock, not the node's: skew must not kill nodes.
+                self.placement.upsert_node(NodeView.declared(event.node_id, p, utcnow()))
                 if p.sandboxes is not None:
                     self._reconcile(out, event.node_id, set(p.sandboxes))
             case NodeLost():
@@ -313,14 +360,12 @@ class Dispatcher:
     def _schedule(self, out: Outbox, request: CreateSandbox, placed: Allocation) -> None:
         """Requested + Scheduled, and the node task, for one placed sandbox."""
         self.awaiting_start[request.sandbox_id] = (request.request_id, request.reply_to)
+        labels = request.labels
         if request.lease_id is not None:
-            lease = self.leases.get(request.lease_id)
-            if lease is None:
-                ttl, grace = self.settings.lease_ttl_s, self.settings.lease_grace_s
-                lease = Lease(request.lease_id, ttl, grace, time.monotonic() + ttl)
-                self.leases[request.lease_id] = lease
-            lease.sandboxes.add(request.sandbox_id)
+            self._lease(request.lease_id, time.monotonic()).sandboxes.add(request.sandbox_id)
             self.lease_of[request.sandbox_id] = request.lease_id
+            # In the log, so a restarted scheduler knows the lease (and SQL the cost).
+            labels = {**labels, LEASE_LABEL: request.lease_id}
         common = {
             "sandbox_id": request.sandbox_id,
             "tenant": request.tenant,
@@ -340,7 +385,7 @@ class Dispatcher:
                     disk_mb=request.disk_mb,
                     ttl_s=request.ttl_s,
                     network=request.network,
-                    labels=request.labels,
+                    labels=labels,
                 ),
                 **common,
             ),

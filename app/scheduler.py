@@ -16,7 +16,7 @@ import time
 from datetime import timedelta
 
 from kafka.consumer.fetcher import ConsumerRecord
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from app import bus, metrics
 from app.config import Settings
@@ -25,14 +25,22 @@ from app.db import log as event_log
 from app.db.engine import transaction
 from app.db.tables import nodes, sandboxes
 from app.db.trajectory import PostgresTrajectoryLog
-from app.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, Outbox
-from app.domain.base import utcnow
-from app.domain.placement import NodeView
-from app.domain.requests import GROUP_LABEL
+from app.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox, Outbox
 from app.domain.sandbox_state import LIVE
 from app.taskqueue import make_celery
 
 log = logging.getLogger(__name__)
+
+# Sandboxes whose last freeze-or-thaw in the log is a freeze.
+_FROZEN_NOW = text(
+    """
+    SELECT sandbox_id FROM (
+        SELECT DISTINCT ON (sandbox_id) sandbox_id, type FROM events
+        WHERE sandbox_id = ANY(:ids) AND type IN ('SandboxFrozen', 'SandboxThawed')
+        ORDER BY sandbox_id, position DESC
+    ) AS last WHERE type = 'SandboxFrozen'
+    """
+)
 
 
 class Scheduler:
@@ -62,39 +70,25 @@ class Scheduler:
     # --- state ------------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Nodes and live sandboxes as the projections last saw them."""
+        """Nodes and live sandboxes as the projections last saw them, and which of
+        those sandboxes a lapsed lease left frozen (from the log)."""
         with transaction(self.settings.database_url) as conn:
-            for row in conn.execute(select(nodes).where(nodes.c.state == "alive")):
-                self.placement.upsert_node(
-                    NodeView(
-                        node_id=row.node_id,
-                        queue=row.queue,
-                        capacity_sandboxes=row.capacity_sandboxes,
-                        capacity_cpus=row.capacity_cpus,
-                        capacity_memory_mb=row.capacity_memory_mb,
-                        images=frozenset(row.images),
-                        # A fresh grace: the scheduler was away, not the node; but no
-                        # placement on it until it is heard from again.
-                        last_seen=utcnow(),
-                        confirmed=False,
-                    )
-                )
-            live = conn.execute(
+            alive = conn.execute(select(nodes).where(nodes.c.state == "alive")).all()
+            rows = conn.execute(
                 select(sandboxes).where(sandboxes.c.state.in_([s.value for s in LIVE]))
-            )
-            for row in live:
-                group = (row.labels or {}).get(GROUP_LABEL)
-                if group:
-                    self.dispatcher.groups.setdefault(group, []).append(row.sandbox_id)
-                if row.node_id:
-                    self.placement.assign(
-                        row.sandbox_id,
-                        row.node_id,
-                        row.cpus or 0.0,
-                        row.memory_mb or 0,
-                        row.tenant,
-                        row.job_id,
-                    )
+            ).all()
+            frozen = set(conn.execute(_FROZEN_NOW, {"ids": [r.sandbox_id for r in rows]}).scalars())
+        self.dispatcher.recover(
+            ((row.node_id, row) for row in alive),
+            (
+                LiveSandbox(
+                    sandbox_id=row.sandbox_id, node_id=row.node_id, cpus=row.cpus or 0.0,
+                    memory_mb=row.memory_mb or 0, tenant=row.tenant, job_id=row.job_id,
+                    labels=row.labels or {}, frozen=row.sandbox_id in frozen,
+                )
+                for row in rows
+            ),
+        )  # fmt: skip
 
     def _flush(self, out: Outbox) -> None:
         for record, exc in out.dead:

@@ -192,8 +192,12 @@ _UPSERT_SANDBOXES = text(
         commands = s.commands + excluded.commands,
         last_position = CASE WHEN {_ENDED} THEN s.last_position
                              ELSE greatest(s.last_position, excluded.last_position) END,
-        {", ".join(f"{c} = CASE WHEN {_ENDED} THEN s.{c} ELSE coalesce(excluded.{c}, s.{c}) END"
-                   for c in SANDBOX_COLUMNS)}
+        {
+        ", ".join(
+            f"{c} = CASE WHEN {_ENDED} THEN s.{c} ELSE coalesce(excluded.{c}, s.{c}) END"
+            for c in SANDBOX_COLUMNS
+        )
+    }
     """
 )
 # Commands of a sandbox whose lifecycle events came in an earlier batch.

@@ -7,10 +7,27 @@ Among nodes with room, one that already holds the image wins, then the least loa
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Protocol
 
 from app.domain.base import RejectReason
+
+
+class NodeCapacity(Protocol):
+    """What a node declares: a heartbeat's payload and a ``nodes`` row both have it."""
+
+    @property
+    def queue(self) -> str: ...
+    @property
+    def capacity_sandboxes(self) -> int: ...
+    @property
+    def capacity_cpus(self) -> float: ...
+    @property
+    def capacity_memory_mb(self) -> int: ...
+    @property
+    def images(self) -> Iterable[str]: ...
 
 
 @dataclass
@@ -30,6 +47,22 @@ class NodeView:
     used_sandboxes: int = 0
     used_cpus: float = 0.0
     used_memory_mb: int = 0
+
+    @classmethod
+    def declared(
+        cls, node_id: str, node: NodeCapacity, last_seen: datetime, *, confirmed: bool = True
+    ) -> NodeView:
+        """The view of a node as it declares itself (no allocations counted yet)."""
+        return cls(
+            node_id=node_id,
+            queue=node.queue,
+            capacity_sandboxes=node.capacity_sandboxes,
+            capacity_cpus=node.capacity_cpus,
+            capacity_memory_mb=node.capacity_memory_mb,
+            images=frozenset(node.images),
+            last_seen=last_seen,
+            confirmed=confirmed,
+        )
 
     def fits(self, cpus: float, memory_mb: int) -> bool:
         """Room for one more sandbox of this size."""

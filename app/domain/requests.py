@@ -169,6 +169,8 @@ REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
 REQUEST_TYPES = tags(Request, "type")
 #: Label carried by every member of a rollout group.
 GROUP_LABEL = "dsec.group"
+#: Label the scheduler puts on a leased sandbox's SandboxRequested: its lease id.
+LEASE_LABEL = "dsec.lease"
 
 
 def member_request_id(group_request_id: uuid.UUID, member: str) -> uuid.UUID:
