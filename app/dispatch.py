@@ -26,6 +26,7 @@ from app.codec import DecodeError, decode_event, decode_request, encode, peek
 from app.config import Settings
 from app.domain.base import RejectReason, StopReason, derived_id, new_id, utcnow
 from app.domain.events import (
+    LastState,
     NodeHeartbeat,
     NodeLost,
     NodeLostPayload,
@@ -221,6 +222,14 @@ class Dispatcher:
 
     def _stop(self, out: Outbox, allocation: Allocation, reason: StopReason, detail: str) -> None:
         """End a sandbox the node cannot speak for any more."""
+        node = self.placement.nodes.get(allocation.node_id)
+        lease = self.leases.get(self.lease_of.get(allocation.sandbox_id, ""))
+        last_state = LastState(
+            observed_by="scheduler",
+            frozen=lease.state == LeaseState.LAPSED if lease is not None else None,
+            last_heartbeat_at=node.last_seen if node is not None else None,
+        )
+        self._unlease(allocation.sandbox_id)
         self.placement.release(allocation.sandbox_id)
         self._ended(allocation.sandbox_id, reason.value)
         event = SandboxStopped(
@@ -229,7 +238,7 @@ class Dispatcher:
             node_id=allocation.node_id,
             tenant=allocation.tenant,
             job_id=allocation.job_id,
-            payload=StoppedPayload(reason=reason, detail=detail),
+            payload=StoppedPayload(reason=reason, detail=detail, last_state=last_state),
         )
         out.events.append((event.key, encode(event)))
         waiting = self.awaiting_start.pop(allocation.sandbox_id, None)

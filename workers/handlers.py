@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
+import shlex
 import shutil
 import signal
 import threading
@@ -17,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ from app.domain.events import (
     FileRead,
     FileWritten,
     FreezePayload,
+    LastState,
     SandboxFailed,
     SandboxFrozen,
     SandboxStarted,
@@ -123,6 +125,16 @@ def _reason_for(exc: Exception) -> FailReason:
     return FailReason.INTERNAL
 
 
+@dataclass
+class Activity:
+    """What a node saw happen in one sandbox."""
+
+    commands: int = 0
+    last_command: str | None = None
+    last_exit_code: int | None = None
+    frozen: bool = False
+
+
 class Node:
     """One node's sandboxes: Podman, their agents and what the node tells the log."""
 
@@ -146,6 +158,9 @@ class Node:
         self.last_transition = 0.0
         #: Warm containers creates claim (workers/warm_pool.py); None: always cold.
         self.warm: WarmPool | None = None
+        # What the node saw happen in each sandbox, for the last state its Stopped
+        # records (kept in memory: a restarted worker knows less, and says so).
+        self._activity: dict[str, Activity] = {}
 
     @contextmanager
     def busy(self, sandbox_id: str) -> Iterator[None]:
@@ -335,7 +350,8 @@ class Node:
         detail: str = "",
         request: RequestBase | None = None,
     ) -> None:
-        """End a sandbox for ``reason`` and append Stopped."""
+        """End a sandbox for ``reason`` and append Stopped with how it stood."""
+        last_state = self._last_state(sandbox_id)  # before its cgroups go
         self._discard(sandbox_id)
         self.outlet.event(
             SandboxStopped(
@@ -347,10 +363,31 @@ class Node:
                 tenant=tenant,
                 job_id=job_id,
                 payload=StoppedPayload(
-                    reason=reason, detail=detail, request_id=request.request_id if request else None
+                    reason=reason,
+                    detail=detail,
+                    request_id=request.request_id if request else None,
+                    last_state=last_state,
                 ),
             )
         )
+
+    def _last_state(self, sandbox_id: str) -> LastState:
+        usage = self.driver.usage(sandbox_id)
+        seen = self._activity.pop(sandbox_id, None)
+        return LastState(
+            observed_by="node",
+            cpu_s=usage.cpu_s,
+            memory_peak_mb=usage.memory_peak_mb,
+            processes=usage.processes,
+            oom_kills=usage.oom_kills,
+            commands=seen.commands if seen else None,
+            last_command=seen.last_command if seen else None,
+            last_exit_code=seen.last_exit_code if seen else None,
+            frozen=seen.frozen if seen else None,
+        )
+
+    def _saw(self, sandbox_id: str) -> Activity:
+        return self._activity.setdefault(sandbox_id, Activity())
 
     def freeze(self, request: FreezeSandbox) -> None:
         """Stop every process of the sandbox but its agent (SIGSTOP), keeping state."""
@@ -377,6 +414,7 @@ class Node:
         except Exception as exc:
             self._fail(request, exc)
             return
+        self._saw(request.sandbox_id).frozen = event_type is SandboxFrozen
         self.outlet.event(
             event_type(
                 **self._envelope(request),
@@ -468,6 +506,12 @@ class Node:
                 ),
             )
         self.outlet.event(self._completed(request, result))
+        seen = self._saw(request.sandbox_id)
+        seen.commands += 1
+        command = (
+            request.command if isinstance(request.command, str) else shlex.join(request.command)
+        )
+        seen.last_command, seen.last_exit_code = command[:200], result.exit_code
         if result.exit_code == -signal.SIGKILL and not result.timed_out:
             self._end_if_oom(request)
         self.outlet.reply(

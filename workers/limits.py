@@ -411,6 +411,19 @@ class CgroupLimiter:
         value = _read_key(path, key)
         return None if value is None else value * scale
 
+    def memory_peak_mb(self, sandbox_id: str) -> float | None:
+        """The sandbox's peak memory use in MiB; None where the kernel keeps none."""
+        controller, name = (
+            ("", "memory.peak")
+            if self.layout.version == 2
+            else ("memory", "memory.max_usage_in_bytes")
+        )
+        raw = self.read(sandbox_id, controller, name)
+        try:
+            return None if raw is None else int(raw.strip()) / (1 << 20)
+        except ValueError:
+            return None
+
     def pids(self, sandbox_id: str) -> list[int]:
         """Host pids of the sandbox's processes."""
         try:

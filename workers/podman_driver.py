@@ -65,6 +65,16 @@ NOFILE = 1024
 
 
 @dataclass(frozen=True)
+class Usage:
+    """What a sandbox's cgroups say of it (None: not known, e.g. no limiter)."""
+
+    cpu_s: float | None = None
+    memory_peak_mb: float | None = None
+    processes: int | None = None
+    oom_kills: int | None = None
+
+
+@dataclass(frozen=True)
 class SandboxContainer:
     """A sandbox container as Podman reports it."""
 
@@ -275,6 +285,21 @@ class PodmanDriver:
             return self.limiter.oom_kills(sandbox_id)
         except (OSError, ValueError) as exc:
             raise NodeError(f"OOM count of {sandbox_id}: {exc}") from exc
+
+    def usage(self, sandbox_id: str) -> Usage:
+        """The sandbox's resource use so far, read from its cgroups (before removal)."""
+        if self.limiter is None:
+            return Usage()
+        try:
+            return Usage(
+                cpu_s=self.limiter.cpu_usage_s(sandbox_id),
+                memory_peak_mb=self.limiter.memory_peak_mb(sandbox_id),
+                processes=len(self.limiter.pids(sandbox_id)),
+                oom_kills=self.limiter.oom_kills(sandbox_id),
+            )
+        except (OSError, ValueError):
+            log.exception("reading the cgroups of %s", sandbox_id)
+            return Usage()
 
     def cgroup_sandbox_ids(self) -> list[str]:
         """Sandboxes that have cgroups on this node (the reconciler sweeps leftovers)."""

@@ -92,12 +92,33 @@ class FailedPayload(Message):
     detail: str = Field(description="Human-readable explanation.")
 
 
+class LastState(Message):
+    """How a sandbox stood when it ended, as whoever ended it saw it (a field is None
+    where that one could not know: a scheduler declaring a node lost sees no cgroup)."""
+
+    observed_by: Literal["node", "scheduler"] = Field(description="Who captured it.")
+    cpu_s: float | None = Field(None, description="CPU time its processes used, seconds.")
+    memory_peak_mb: float | None = Field(None, description="Peak memory use, MiB.")
+    processes: int | None = Field(None, description="Processes alive at the end (agent too).")
+    oom_kills: int | None = Field(None, description="Processes the OOM killer killed.")
+    commands: int | None = Field(
+        None, description="Commands this node ran in it (since its worker started)."
+    )
+    last_command: str | None = Field(None, description="The last of them (first 200 chars).")
+    last_exit_code: int | None = Field(None, description="How the last command ended.")
+    frozen: bool | None = Field(None, description="Frozen by a lapsed lease when it ended.")
+    last_heartbeat_at: datetime | None = Field(
+        None, description="When its node was last heard from (node_lost)."
+    )
+
+
 class StoppedPayload(Message):
     """The sandbox is gone."""
 
     reason: StopReason = Field(description="Why it ended.")
     detail: str = Field("", description="Human-readable explanation.")
     request_id: uuid.UUID | None = Field(None, description="The Destroy request, if any.")
+    last_state: LastState | None = Field(None, description="How it stood when it ended.")
 
 
 class CommandPayload(Message):

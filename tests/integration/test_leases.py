@@ -80,3 +80,12 @@ def test_lapsed_lease_freezes_thaws_and_finally_destroys(stack: Settings, db: An
             what="destroyed after the grace period",
         )
     assert reason == "lease_lapsed"
+    # And the log says it was frozen when it went
+    with db() as conn:
+        last = scalar(
+            conn,
+            "SELECT payload->'last_state' FROM events WHERE sandbox_id = :s"
+            " AND type = 'SandboxStopped'",
+            s=box.id,
+        )
+    assert last["frozen"] is True and last["commands"] >= 1

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from app.config import Settings
-from tests.conftest import wait_for
+from tests.conftest import scalar, wait_for
 from workers.limits import CgroupLimiter, Limits
 
 pytestmark = pytest.mark.integration
@@ -37,6 +37,17 @@ def _stops(db: Any, sandbox_id: str) -> list[tuple[str, str]] | None:
             {"s": sandbox_id},
         ).all()
     return [tuple(r) for r in rows] or None
+
+
+def _last_state(db: Any, sandbox_id: str) -> dict[str, Any]:
+    with db() as conn:
+        last: dict[str, Any] = scalar(
+            conn,
+            "SELECT payload->'last_state' FROM events WHERE sandbox_id = :s"
+            " AND type = 'SandboxStopped' ORDER BY position LIMIT 1",
+            s=sandbox_id,
+        )
+    return last
 
 
 def test_commands_run_inside_the_sandbox_cgroups(
@@ -77,6 +88,11 @@ def test_memory_hog_is_oom_killed_and_the_sandbox_stops_with_oom(
     time.sleep(0.5)
     assert [reason for reason, _ in _stops(db, box.id) or []] == ["oom"], stops
     assert "out of memory" in stops[0][1]
+    # And the log keeps how it stood: the kill, the peak at the limit, the last command
+    last = _last_state(db, box.id)
+    assert last["observed_by"] == "node" and last["oom_kills"] >= 1
+    assert last["memory_peak_mb"] >= 60
+    assert last["last_command"].startswith("dd ") and last["last_exit_code"] == -9
     # And its cgroups went with it
     assert box.id not in limiter.sandbox_ids()
 
@@ -168,3 +184,18 @@ def test_reconciler_removes_leftover_cgroups(limiter: CgroupLimiter) -> None:
     assert stray in limiter.sandbox_ids()
     # Then the next reconciler round removes them
     wait_for(lambda: stray not in limiter.sandbox_ids(), 15, "the sweep of leftover cgroups")
+
+
+def test_a_destroyed_sandbox_leaves_its_last_state_in_the_log(client: Any, db: Any) -> None:
+    with client.create(memory_mb=128) as box:
+        box.exec("dd if=/dev/zero of=/dev/null bs=8M count=4")
+        box.exec(["sh", "-c", "exit 3"])
+    last = wait_for(lambda: _last_state(db, box.id), 15, "the Stopped of the destroyed sandbox")
+    assert last["observed_by"] == "node"
+    assert (last["commands"], last["last_command"], last["last_exit_code"]) == (
+        2,
+        "sh -c 'exit 3'",
+        3,
+    )
+    assert last["cpu_s"] > 0 and last["memory_peak_mb"] >= 8
+    assert last["processes"] >= 1 and last["oom_kills"] == 0 and last["frozen"] is False

@@ -83,6 +83,14 @@ def test_sandboxes_spread_and_a_killed_node_is_declared_lost(
                     what=f"{box.id} stopped",
                 )
                 assert reason == "node_lost"
+                last = scalar(
+                    conn,
+                    "SELECT payload->'last_state' FROM events WHERE sandbox_id = :s"
+                    " AND type = 'SandboxStopped'",
+                    s=box.id,
+                )
+                # The scheduler saw no cgroup; it says when the node was last heard from
+                assert last["observed_by"] == "scheduler" and last["last_heartbeat_at"]
         # And a trainer using such a sandbox is told why
         for box in doomed:
             with pytest.raises(SandboxRejected) as info:
