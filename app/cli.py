@@ -196,8 +196,21 @@ def events(sandbox_id: str, as_json: JsonOpt = False) -> None:
         rows = [dict(r._mapping) for r in conn.execute(query)]
     if not as_json:
         for row in rows:
-            row["payload"] = json.dumps(row["payload"])[:100]
+            row["payload"] = _summary(row["payload"])
     _table(f"events of {sandbox_id}", rows, as_json)
+
+
+def _summary(payload: dict[str, Any], width: int = 240) -> str:
+    """A payload as ``key=value`` pairs, nested ones flattened and empty ones left out
+    (a Stopped's last_state then fits in a table cell)."""
+    pairs: list[str] = []
+    for key, value in payload.items():
+        if isinstance(value, dict):
+            pairs += [f"{key}.{k}={v}" for k, v in value.items() if v not in (None, "", [], {})]
+        elif value not in (None, "", [], {}):
+            pairs.append(f"{key}={value}")
+    text = " ".join(pairs)
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 @cli.command()
