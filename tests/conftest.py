@@ -49,6 +49,36 @@ def db(stack: Settings) -> Callable[[], Any]:
     return lambda: transaction(stack.database_url)
 
 
+@pytest.fixture(scope="session")
+def migrated() -> Settings:
+    """Postgres with the schema at head; nothing else of the stack."""
+    from app.db.setup import ensure_database, migrate
+
+    settings = get_settings()
+    try:
+        ensure_database(settings)
+        migrate(settings)
+    except Exception as exc:  # name the service, never skip
+        pytest.fail(
+            f"Postgres at {settings.admin_database_url} is not usable: {exc}", pytrace=False
+        )
+    return settings
+
+
+@pytest.fixture
+def conn(migrated: Settings) -> Iterator[Connection]:
+    """A service-role connection in a transaction that is always rolled back: what a
+    test appends to the log or folds into the projections is gone after it."""
+    from app.db.engine import engine_for
+
+    with engine_for(migrated.database_url).connect() as c:
+        tx = c.begin()
+        try:
+            yield c
+        finally:
+            tx.rollback()
+
+
 def wait_for(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition") -> Any:
     """Poll until ``check`` returns something truthy; fail naming ``what``."""
     deadline = time.monotonic() + timeout_s

@@ -21,10 +21,7 @@ from sqlalchemy import Connection, text
 from typer.testing import CliRunner
 
 from app import reports
-from app.config import Settings, get_settings
-from app.db.engine import engine_for
 from app.db.log import SourcedEvent, append
-from app.db.setup import ensure_database, migrate
 from app.domain.base import FailReason, RejectReason, StopReason
 from app.domain.events import (
     CommandCompleted,
@@ -56,31 +53,6 @@ NEXT_DAY = DAY + timedelta(days=1)
 def at(day: date, hh: int, mm: int = 0) -> datetime:
     """An instant on a UTC day."""
     return datetime(day.year, day.month, day.day, hh, mm, tzinfo=UTC)
-
-
-@pytest.fixture(scope="module")
-def migrated() -> Settings:
-    """Postgres with the schema at head; nothing else of the stack."""
-    settings = get_settings()
-    try:
-        ensure_database(settings)
-        migrate(settings)
-    except Exception as exc:  # name the service, never skip
-        pytest.fail(
-            f"Postgres at {settings.admin_database_url} is not usable: {exc}", pytrace=False
-        )
-    return settings
-
-
-@pytest.fixture
-def conn(migrated: Settings) -> Iterator[Connection]:
-    """A service-role connection in a transaction that is always rolled back."""
-    with engine_for(migrated.database_url).connect() as c:
-        tx = c.begin()
-        try:
-            yield c
-        finally:
-            tx.rollback()
 
 
 class Log:

@@ -9,17 +9,14 @@ projections, in a transaction that is rolled back.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import Connection, text
 
-from app.config import Settings, get_settings
 from app.db import projections
-from app.db.engine import engine_for
-from app.db.setup import ensure_database, migrate
 from app.domain.base import StopReason
 from app.domain.events import (
     CommandCompleted,
@@ -36,24 +33,6 @@ from app.domain.events import (
 pytestmark = pytest.mark.integration
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
-
-
-@pytest.fixture(scope="module")
-def migrated() -> Settings:
-    settings = get_settings()
-    ensure_database(settings)
-    migrate(settings)
-    return settings
-
-
-@pytest.fixture
-def conn(migrated: Settings) -> Iterator[Connection]:
-    with engine_for(migrated.database_url).connect() as c:
-        tx = c.begin()
-        try:
-            yield c
-        finally:
-            tx.rollback()
 
 
 def history(tenant: str, sandbox_id: str) -> list[Event]:
