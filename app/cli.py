@@ -180,6 +180,22 @@ def ps(
 
 
 @cli.command()
+def cp(
+    src: Annotated[str, typer.Argument(help="LOCAL_PATH or SANDBOX:PATH.")],
+    dest: Annotated[str, typer.Argument(help="SANDBOX:DIR or LOCAL_DIR.")],
+    tenant: TenantOpt = "",
+    job: JobOpt = "",
+) -> None:
+    """Copy a file or directory tree into or out of a sandbox.
+
+    dsec cp ./project SANDBOX:/workspace   |   dsec cp SANDBOX:/workspace/out ./results
+    """
+    from app import cli_sandbox
+
+    raise typer.Exit(cli_sandbox.run_cp(get_settings(), src, dest, tenant=tenant, job=job))
+
+
+@cli.command()
 def events(sandbox_id: str, as_json: JsonOpt = False) -> None:
     """The log of one sandbox, in order."""
     from sqlalchemy import select

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -125,6 +126,27 @@ def run_exec(
     if as_json:
         print(json.dumps(result_json(sandbox_id, result), indent=2))
     return exit_code_of(result)
+
+
+def run_cp(settings: Settings, src: str, dest: str, *, tenant: str = "", job: str = "") -> int:
+    """``dsec cp``: exactly one side names a sandbox (``SANDBOX:PATH``); print where
+    the copy landed."""
+    inside = [":" in side and not side.startswith(("/", ".")) for side in (src, dest)]
+    if inside.count(True) != 1:
+        return _fail(ValueError("name a sandbox on exactly one side: SANDBOX:PATH"))
+    remote = src if inside[0] else dest
+    sandbox_id, _, path = remote.partition(":")
+    tenant, job = resolve_owner(settings, sandbox_id, tenant, job)
+    try:
+        with Client(settings, tenant=tenant, job_id=job, actor=ACTOR) as client:
+            box = client.sandbox(sandbox_id)
+            landed = (
+                str(box.download(path, Path(dest))) if inside[0] else box.upload(Path(src), path)
+            )
+    except (DsecError, ValueError) as exc:
+        return _fail(exc)
+    print(landed)
+    return 0
 
 
 def run_create(

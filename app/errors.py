@@ -51,3 +51,7 @@ class StorageRefused(DsecError, ValueError):
 
 class LogTamperRefused(DsecError, PermissionError):
     """The database refused to change or remove a recorded event."""
+
+
+class TransferFailed(DsecError, OSError):
+    """A file or directory could not be copied into or out of a sandbox."""

@@ -22,12 +22,13 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
 
 from kafka import TopicPartition
 
-from app import bus
+from app import bus, transfer
 from app.codec import DecodeError, decode_reply
 from app.config import Settings, get_settings
 from app.domain.base import RejectReason, new_sandbox_id
@@ -57,6 +58,7 @@ from app.errors import (
     SandboxFailed,
     SandboxNotFound,
     SandboxRejected,
+    TransferFailed,
 )
 
 _REJECT_REASONS = {r.value for r in RejectReason}
@@ -432,6 +434,12 @@ class Group:
         self.close()
 
 
+# $1 the destination directory, $2 the staging directory of the pieces.
+_UNPACK = 'mkdir -p "$1" && cat "$2"/* | tar -x -f - -C "$1"; rc=$?; rm -rf "$2"; exit $rc'
+# $1 what to pack, $2 the archive; prints its size.
+_PACK = 'cd "$(dirname "$1")" && tar -c -f "$2" "$(basename "$1")" && wc -c < "$2"'
+
+
 class ExecStream:
     """A running command's output chunks (iterate), then its :attr:`result`."""
 
@@ -538,6 +546,53 @@ class Sandbox:
         reply = self.client.call(request)
         assert isinstance(reply, FileContent)
         return base64.b64decode(reply.data_b64)
+
+    def upload(self, src: str | Path, dest: str = "/workspace") -> str:
+        """Copy a local file or directory tree into directory ``dest`` of the sandbox
+        (made if missing); binary-safe, modes kept. Returns the path it landed at."""
+        local = Path(src)
+        data = transfer.pack(local)
+        staging = f"/tmp/.dsec-upload-{uuid.uuid4().hex[:12]}"
+        for i, piece in enumerate(transfer.pieces(data, transfer.UPLOAD_PIECE)):
+            self.write_file(f"{staging}/{i:06d}", piece, mode=0o600)
+        unpacked = self.exec(
+            ["sh", "-c", _UNPACK, "sh", dest, staging], timeout_s=300, max_output_bytes=4096
+        )
+        if not unpacked.ok:
+            raise TransferFailed(
+                f"unpacking {local} into {self.id}:{dest} failed: {unpacked.stderr.decode()!r}"
+            )
+        return f"{dest.rstrip('/')}/{local.resolve().name}"
+
+    def download(self, src: str, dest: str | Path = ".") -> Path:
+        """Copy file or directory ``src`` out of the sandbox into local directory
+        ``dest``; returns the local path. The sandbox's archive is checked before
+        anything is written: ``..``, links leaving ``dest`` and device files refuse the
+        whole transfer (:class:`app.errors.TransferFailed`)."""
+        staging = f"/tmp/.dsec-download-{uuid.uuid4().hex[:12]}.tar"
+        packed = self.exec(["sh", "-c", _PACK, "sh", src, staging], timeout_s=300)
+        try:
+            size = int(packed.stdout.strip()) if packed.ok else -1
+            if not 0 <= size <= transfer.MAX_ARCHIVE:
+                raise TransferFailed(
+                    f"packing {self.id}:{src} failed: {packed.stderr.decode()[:300]!r}"
+                    if size < 0
+                    else f"{self.id}:{src} packs to {size} bytes, more than {transfer.MAX_ARCHIVE}"
+                )
+            step = transfer.DOWNLOAD_PIECE
+            parts = [
+                self.exec(
+                    ["dd", f"if={staging}", f"bs={step}", f"skip={i}", "count=1"],
+                    max_output_bytes=step, timeout_s=120,
+                ).stdout
+                for i in range(-(-size // step))
+            ]  # fmt: skip
+        finally:
+            self.exec(["rm", "-f", staging])
+        data = b"".join(parts)
+        if len(data) != size:
+            raise TransferFailed(f"{self.id}:{src}: read {len(data)} of {size} bytes")
+        return transfer.unpack(data, Path(dest))[0]
 
     def close(self) -> None:
         """Destroy the sandbox (idempotent)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,7 +37,9 @@ def _types(result: Result) -> set[str]:
     return {row["type"] for row in _json(result)}
 
 
-def test_a_sandbox_from_create_to_destroy(stack: Settings, db: Callable[[], Any]) -> None:
+def test_a_sandbox_from_create_to_destroy(
+    stack: Settings, db: Callable[[], Any], tmp_path: Path
+) -> None:
     tenant = f"cli-{uuid.uuid4().hex[:8]}"
     # Given a sandbox created from the shell
     created = dsec("create", "--tenant", tenant, "--job", "shell", "--memory-mb", "128")
@@ -55,6 +58,17 @@ def test_a_sandbox_from_create_to_destroy(stack: Settings, db: Callable[[], Any]
         assert (result["exit_code"], result["stdout"], result["timed_out"]) == (0, "42\n", False)
         # And a command that outlives its timeout ends the CLI with 124, like timeout(1)
         assert dsec("exec", "--timeout", "0.5", sandbox_id, "--", "sleep", "5").exit_code == 124
+
+        # And a directory goes in and comes back with `dsec cp`
+        local = tmp_path / "d"
+        local.mkdir()
+        (local / "f").write_bytes(b"\x00\xffdata")
+        put = dsec("cp", str(local), f"{sandbox_id}:/workspace")
+        assert (put.exit_code, put.stdout.strip()) == (0, "/workspace/d"), put.output
+        got = dsec("cp", f"{sandbox_id}:/workspace/d/f", str(tmp_path / "back"))
+        assert got.exit_code == 0, got.output
+        assert (tmp_path / "back" / "f").read_bytes() == b"\x00\xffdata"
+        assert dsec("cp", str(local), str(tmp_path / "x")).exit_code == 125
 
         # Then `dsec ps` shows it running, for the tenant it was created for
         rows = _json(dsec("ps", "--json", "--tenant", tenant))
