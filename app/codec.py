@@ -10,7 +10,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from app.domain.base import SCHEMA_VERSION
 from app.domain.events import EVENT_ADAPTER, EVENT_TYPES, Event
-from app.domain.replies import REPLY_ADAPTER, REPLY_KINDS, Reply
+from app.domain.replies import REPLY_ADAPTER, REPLY_FIELDS, REPLY_KINDS, Reply
 from app.domain.requests import REQUEST_ADAPTER, REQUEST_TYPES, Request
 from app.errors import DsecError
 
@@ -98,8 +98,12 @@ def decode_request(raw: bytes, max_bytes: int = 1 << 20) -> Request:
 
 
 def decode_reply(raw: bytes, max_bytes: int = 32 << 20) -> Reply:
-    """Validate a reply."""
-    reply: Reply = _validate(REPLY_ADAPTER, _load(raw, max_bytes, "kind", REPLY_KINDS))
+    """Validate a reply, as a tolerant reader: fields this version does not know are
+    dropped, so a platform that adds one does not break the trainers' older SDKs
+    (requests and events stay strict; see docs/protocol.md, "Evolving the messages")."""
+    obj = _load(raw, max_bytes, "kind", REPLY_KINDS)
+    known = REPLY_FIELDS[obj["kind"]]
+    reply: Reply = _validate(REPLY_ADAPTER, {k: v for k, v in obj.items() if k in known})
     return reply
 
 

@@ -82,3 +82,8 @@ Reply = Annotated[
 ]
 REPLY_ADAPTER: TypeAdapter[Reply] = TypeAdapter(Reply)
 REPLY_KINDS = tags(Reply, "kind")
+#: Each reply kind's fields: what a tolerant reader (the SDK) keeps of a reply.
+REPLY_FIELDS: dict[str, frozenset[str]] = {
+    str(m.model_fields["kind"].default): frozenset(m.model_fields)
+    for m in (SandboxReady, ExecOutput, OutputChunk, FileContent, Done, ErrorReply)
+}

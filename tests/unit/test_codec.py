@@ -6,8 +6,16 @@ import json
 
 import pytest
 
-from app.codec import DeadLetterReason, DecodeError, decode_event, decode_request, encode
+from app.codec import (
+    DeadLetterReason,
+    DecodeError,
+    decode_event,
+    decode_reply,
+    decode_request,
+    encode,
+)
 from app.domain.events import SandboxStopped, StoppedPayload
+from app.domain.replies import ExecOutput
 from app.domain.requests import CreateSandbox, Exec
 
 
@@ -59,3 +67,19 @@ def test_impossible_resources_are_invalid() -> None:
     with pytest.raises(DecodeError) as info:
         decode_request(json.dumps(body).encode())
     assert "cpus" in info.value.detail
+
+
+def test_replies_are_read_tolerantly_but_still_validated() -> None:
+    reply = ExecOutput(
+        request_id="6f1c0000-0000-4000-8000-000000000000", sandbox_id="sb-1", exit_code=0,
+        stdout_b64="", stderr_b64="", duration_ms=1.0,
+    )  # fmt: skip
+    body = json.loads(encode(reply))
+    # A newer platform's extra field does not break an older SDK
+    body["cpu_ms"] = 3.5
+    assert decode_reply(json.dumps(body).encode()) == reply
+    # but a known field with a wrong value is still refused
+    body["exit_code"] = "zero"
+    with pytest.raises(DecodeError) as info:
+        decode_reply(json.dumps(body).encode())
+    assert info.value.reason == DeadLetterReason.INVALID
