@@ -185,14 +185,16 @@ def cp(
     dest: Annotated[str, typer.Argument(help="SANDBOX:DIR or LOCAL_DIR.")],
     tenant: TenantOpt = "",
     job: JobOpt = "",
+    as_json: JsonOpt = False,
 ) -> None:
-    """Copy a file or directory tree into or out of a sandbox.
+    """Copy a file or directory tree into or out of a sandbox; print where it landed.
 
     dsec cp ./project SANDBOX:/workspace   |   dsec cp SANDBOX:/workspace/out ./results
     """
     from app import cli_sandbox
 
-    raise typer.Exit(cli_sandbox.run_cp(get_settings(), src, dest, tenant=tenant, job=job))
+    code = cli_sandbox.run_cp(get_settings(), src, dest, tenant=tenant, job=job, as_json=as_json)
+    raise typer.Exit(code)
 
 
 @cli.command()

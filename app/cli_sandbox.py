@@ -128,7 +128,15 @@ def run_exec(
     return exit_code_of(result)
 
 
-def run_cp(settings: Settings, src: str, dest: str, *, tenant: str = "", job: str = "") -> int:
+def run_cp(
+    settings: Settings,
+    src: str,
+    dest: str,
+    *,
+    tenant: str = "",
+    job: str = "",
+    as_json: bool = False,
+) -> int:
     """``dsec cp``: exactly one side names a sandbox (``SANDBOX:PATH``); print where
     the copy landed."""
     inside = [":" in side and not side.startswith(("/", ".")) for side in (src, dest)]
@@ -145,7 +153,10 @@ def run_cp(settings: Settings, src: str, dest: str, *, tenant: str = "", job: st
             )
     except (DsecError, ValueError) as exc:
         return _fail(exc)
-    print(landed)
+    if as_json:
+        print(json.dumps({"sandbox_id": sandbox_id, "from": src, "to": landed}))
+    else:
+        print(landed)
     return 0
 
 

@@ -69,6 +69,8 @@ def test_a_sandbox_from_create_to_destroy(
         assert got.exit_code == 0, got.output
         assert (tmp_path / "back" / "f").read_bytes() == b"\x00\xffdata"
         assert dsec("cp", str(local), str(tmp_path / "x")).exit_code == 125
+        moved = _json(dsec("cp", "--json", str(local), f"{sandbox_id}:/tmp"))
+        assert (moved["sandbox_id"], moved["to"]) == (sandbox_id, "/tmp/d")
 
         # Then `dsec ps` shows it running, for the tenant it was created for
         rows = _json(dsec("ps", "--json", "--tenant", tenant))
