@@ -66,7 +66,9 @@ class Publisher:
                 bootstrap_servers=_servers(settings),
                 acks="all",
                 linger_ms=linger_ms,
-                max_request_size=max(settings.max_message_bytes * 2, 1 << 20),
+                # Replies may be large (an exec's output); consumers bound requests and
+                # events themselves, by max_message_bytes.
+                max_request_size=max(settings.max_message_bytes * 2, settings.max_reply_bytes),
                 retries=5,
             )
         except KafkaError as exc:

@@ -97,7 +97,7 @@ def decode_request(raw: bytes, max_bytes: int = 1 << 20) -> Request:
     return request
 
 
-def decode_reply(raw: bytes, max_bytes: int = 32 << 20) -> Reply:
+def decode_reply(raw: bytes, max_bytes: int = 48 << 20) -> Reply:
     """Validate a reply, as a tolerant reader: fields this version does not know are
     dropped, so a platform that adds one does not break the trainers' older SDKs
     (requests and events stay strict; see docs/protocol.md, "Evolving the messages")."""

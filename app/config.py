@@ -53,7 +53,20 @@ class Settings(BaseSettings):
     )
     lease_ttl_s: float = Field(30.0, description="Default trainer lease, seconds.")
     lease_grace_s: float = Field(300.0, description="Frozen this long after a lapse.")
-    max_message_bytes: int = Field(1_048_576, description="Largest accepted Kafka message.")
+    max_message_bytes: int = Field(
+        1_048_576, description="Largest accepted request or event (Kafka message)."
+    )
+    max_reply_bytes: int = Field(
+        48 << 20,
+        description="Largest reply: an exec's two capped outputs (16 MiB each), base64.",
+    )
+    step_output_bytes: int = Field(
+        256 << 10,
+        description=(
+            "Output per stream a trajectory step keeps in the log for replays (more is cut"
+            " and the replay says truncated); the live reply has it all."
+        ),
+    )
     warm_pool: dict[str, int] = Field(
         default_factory=lambda: {"dsec/busybox:latest": 4},
         description=(

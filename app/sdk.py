@@ -189,7 +189,7 @@ class Client:
             for records in self._consumer.poll(timeout_ms=100).values():
                 for record in records:
                     try:
-                        reply = decode_reply(record.value or b"")
+                        reply = decode_reply(record.value or b"", self.settings.max_reply_bytes)
                     except DecodeError:
                         continue  # not ours to judge: another client's garbage
                     if isinstance(reply, OutputChunk):

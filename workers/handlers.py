@@ -8,6 +8,7 @@ runs, so a redelivered task never runs a command twice.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import itertools
 import logging
 import shlex
@@ -490,6 +491,8 @@ class Node:
         duration_ms = result.duration_s * 1000
         stdout_b64 = base64.b64encode(result.stdout).decode()
         stderr_b64 = base64.b64encode(result.stderr).decode()
+        # What a replay of this step will answer: its output, cut to what the log keeps.
+        kept = self._kept_for_replay(result)
         if traj is not None and step is not None:
             self.steps.record(
                 traj,
@@ -497,15 +500,15 @@ class Node:
                 StepResult(
                     request_id=str(request.request_id),
                     exit_code=result.exit_code,
-                    stdout_b64=stdout_b64,
-                    stderr_b64=stderr_b64,
+                    stdout_b64=base64.b64encode(kept.stdout).decode(),
+                    stderr_b64=base64.b64encode(kept.stderr).decode(),
                     duration_ms=duration_ms,
                     timed_out=result.timed_out,
-                    stdout_truncated=result.stdout_truncated,
-                    stderr_truncated=result.stderr_truncated,
+                    stdout_truncated=kept.stdout_truncated,
+                    stderr_truncated=kept.stderr_truncated,
                 ),
             )
-        self.outlet.event(self._completed(request, result))
+        self.outlet.event(self._completed(request, result, kept))
         seen = self._saw(request.sandbox_id)
         seen.commands += 1
         command = (
@@ -529,10 +532,26 @@ class Node:
             ),
         )
 
-    def _completed(self, request: Exec, result: AgentExecResult) -> CommandCompleted:
-        """The log's record of one command that ran."""
+    def _kept_for_replay(self, result: AgentExecResult) -> AgentExecResult:
+        """``result`` with each output cut to what a trajectory step keeps in the log
+        (an event must stay within the log's message size)."""
+        cap = self.settings.step_output_bytes
+        return dataclasses.replace(
+            result,
+            stdout=result.stdout[:cap],
+            stderr=result.stderr[:cap],
+            stdout_truncated=result.stdout_truncated or len(result.stdout) > cap,
+            stderr_truncated=result.stderr_truncated or len(result.stderr) > cap,
+        )
+
+    def _completed(
+        self, request: Exec, result: AgentExecResult, kept: AgentExecResult | None = None
+    ) -> CommandCompleted:
+        """The log's record of one command that ran (``kept``: a step's output as the
+        log keeps it for replays; default ``result``'s)."""
         traj = request.trajectory_id
         whole = traj is not None  # whole output only for steps: what a replay returns
+        kept = kept or result
         return CommandCompleted(
             event_id=derived_id(request.request_id, "completed"),
             **self._envelope(request),
@@ -547,11 +566,11 @@ class Node:
                 stdout_head=_audit_head(result.stdout),
                 stderr_head=_audit_head(result.stderr),
                 timed_out=result.timed_out,
-                truncated=result.stdout_truncated or result.stderr_truncated,
+                truncated=kept.stdout_truncated or kept.stderr_truncated,
                 trajectory_id=traj,
                 step=request.step,
-                stdout_b64=base64.b64encode(result.stdout).decode() if whole else None,
-                stderr_b64=base64.b64encode(result.stderr).decode() if whole else None,
+                stdout_b64=base64.b64encode(kept.stdout).decode() if whole else None,
+                stderr_b64=base64.b64encode(kept.stderr).decode() if whole else None,
             ),
         )
 

@@ -79,3 +79,10 @@ def test_async_stream(stack: Settings) -> None:
     chunks, stdout = asyncio.run(scenario())
     assert chunks == [Chunk("stdout", b"a\n"), Chunk("stderr", b"b\n")]
     assert stdout == b"a\n"
+
+
+def test_output_larger_than_a_request_comes_back_whole(client: Any) -> None:
+    # Replies may be far larger than requests and events: up to the output caps.
+    with client.create() as box:
+        result = box.exec("head -c 3000000 /dev/urandom", max_output_bytes=4 << 20)
+    assert len(result.stdout) == 3_000_000 and not result.truncated

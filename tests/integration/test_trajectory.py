@@ -78,3 +78,20 @@ def test_lost_sandbox_is_rebuilt_from_its_trajectory(client: Any, db: Any) -> No
         # Then its state is the one the trajectory left
         assert rebuilt.exec("cat src/main.py src/.done").stdout == b"print(42)\nbuilt\n"
         assert rebuilt.id != lost.id
+
+
+def test_a_large_step_is_whole_live_and_cut_in_its_replay(client: Any, stack: Settings) -> None:
+    trajectory = f"traj-{uuid.uuid4().hex[:8]}"
+    cap = stack.step_output_bytes
+    with client.create() as box:
+        # Given a step whose output is larger than what the log keeps for replays
+        live = box.exec(
+            f"head -c {cap + 5000} /dev/zero", trajectory_id=trajectory, step=0,
+            max_output_bytes=4 << 20,
+        )  # fmt: skip
+        # Then the trainer gets it whole
+        assert len(live.stdout) == cap + 5000 and not live.truncated
+        # And a replay gets what the log kept, saying it was cut
+        replay = box.exec(f"head -c {cap + 5000} /dev/zero", trajectory_id=trajectory, step=0)
+    assert replay.replayed and replay.truncated
+    assert replay.stdout == b"\0" * cap
