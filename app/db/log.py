@@ -2,58 +2,116 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Connection, select, text
+import psycopg
+from sqlalchemy import Connection, Engine, event, select, text
 from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from app.db.tables import consumer_offsets
 from app.domain.events import Event
 
 
-@dataclass(frozen=True)
-class SourcedEvent:
+class SourcedEvent(NamedTuple):
     """An event and where on the bus it came from."""
 
+    # A named tuple, not a frozen dataclass: one is built per record, and the frozen
+    # dataclass's __init__ took 0.47 us against 0.18.
     event: Event
     topic: str
     topic_id: uuid.UUID
     partition: int
     offset: int
+    #: The payload as stored (``event.payload`` serialised), if the caller made it
+    #: already: the projector does so while the previous batch commits.
+    payload_json: str | None = None
 
 
-#: One round trip per batch, with the batch as ONE json parameter: Postgres parses
-#: it in C, where binding fourteen arrays cost more in psycopg's dumpers than the
-#: insert itself. Claim the ids in ``event_ids`` (the global dedupe key) first, then
-#: append only the events whose id was new, in batch order.
-_APPEND = text(
+def payload_json(event: Event) -> str:
+    """The payload as the log stores it.
+
+    The validated model is re-serialised (not the bytes received), so defaults are
+    filled in and the stored form is canonical.
     """
-    WITH batch AS (
-        SELECT x.ord, x.item->'e' AS e, x.item->>'t' AS topic,
-               (x.item->>'i')::uuid AS topic_id, (x.item->>'p')::int AS partition,
-               (x.item->>'o')::bigint AS "offset"
-        FROM jsonb_array_elements(CAST(:batch AS jsonb)) WITH ORDINALITY AS x(item, ord)
+    return event.payload.model_dump_json()
+
+
+#: The batch is COPYed into a session-local staging table and moved into the log by
+#: one INSERT ... SELECT: binary COPY rows are formatted by psycopg in C and cost
+#: Postgres far less to read than one big json parameter unpacked field by field
+#: (uuids and timestamps arrive as bytes, not text to parse). The payload is staged
+#: as text and becomes jsonb in the INSERT (binary COPY of jsonb would re-encode the
+#: already serialised string). ON COMMIT DELETE ROWS keeps the table from keeping
+#: dead rows: temporary tables are never vacuumed.
+_STAGE_TABLE = """
+    CREATE TEMP TABLE IF NOT EXISTS event_stage (
+        ord int NOT NULL, event_id uuid NOT NULL, type text NOT NULL,
+        version smallint NOT NULL, sandbox_id text, node_id text, tenant text NOT NULL,
+        job_id text NOT NULL, occurred_at timestamptz NOT NULL, payload text NOT NULL,
+        topic text NOT NULL, topic_id uuid NOT NULL, partition int NOT NULL,
+        "offset" bigint NOT NULL
+    ) ON COMMIT DELETE ROWS
+"""
+_COPY = (
+    "COPY event_stage (ord, event_id, type, version, sandbox_id, node_id, tenant, job_id,"
+    ' occurred_at, payload, topic, topic_id, partition, "offset") FROM STDIN (FORMAT BINARY)'
+)
+_COPY_TYPES = [
+    "int4", "uuid", "text", "int2", "text", "text", "text", "text", "timestamptz", "text",
+    "text", "uuid", "int4", "int8",
+]  # fmt: skip
+#: Set in a pooled connection's info once its staging table exists.
+_STAGED = "dsec_event_stage"
+
+#: Empty the stage (the event-by-event fallback appends many times in one
+#: transaction), claim the ids in ``event_ids`` (the global dedupe key), then append
+#: only the events whose id was new, in batch order, so positions follow the batch.
+#: Ids are claimed in id order: a btree takes sorted keys faster, and two projectors
+#: that meet on the same ids lock them in the same order instead of deadlocking.
+#: IN, not a join: with no statistics on the staging table the planner took a join of
+#: 5,000 rows for 380,000 and compiled the plan with JIT (10 ms, every batch).
+_APPEND = """
+    WITH staged AS (
+        DELETE FROM event_stage RETURNING *
     ),
     fresh AS (
         INSERT INTO event_ids (event_id)
-        SELECT (e->>'event_id')::uuid FROM batch ORDER BY ord
+        SELECT event_id FROM staged ORDER BY event_id
         ON CONFLICT DO NOTHING
         RETURNING event_id
     )
     INSERT INTO events (event_id, type, version, sandbox_id, node_id, tenant, job_id,
                         occurred_at, payload, topic, topic_id, partition, "offset")
-    SELECT f.event_id, b.e->>'type', (b.e->>'version')::smallint, b.e->>'sandbox_id',
-           b.e->>'node_id', b.e->>'tenant', b.e->>'job_id',
-           (b.e->>'occurred_at')::timestamptz, b.e->'payload', b.topic, b.topic_id,
-           b.partition, b."offset"
-    FROM batch b JOIN fresh f ON f.event_id = (b.e->>'event_id')::uuid
-    ORDER BY b.ord
+    SELECT s.event_id, s.type, s.version, s.sandbox_id, s.node_id, s.tenant, s.job_id,
+           s.occurred_at, s.payload::jsonb, s.topic, s.topic_id, s.partition, s."offset"
+    FROM staged s
+    WHERE s.event_id IN (SELECT event_id FROM fresh)
+    ORDER BY s.ord
     RETURNING event_id, position
+"""
+
+
+def stage_on_connect(engine: Engine) -> None:
+    """Create :func:`append`'s staging table on each new connection of ``engine``.
+
+    Created and committed on its own when the connection opens, the table is there
+    for every batch without a statement of its own; connections opened before this
+    was called get it inside their first append instead.
     """
-)
+    if not event.contains(engine, "connect", _create_stage):
+        event.listen(engine, "connect", _create_stage)
+
+
+def _create_stage(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+    with dbapi_connection.cursor() as cur:
+        cur.execute(_STAGE_TABLE)
+    dbapi_connection.commit()
+    record.info[_STAGED] = True
 
 
 def append(conn: Connection, batch: Sequence[SourcedEvent]) -> list[tuple[SourcedEvent, int]]:
@@ -68,19 +126,43 @@ def append(conn: Connection, batch: Sequence[SourcedEvent]) -> list[tuple[Source
     if not unique:
         return []
     items = list(unique.values())
-    # The validated model is re-serialised (not the bytes received), so defaults
-    # are filled in and the stored form is canonical.
-    body = ",".join(
-        f'{{"t":{json.dumps(i.topic)},"i":"{i.topic_id}","p":{i.partition},"o":{i.offset},'
-        f'"e":{i.event.model_dump_json()}}}'
-        for i in items
-    )
-    positions = {
-        row.event_id: row.position for row in conn.execute(_APPEND, {"batch": f"[{body}]"})
-    }
+    if not conn.info.get(_STAGED):
+        # Not remembered: created inside this transaction, it is gone if it rolls back.
+        conn.exec_driver_sql(_STAGE_TABLE)
+    positions = dict(_copy_and_insert(conn, items))
     new = [(i, positions[i.event.event_id]) for i in items if i.event.event_id in positions]
     new.sort(key=lambda pair: pair[1])
     return new
+
+
+def _copy_and_insert(
+    conn: Connection, items: Sequence[SourcedEvent]
+) -> list[tuple[uuid.UUID, int]]:
+    """COPY the batch into ``event_stage`` and run :data:`_APPEND`, on the driver.
+
+    Plain tuples come back from psycopg: SQLAlchemy's result rows would add Python
+    work per row on the committing thread, which the whole projector waits for.
+    """
+    driver = cast("psycopg.Connection[Any]", conn.connection.driver_connection)
+    statement = _COPY
+    try:
+        with driver.cursor() as cur:
+            with cur.copy(_COPY) as copy:
+                copy.set_types(_COPY_TYPES)
+                for n, (e, topic, topic_id, partition, offset, payload) in enumerate(items):
+                    if payload is None:
+                        payload = payload_json(e)
+                    copy.write_row(
+                        (n, e.event_id, e.type, e.version, e.sandbox_id, e.node_id, e.tenant,
+                         e.job_id, e.occurred_at, payload, topic, topic_id, partition, offset)
+                    )  # fmt: skip
+            statement = _APPEND
+            cur.execute(_APPEND)
+            return cast("list[tuple[uuid.UUID, int]]", cur.fetchall())
+    except psycopg.Error as exc:
+        # Straight on the driver, so SQLAlchemy did not wrap the error: wrap it as it
+        # would, so callers tell a refused row (DataError) from an outage as usual.
+        raise DBAPIError.instance(statement, None, exc, psycopg.Error) from exc
 
 
 def ensure_partitions(conn: Connection, days_ahead: int = 7) -> int:
