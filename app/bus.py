@@ -26,9 +26,6 @@ from app.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
-#: Latency-sensitive consumers must not let the broker hold a fetch for 500 ms.
-FETCH_MAX_WAIT_MS = 10
-
 
 def _servers(settings: Settings) -> list[str]:
     return [s.strip() for s in settings.kafka_bootstrap.split(",") if s.strip()]
@@ -110,7 +107,7 @@ def make_consumer(settings: Settings, **overrides: Any) -> KafkaConsumer:
         "bootstrap_servers": _servers(settings),
         "group_id": None,
         "enable_auto_commit": False,
-        "fetch_max_wait_ms": FETCH_MAX_WAIT_MS,
+        "fetch_max_wait_ms": settings.fetch_max_wait_ms,
         "auto_offset_reset": "earliest",
         "max_partition_fetch_bytes": max(settings.max_message_bytes * 2, 1 << 20),
     }

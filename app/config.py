@@ -56,6 +56,26 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(
         1_048_576, description="Largest accepted request or event (Kafka message)."
     )
+    fetch_max_wait_ms: int = Field(
+        10,
+        ge=1,
+        le=500,
+        description=(
+            "How long a consumer someone waits on (a trainer's replies, the scheduler's"
+            " requests) lets the broker hold an empty fetch. The embedded broker does not"
+            " always answer a held fetch when data arrives: 50 ms here doubled an exec's"
+            " round trip (20 -> 40 ms p50); 10 ms costs ~12% of a core per idle consumer."
+        ),
+    )
+    background_fetch_max_wait_ms: int = Field(
+        200,
+        ge=1,
+        le=1000,
+        description=(
+            "The same for consumers nobody waits on (the projector, the scheduler's view"
+            " of events): a longer hold, far less CPU spent polling an idle topic."
+        ),
+    )
     max_reply_bytes: int = Field(
         48 << 20,
         description="Largest reply: an exec's two capped outputs (16 MiB each), base64.",

@@ -70,7 +70,10 @@ class Projector:
     ) -> None:
         self.settings = settings
         self.name = name
-        self.consumer = PositionedConsumer(settings, settings.topic_events, name, partitions)
+        self.consumer = PositionedConsumer(
+            settings, settings.topic_events, name, partitions,
+            fetch_max_wait_ms=settings.background_fetch_max_wait_ms,
+        )  # fmt: skip
         self.publisher = Publisher(settings)
         self._stop = threading.Event()
         event_log.stage_on_connect(engine_for(settings.database_url))

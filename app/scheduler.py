@@ -62,7 +62,9 @@ class Scheduler:
         with transaction(settings.database_url) as conn:
             stored = event_log.load_offsets(conn, NAME, settings.topic_requests)
         self.requests.seek(stored)
-        self.events = bus.make_consumer(settings)
+        self.events = bus.make_consumer(
+            settings, fetch_max_wait_ms=settings.background_fetch_max_wait_ms
+        )
         event_parts = bus.partitions(self.events, settings.topic_events)
         self.events.assign(event_parts)
         self.events.seek_to_end(*event_parts)
