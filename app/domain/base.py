@@ -78,8 +78,14 @@ class FailReason(StrEnum):
     INCOMPATIBLE = "incompatible"
 
 
-def tags(union: Any, field: str) -> frozenset[str]:
-    """The discriminator values (``field``'s defaults) of an annotated union of models:
-    the message kinds a decoder knows, listed once, by the union itself."""
+def fields_by_tag(union: Any, field: str) -> dict[str, frozenset[str]]:
+    """Each member of an annotated union of models, by its discriminator value
+    (``field``'s default), with the names of its fields: the message kinds a decoder
+    knows, listed once, by the union itself."""
     members = get_args(get_args(union)[0])
-    return frozenset(str(m.model_fields[field].default) for m in members)
+    return {str(m.model_fields[field].default): frozenset(m.model_fields) for m in members}
+
+
+def tags(union: Any, field: str) -> frozenset[str]:
+    """The discriminator values of an annotated union of models (see above)."""
+    return frozenset(fields_by_tag(union, field))

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
-from app.domain.base import SCHEMA_VERSION, Message, tags
+from app.domain.base import SCHEMA_VERSION, Message, fields_by_tag
 
 
 class ReplyBase(Message):
@@ -81,9 +81,6 @@ Reply = Annotated[
     Field(discriminator="kind"),
 ]
 REPLY_ADAPTER: TypeAdapter[Reply] = TypeAdapter(Reply)
-REPLY_KINDS = tags(Reply, "kind")
 #: Each reply kind's fields: what a tolerant reader (the SDK) keeps of a reply.
-REPLY_FIELDS: dict[str, frozenset[str]] = {
-    str(m.model_fields["kind"].default): frozenset(m.model_fields)
-    for m in (SandboxReady, ExecOutput, OutputChunk, FileContent, Done, ErrorReply)
-}
+REPLY_FIELDS = fields_by_tag(Reply, "kind")
+REPLY_KINDS = frozenset(REPLY_FIELDS)
