@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -32,9 +32,14 @@ from app.errors import ConfigError, ServiceUnavailable
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+@cache
 def code_fingerprint() -> str:
     """What code a process started from this checkout runs: its path, its
-    interpreter and a digest of every Python source under app/ and workers/."""
+    interpreter and a digest of every Python source under app/ and workers/.
+
+    Read once per process: ``up`` asks for every service, twice (stale? then start).
+    A source edited after that is caught by the next ``up``, which restarts again.
+    """
     digest = hashlib.sha256(f"{REPO_ROOT}\0{sys.executable}".encode())
     for package in ("app", "workers"):
         for path in sorted((REPO_ROOT / package).rglob("*.py")):
