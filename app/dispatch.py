@@ -61,7 +61,7 @@ from app.domain.requests import (
     RequestBase,
     ThawSandbox,
     expand_group,
-    member_request_id,
+    member_envelope,
 )
 from app.domain.trajectory import TrajectoryLog, replay_answer
 from app.taskqueue import TASK_FOR_REQUEST
@@ -535,14 +535,7 @@ class Dispatcher:
     def _destroy_group(self, out: Outbox, request: DestroyGroup) -> None:
         """Route a destroy to every member; members already gone are answered here."""
         for member in self.groups.pop(request.sandbox_id, []):
-            destroy = DestroySandbox(
-                request_id=member_request_id(request.request_id, member),
-                sandbox_id=member,
-                tenant=request.tenant,
-                job_id=request.job_id,
-                actor=request.actor,
-                reply_to=request.reply_to,
-            )
+            destroy = DestroySandbox(**member_envelope(request, member))
             node = self.placement.node_of(member)
             if node is not None:
                 task = TASK_FOR_REQUEST[destroy.type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter
 
@@ -178,20 +178,22 @@ def member_request_id(group_request_id: uuid.UUID, member: str) -> uuid.UUID:
     return uuid.uuid5(group_request_id, member)
 
 
+def member_envelope(group: RequestBase, member: str) -> dict[str, Any]:
+    """The envelope of the request a group request makes for one member: its own id
+    (derived, so a retry makes the same), the group's owner, actor and reply topic."""
+    return {
+        "request_id": member_request_id(group.request_id, member),
+        "sandbox_id": member,
+        "tenant": group.tenant,
+        "job_id": group.job_id,
+        "actor": group.actor,
+        "sent_at": group.sent_at,
+        "reply_to": group.reply_to,
+    }
+
+
 def expand_group(group: CreateGroup) -> list[CreateSandbox]:
     """The member creates of a group request."""
     shape = group.model_dump(include=set(SandboxShape.model_fields))
     shape["labels"] = {**group.labels, GROUP_LABEL: group.sandbox_id}
-    return [
-        CreateSandbox(
-            request_id=member_request_id(group.request_id, member),
-            sandbox_id=member,
-            tenant=group.tenant,
-            job_id=group.job_id,
-            actor=group.actor,
-            sent_at=group.sent_at,
-            reply_to=group.reply_to,
-            **shape,
-        )
-        for member in group.members
-    ]
+    return [CreateSandbox(**member_envelope(group, member), **shape) for member in group.members]
