@@ -40,7 +40,7 @@ from app.config import Settings, get_settings
 from app.domain.requests import CreateSandbox, DestroySandbox
 from app.sdk import Client
 from app.stats import percentile
-from workers.node_setup import find_node_user
+from workers.node_setup import set_up_node_user
 from workers.podman_driver import PodmanDriver, container_args
 from workers.sandbox_spec import SandboxSpec
 
@@ -113,8 +113,7 @@ def claimed(driver: PodmanDriver, ids: list[str]) -> int:
 
 def raw_podman(settings: Settings, n: int, concurrency: int) -> tuple[list[float], float]:
     """create+start latencies and creations/s straight against the node's service."""
-    user = find_node_user(settings.node_id)
-    assert user is not None
+    user = set_up_node_user(settings.node_id, settings)
     local = threading.local()
 
     def one(_: int) -> tuple[float, str]:
@@ -162,10 +161,7 @@ def main() -> None:
     parser.add_argument("--podman-n", type=int, default=30)
     args = parser.parse_args()
     settings = get_settings()
-    user = find_node_user(settings.node_id)
-    if user is None:
-        raise SystemExit(f"node {settings.node_id} is not set up: run `dsec up` first")
-    driver = PodmanDriver(user.socket_url)
+    driver = PodmanDriver(set_up_node_user(settings.node_id, settings).socket_url)
     pools = worker_pool_config(settings)
     size = pools.get(settings.default_image, 0)
     print(f"stack: node {settings.node_id}, warm pool {pools or 'off'} ({size} of the image used)")

@@ -30,7 +30,7 @@ from app.config import Settings, get_settings
 from app.domain.requests import DestroySandbox
 from app.sdk import Client, Sandbox
 from workers.limits import CgroupLimiter
-from workers.node_setup import find_node_user
+from workers.node_setup import set_up_node_user
 from workers.podman_driver import PodmanDriver
 
 SHAPE = {"memory_mb": 16, "cpus": 0.005, "ttl_s": 6 * 3600}
@@ -126,11 +126,10 @@ def main() -> None:
     parser.add_argument("--min-available-mb", type=int, default=4096)
     args = parser.parse_args()
     settings = get_settings()
-    user = find_node_user(settings.node_id)
+    driver = PodmanDriver(set_up_node_user(settings.node_id, settings).socket_url)
     limiter = CgroupLimiter.detect(settings.node_id)
-    if user is None or limiter is None:
-        raise SystemExit(f"node {settings.node_id} is not set up (or no cgroups): `dsec up`")
-    driver = PodmanDriver(user.socket_url)
+    if limiter is None:
+        raise SystemExit(f"node {settings.node_id} has no usable cgroups")
     boxes: list[Sandbox] = []
     rows: list[tuple[int, dict[str, float]]] = []
     with Client(settings, tenant="bench", job_id="density", actor="bench", timeout_s=600) as c:

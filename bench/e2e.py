@@ -37,7 +37,7 @@ from exec import line  # bench/exec.py, next to this file
 from app.config import Settings, get_settings
 from app.sdk import Client
 from app.stats import summary_ms
-from workers.node_setup import find_node_user
+from workers.node_setup import set_up_node_user
 from workers.podman_driver import container_args
 from workers.sandbox_spec import SandboxSpec
 
@@ -126,10 +126,7 @@ class RawPodman:
     """Sandboxes as plain containers on the node's rootless Podman, one client per thread."""
 
     def __init__(self, settings: Settings, run_dir: Path) -> None:
-        user = find_node_user(settings.node_id, settings)
-        if user is None:
-            raise SystemExit(f"node {settings.node_id} is not set up: run `dsec up` first")
-        self.socket_url = user.socket_url
+        self.socket_url = set_up_node_user(settings.node_id, settings).socket_url
         self.settings = settings
         self.run_dir = run_dir
         self.tag = uuid.uuid4().hex[:8]

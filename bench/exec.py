@@ -24,7 +24,7 @@ from app.config import get_settings
 from app.sdk import Client
 from app.stats import percentile
 from workers.agent.client import AgentPool
-from workers.node_setup import find_node_user
+from workers.node_setup import set_up_node_user
 from workers.podman_driver import PodmanDriver
 from workers.sandbox_spec import SandboxSpec
 
@@ -53,9 +53,7 @@ def main() -> None:
     parser.add_argument("--platform-n", type=int, default=100)
     args = parser.parse_args()
     settings = get_settings()
-    user = find_node_user(settings.node_id)
-    if user is None:
-        raise SystemExit(f"node {settings.node_id} is not set up: run `dsec up` first")
+    user = set_up_node_user(settings.node_id, settings)
     driver = PodmanDriver(user.socket_url)
     sandbox_id = f"sb-bench-{uuid.uuid4().hex[:8]}"
     run_dir = settings.state_dir / "nodes" / settings.node_id / "bench" / sandbox_id

@@ -44,7 +44,7 @@ from workers.image_store import (
     remove_image,
     store_podman,
 )
-from workers.node_setup import find_node_user
+from workers.node_setup import set_up_node_user
 
 MB = 1e6
 #: Small sandboxes: the node's declared capacity (8 CPUs per core) must hold N of them.
@@ -143,9 +143,8 @@ def main() -> None:
     if image == DEBIAN_IMAGE:
         build_debian_image(settings, log=lambda m: print(f"  {m}"))
     found = find_image(image, settings)
-    user = find_node_user(settings.node_id, settings)
+    user = set_up_node_user(settings.node_id, settings)
     assert found is not None, f"{image} is not in the store"
-    assert user is not None, f"node {settings.node_id} is not set up (dsec up)"
     run = uuid.uuid4().hex[:8]
     print(f"image {image}: {found.size / MB:.1f} MB; node {user.node_id}; N={n}")
 

@@ -16,6 +16,7 @@ from sqlalchemy import Connection, text
 
 from app.config import Settings, get_settings
 from app.db.engine import transaction
+from workers.limits import CgroupLimiter
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +34,15 @@ def stack(settings: Settings) -> Settings:
     except Exception as exc:  # name the service in the failure, never skip
         pytest.fail(f"the embedded stack is not available: {exc}", pytrace=False)
     return settings
+
+
+@pytest.fixture(scope="session")
+def limiter(stack: Settings) -> CgroupLimiter:
+    """The node's cgroup limiter, as its worker uses it."""
+    found = CgroupLimiter.detect(stack.node_id)
+    if found is None:
+        pytest.fail("no usable cgroup hierarchy on this host", pytrace=False)
+    return found
 
 
 @pytest.fixture(scope="session")

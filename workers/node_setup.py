@@ -118,6 +118,14 @@ def user_name(node_id: str) -> str:
     return f"{USER_PREFIX}{node_id.lower()}"
 
 
+def set_up_node_user(node_id: str, settings: Settings | None = None) -> NodeUser:
+    """The user of a node ``dsec up`` has set up; a clear error if there is none."""
+    user = find_node_user(node_id, settings)
+    if user is None:
+        raise NodeError(f"node {node_id} is not set up: run `dsec up` first")
+    return user
+
+
 def find_node_user(node_id: str, settings: Settings | None = None) -> NodeUser | None:
     """The node's user if it exists, without creating or changing anything."""
     settings = settings or get_settings()

@@ -45,14 +45,6 @@ def node_user(stack: Settings) -> NodeUser:
     return user
 
 
-@pytest.fixture(scope="module")
-def limiter(stack: Settings) -> CgroupLimiter:
-    found = CgroupLimiter.detect(stack.node_id)
-    if found is None:
-        pytest.fail("no usable cgroup hierarchy on this host", pytrace=False)
-    return found
-
-
 @pytest.fixture
 def listeners() -> Iterator[dict[str, socket.socket]]:
     """TCP listeners on the host's loopback and on its first non-loopback address."""

@@ -21,14 +21,6 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def limiter(stack: Settings) -> CgroupLimiter:
-    found = CgroupLimiter.detect(stack.node_id)
-    if found is None:
-        pytest.fail("no usable cgroup hierarchy on this host", pytrace=False)
-    return found
-
-
 def _stops(db: Any, sandbox_id: str) -> list[tuple[str, str]] | None:
     with db() as conn:
         rows = conn.exec_driver_sql(
