@@ -8,7 +8,6 @@ runs, so a redelivered task never runs a command twice.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import itertools
 import logging
 import shlex
@@ -491,23 +490,12 @@ class Node:
         duration_ms = result.duration_s * 1000
         stdout_b64 = base64.b64encode(result.stdout).decode()
         stderr_b64 = base64.b64encode(result.stderr).decode()
-        # What a replay of this step will answer: its output, cut to what the log keeps.
-        kept = self._kept_for_replay(result)
-        if traj is not None and step is not None:
-            self.steps.record(
-                traj,
-                step,
-                StepResult(
-                    request_id=str(request.request_id),
-                    exit_code=result.exit_code,
-                    stdout_b64=base64.b64encode(kept.stdout).decode(),
-                    stderr_b64=base64.b64encode(kept.stderr).decode(),
-                    duration_ms=duration_ms,
-                    timed_out=result.timed_out,
-                    stdout_truncated=kept.stdout_truncated,
-                    stderr_truncated=kept.stderr_truncated,
-                ),
-            )
+        # What a replay of this step will answer, encoded once for Redis and the log.
+        kept: StepResult | None = None
+        if traj is not None:
+            kept = self._replay_record(request, result)
+            if step is not None:
+                self.steps.record(traj, step, kept)
         self.outlet.event(self._completed(request, result, kept))
         seen = self._saw(request.sandbox_id)
         seen.commands += 1
@@ -532,26 +520,31 @@ class Node:
             ),
         )
 
-    def _kept_for_replay(self, result: AgentExecResult) -> AgentExecResult:
-        """``result`` with each output cut to what a trajectory step keeps in the log
-        (an event must stay within the log's message size)."""
+    def _replay_record(self, request: Exec, result: AgentExecResult) -> StepResult:
+        """A trajectory step's result as a replay answers it: each output cut to what
+        the log keeps (an event must stay within the log's message size)."""
         cap = self.settings.step_output_bytes
-        return dataclasses.replace(
-            result,
-            stdout=result.stdout[:cap],
-            stderr=result.stderr[:cap],
+        return StepResult(
+            request_id=str(request.request_id),
+            exit_code=result.exit_code,
+            stdout_b64=base64.b64encode(result.stdout[:cap]).decode(),
+            stderr_b64=base64.b64encode(result.stderr[:cap]).decode(),
+            duration_ms=result.duration_s * 1000,
+            timed_out=result.timed_out,
             stdout_truncated=result.stdout_truncated or len(result.stdout) > cap,
             stderr_truncated=result.stderr_truncated or len(result.stderr) > cap,
         )
 
     def _completed(
-        self, request: Exec, result: AgentExecResult, kept: AgentExecResult | None = None
+        self, request: Exec, result: AgentExecResult, kept: StepResult | None = None
     ) -> CommandCompleted:
-        """The log's record of one command that ran (``kept``: a step's output as the
-        log keeps it for replays; default ``result``'s)."""
-        traj = request.trajectory_id
-        whole = traj is not None  # whole output only for steps: what a replay returns
-        kept = kept or result
+        """The log's record of one command that ran; a trajectory step's carries the
+        output its replays answer with (``kept``)."""
+        truncated = (
+            kept.stdout_truncated or kept.stderr_truncated
+            if kept is not None
+            else result.stdout_truncated or result.stderr_truncated
+        )
         return CommandCompleted(
             event_id=derived_id(request.request_id, "completed"),
             **self._envelope(request),
@@ -566,11 +559,11 @@ class Node:
                 stdout_head=_audit_head(result.stdout),
                 stderr_head=_audit_head(result.stderr),
                 timed_out=result.timed_out,
-                truncated=kept.stdout_truncated or kept.stderr_truncated,
-                trajectory_id=traj,
+                truncated=truncated,
+                trajectory_id=request.trajectory_id,
                 step=request.step,
-                stdout_b64=base64.b64encode(kept.stdout).decode() if whole else None,
-                stderr_b64=base64.b64encode(kept.stderr).decode() if whole else None,
+                stdout_b64=kept.stdout_b64 if kept is not None else None,
+                stderr_b64=kept.stderr_b64 if kept is not None else None,
             ),
         )
 
