@@ -170,7 +170,7 @@ def ensure_node_user(
         raise NodeError(f"user {name} or its subordinate ids did not come into being")
 
     _mkdir(user.home, 0o700, user.uid, user.gid)
-    _reset_runtime_dir_after_reboot(user)
+    _reset_stale_runtime_dir(user)
     for d in (user.runtime_dir, user.home / ".config", user.config_dir):
         _mkdir(d, 0o700, user.uid, user.gid)
     # Only a mount point: the idmapped view covers it (and is read-only once there).
@@ -560,10 +560,15 @@ def _subid_ranges(path: Path, name: str) -> list[tuple[int, int]]:
     return [(start, count) for who, start, count in _subid_entries(path) if who == name]
 
 
-def _reset_runtime_dir_after_reboot(user: NodeUser) -> None:
-    """Empty the runtime dir after a reboot, as a tmpfs XDG_RUNTIME_DIR would be.
+def _reset_stale_runtime_dir(user: NodeUser) -> None:
+    """Empty the runtime dir once nothing it describes can still be alive.
 
-    It lives on disk here; Podman would otherwise trust stale pause pids and state.
+    A tmpfs XDG_RUNTIME_DIR would be emptied by a reboot; here it lives on disk, and
+    the state dir may also be carried into a fresh process world on the same kernel
+    (a restored machine image, a killed process tree). Podman then trusts a dead
+    pause pid and containers it still calls running, joins none of them, and refuses
+    to start ("invalid internal status ... podman system migrate"). Without its
+    ``alive`` file it instead refreshes every container's state, as after a boot.
     """
     boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     marker = user.home / ".boot_id"
@@ -571,12 +576,31 @@ def _reset_runtime_dir_after_reboot(user: NodeUser) -> None:
         seen = marker.read_text().strip()
     except FileNotFoundError:
         seen = ""
-    if seen == boot_id:
-        return
-    if seen and user.runtime_dir.exists():
-        log.info("node %s: new boot, clearing %s", user.node_id, user.runtime_dir)
-        shutil.rmtree(user.runtime_dir)
-    marker.write_text(boot_id + "\n")
+    if user.runtime_dir.exists():
+        if seen and seen != boot_id:
+            log.info("node %s: new boot, clearing %s", user.node_id, user.runtime_dir)
+            shutil.rmtree(user.runtime_dir)
+        elif not live_processes_of(user.uid):
+            # Every pause process, service and conmon runs as the node user: with none
+            # left, nothing in the runtime dir is true any more.
+            log.info("node %s: no process left, clearing %s", user.node_id, user.runtime_dir)
+            shutil.rmtree(user.runtime_dir)
+    if seen != boot_id:
+        marker.write_text(boot_id + "\n")
+
+
+def live_processes_of(uid: int) -> list[int]:
+    """Pids of the live processes whose real uid is ``uid`` (zombies excluded)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid == uid and _alive(int(entry.name)):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
 
 
 def _write_if_changed(path: Path, text: str, user: NodeUser) -> bool:

@@ -29,8 +29,15 @@ def three_nodes(stack: Settings) -> Iterator[Settings]:
     Afterwards the extra workers are stopped and declared lost at once, so the next
     tests (and the next `make test`) place sandboxes on the configured node only.
     """
-    stack_mod.up(stack, nodes=NODES, log=lambda _m: None)
-    yield stack
+    try:
+        stack_mod.up(stack, nodes=NODES, log=lambda _m: None)
+        yield stack
+    finally:
+        _retire_extra_nodes(stack)
+
+
+def _retire_extra_nodes(stack: Settings) -> None:
+    # Also after a failed `up`: a live extra node would take later tests' sandboxes.
     extra = stack_mod.node_ids(stack, NODES)[1:]
     publisher = Publisher(stack)
     for node in extra:

@@ -6,8 +6,10 @@ setup is idempotent, so the node is left configured for the next run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import threading
 import time
 import uuid
@@ -19,7 +21,12 @@ import pytest
 from app.config import Settings, get_settings
 from workers import image_store
 from workers.errors import ImageNotFound, PodmanUnavailable
-from workers.node_setup import NodeUser, ensure_node_user, ensure_podman_service
+from workers.node_setup import (
+    NodeUser,
+    ensure_node_user,
+    ensure_podman_service,
+    live_processes_of,
+)
 from workers.podman_driver import PodmanDriver
 from workers.sandbox_spec import AGENT_BIN_MOUNT, SandboxSpec
 
@@ -181,3 +188,30 @@ def test_a_node_does_not_read_the_store_while_root_writes_it(node: NodeUser, cfg
     reader.join(30)
     assert listed and IMAGE in listed[0]
     guarded.close()
+
+
+def test_a_node_whose_processes_all_died_starts_again(
+    cfg: Settings, node: NodeUser, driver: PodmanDriver, workdir: Path
+) -> None:
+    # Given a running sandbox, then every process of the node user gone at once (the
+    # state dir carried into a fresh process world keeps saying "running")
+    spec = _spec(workdir)
+    driver.create_and_start(spec)
+    _kill_all_of(node.uid)
+    # When the node is set up again
+    again = ensure_node_user(NODE, cfg)
+    # Then its service starts, and the sandbox is known as no longer running
+    assert ensure_podman_service(again, cfg, timeout_s=30) == node.socket_url
+    box = driver.get(spec.sandbox_id)
+    assert box is not None and not box.running
+    assert driver.remove(spec.sandbox_id) is True
+
+
+def _kill_all_of(uid: int) -> None:
+    deadline = time.monotonic() + 10
+    while pids := live_processes_of(uid):
+        assert time.monotonic() < deadline, f"processes of uid {uid} survived SIGKILL: {pids}"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
