@@ -5,7 +5,9 @@ tenant/job), then written with one set-based statement per table. The live proje
 and ``dsec projections rebuild`` run exactly this code over events in position order,
 so a rebuild yields the same rows however the events were batched: columns take the
 latest value, states only move forward, and counters and sums are exact (integers
-and numerics, never floats).
+and numerics, never floats). The commands projection is the exception to the
+folding: its rows are the CommandCompleted events themselves, made in Postgres by
+:func:`commands_from`, as the log appends them (live) or reads them (rebuild).
 """
 
 from __future__ import annotations
@@ -70,7 +72,6 @@ class Fold:
 
     sandboxes: dict[str, SandboxFold] = field(default_factory=dict)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    commands: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[tuple[str, str], UsageFold] = field(default_factory=dict)
 
 
@@ -133,7 +134,7 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
                 u = out.usage.setdefault(tenant_job, UsageFold())
                 u.ended.append(event.sandbox_id or "")
                 u.last_position = position
-            case CommandCompleted(payload=p):
+            case CommandCompleted():
                 box = out.sandboxes[event.sandbox_id or ""]
                 box.commands += 1
                 if box.state not in TERMINAL:
@@ -141,19 +142,6 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
                 u = out.usage.setdefault(tenant_job, UsageFold())
                 u.commands += 1
                 u.last_position = position
-                out.commands.append(
-                    {
-                        "request_id": p.request_id, "sandbox_id": event.sandbox_id,
-                        "tenant": event.tenant, "job_id": event.job_id, "actor": p.actor,
-                        "trajectory_id": p.trajectory_id, "step": p.step,
-                        "command": p.command, "exit_code": p.exit_code,
-                        "duration_ms": p.duration_ms, "timed_out": p.timed_out,
-                        "truncated": p.truncated, "stdout_head": p.stdout_head,
-                        "stderr_head": p.stderr_head, "occurred_at": event.occurred_at,
-                        "position": position, "stdout_b64": p.stdout_b64,
-                        "stderr_b64": p.stderr_b64,
-                    }
-                )  # fmt: skip
             case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):
                 row = out.nodes.setdefault(event.node_id or "", {})
                 row.update(
@@ -211,12 +199,38 @@ _COUNT_COMMANDS = text(
     WHERE s.sandbox_id = r.sandbox_id
     """
 )
-_INSERT_COMMANDS = text(
+#: The commands projection's columns, as :func:`commands_from` fills them.
+_COMMAND_COLUMNS = (
+    "request_id, sandbox_id, tenant, job_id, actor, trajectory_id, step, command, exit_code,"
+    " duration_ms, timed_out, truncated, stdout_head, stderr_head, occurred_at, position,"
+    " stdout_b64, stderr_b64"
+)
+
+
+def commands_from(relation: str) -> str:
+    """The INSERT that projects the CommandCompleted events of ``relation`` into ``commands``.
+
+    ``relation`` has the log's columns (a CTE over rows being appended, or the log
+    itself). The rows are made in Postgres from the stored payload, whose keys are the
+    columns' names: they never travel to Python and back (that cost ~12 us of Postgres
+    and ~4 us of Python per command as one json parameter). In position order, so that
+    of two events claiming one trajectory step the first one is kept, live or rebuilt.
     """
-    INSERT INTO commands
-    SELECT * FROM jsonb_populate_recordset(NULL::commands, CAST(:rows AS jsonb))
+    return f"""
+    INSERT INTO commands ({_COMMAND_COLUMNS})
+    SELECT r.request_id, e.sandbox_id, e.tenant, e.job_id, r.actor, r.trajectory_id, r.step,
+           r.command, r.exit_code, r.duration_ms, r.timed_out, r.truncated, r.stdout_head,
+           r.stderr_head, e.occurred_at, e.position, r.stdout_b64, r.stderr_b64
+    FROM {relation} AS e
+    CROSS JOIN LATERAL jsonb_populate_record(NULL::commands, e.payload) AS r
+    WHERE e.type = 'CommandCompleted'
+    ORDER BY e.position
     ON CONFLICT DO NOTHING
     """
+
+
+_REBUILD_COMMANDS = text(
+    commands_from("(SELECT * FROM events WHERE position > :after AND position <= :last)")
 )
 _ADD_USAGE = text(
     """
@@ -265,7 +279,11 @@ def _rows(rows: list[dict[str, Any]]) -> str:
 
 
 def apply_batch(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
-    """Fold a batch of (event, position), ascending, into every projection."""
+    """Fold a batch of (event, position), ascending, into every projection but ``commands``.
+
+    Those rows come from the log's rows themselves: :func:`app.db.log.append` inserts
+    them with the events, :func:`rebuild` from the log.
+    """
     if not items:
         return
     folded = fold(items)
@@ -298,8 +316,6 @@ def apply_batch(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
         conn.execute(_COUNT_COMMANDS, {"rows": _rows(counts)})
     for node_id, row in sorted(folded.nodes.items()):
         _upsert_node(conn, node_id, row)
-    if folded.commands:
-        conn.execute(_INSERT_COMMANDS, {"rows": _rows(folded.commands)})
     if folded.usage:
         usage_rows = [
             {"tenant": t, "job_id": j, "started": u.started, "commands": u.commands,
@@ -383,5 +399,6 @@ def rebuild(conn: Connection, chunk: int = 5000) -> int:
             }  # fmt: skip
             items.append((decode_event(json.dumps(body).encode(), max_bytes=1 << 30), r.position))
         apply_batch(conn, items)
+        conn.execute(_REBUILD_COMMANDS, {"after": after, "last": rows[-1].position})
         total += len(rows)
         after = rows[-1].position
