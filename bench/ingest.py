@@ -9,7 +9,8 @@ ceiling this machine's Postgres allows. The ratio is what counts here.
     .venv/bin/python bench/ingest.py --events 100000 --processes 2   # partition-parallel
 
 Needs the embedded stack (`dsec up`) for Kafka and Postgres; it uses topics of its
-own and a database of its own (``<db>_bench``), so the stack's log stays small.
+own and a database of its own (``<db>_bench``, new for each run unless
+``--keep-log``), so the stack's log stays small.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import uuid
 from datetime import timedelta
 
 from kafka import KafkaAdminClient
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from app import bus
 from app.config import Settings, get_settings
@@ -151,6 +153,11 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=50_000)
     parser.add_argument("--processes", type=int, default=1, help="projectors, partition-parallel")
     parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument(
+        "--keep-log",
+        action="store_true",
+        help="append to the bench database left by earlier runs instead of a new one",
+    )
     args = parser.parse_args()
 
     prefix = f"bench{uuid.uuid4().hex[:6]}"
@@ -163,6 +170,8 @@ def main() -> None:
             "admin_database_url": base.admin_database_url + "_bench",
         }
     )
+    if not args.keep_log:
+        drop_database(settings.admin_database_url)
     ensure_database(settings)
     migrate(settings)
     analyze(settings.admin_database_url)
@@ -171,6 +180,22 @@ def main() -> None:
         measure(args, settings)
     finally:
         drop_topics(settings)
+
+
+def drop_database(admin_url: str) -> None:
+    """Drop the bench database, so that every run starts from an empty log.
+
+    Runs that appended to one database grew it by 100,000 events each; once its
+    indexes outgrew the buffer cache, a run's Postgres cost rose with the number of
+    runs before it, and back-to-back comparisons measured the order they ran in.
+    """
+    url = make_url(admin_url)
+    server = create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with server.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
+    finally:
+        server.dispose()
 
 
 def analyze(admin_url: str) -> None:

@@ -75,6 +75,18 @@ class Fold:
     usage: dict[tuple[str, str], UsageFold] = field(default_factory=dict)
 
 
+#: The events :func:`_lifecycle` reads.
+_LIFECYCLE_TYPES = frozenset(
+    cls.model_fields["type"].default
+    for cls in (SandboxRequested, SandboxScheduled, SandboxStarted, SandboxStopped,
+                SandboxRejected, SandboxFailed)
+)  # fmt: skip
+
+_COMMAND, _STARTED, _STOPPED = (
+    cls.model_fields["type"].default for cls in (CommandCompleted, SandboxStarted, SandboxStopped)
+)
+
+
 def _lifecycle(event: Event) -> tuple[SandboxState, dict[str, Any]] | None:
     """The state an event leads a sandbox to and the columns it sets."""
     at = event.occurred_at
@@ -113,7 +125,7 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
             box = out.sandboxes.setdefault(
                 event.sandbox_id, SandboxFold(event.tenant, event.job_id)
             )
-            change = _lifecycle(event)
+            change = _lifecycle(event) if event.type in _LIFECYCLE_TYPES else None
             # A sandbox's first ending is its ending: a later Stopped (the node's, after
             # the scheduler declared it lost) or a late Started stays in the audit trail
             # but leaves the row, and what was charged, as they were. The upsert below
@@ -125,38 +137,39 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
                 # Only events that change the row move its position: an event that
                 # leaves no trace (a refused exec) must not, or batching would show.
                 box.last_position = position
-        match event:
-            case SandboxStarted():
-                u = out.usage.setdefault(tenant_job, UsageFold())
-                u.started += 1
-                u.last_position = position
-            case SandboxStopped():
-                u = out.usage.setdefault(tenant_job, UsageFold())
-                u.ended.append(event.sandbox_id or "")
-                u.last_position = position
-            case CommandCompleted():
-                box = out.sandboxes[event.sandbox_id or ""]
-                box.commands += 1
-                if box.state not in TERMINAL:
-                    box.last_position = position
-                u = out.usage.setdefault(tenant_job, UsageFold())
-                u.commands += 1
-                u.last_position = position
-            case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):
-                row = out.nodes.setdefault(event.node_id or "", {})
-                row.update(
-                    state="alive", queue=p.queue, capacity_sandboxes=p.capacity_sandboxes,
-                    capacity_cpus=p.capacity_cpus, capacity_memory_mb=p.capacity_memory_mb,
-                    running=p.running, images=p.images, last_heartbeat_at=event.occurred_at,
-                    last_position=position,
-                )  # fmt: skip
-                if isinstance(event, NodeRegistered):
-                    row["registered_at"] = event.occurred_at
-            case NodeLost():
-                row = out.nodes.setdefault(event.node_id or "", {})
-                row.update(state="lost", lost_at=event.occurred_at, last_position=position)
-            case _:
-                pass
+        # Dispatch on the type name: most events are commands, and a chain of class
+        # patterns tested each of them against every lifecycle class first.
+        kind = event.type
+        if kind == _COMMAND:
+            box = out.sandboxes[event.sandbox_id or ""]
+            box.commands += 1
+            if box.state not in TERMINAL:
+                box.last_position = position
+            u = out.usage.setdefault(tenant_job, UsageFold())
+            u.commands += 1
+            u.last_position = position
+        elif kind == _STARTED:
+            u = out.usage.setdefault(tenant_job, UsageFold())
+            u.started += 1
+            u.last_position = position
+        elif kind == _STOPPED:
+            u = out.usage.setdefault(tenant_job, UsageFold())
+            u.ended.append(event.sandbox_id or "")
+            u.last_position = position
+        elif isinstance(event, NodeRegistered | NodeHeartbeat):
+            p = event.payload
+            row = out.nodes.setdefault(event.node_id or "", {})
+            row.update(
+                state="alive", queue=p.queue, capacity_sandboxes=p.capacity_sandboxes,
+                capacity_cpus=p.capacity_cpus, capacity_memory_mb=p.capacity_memory_mb,
+                running=p.running, images=p.images, last_heartbeat_at=event.occurred_at,
+                last_position=position,
+            )  # fmt: skip
+            if isinstance(event, NodeRegistered):
+                row["registered_at"] = event.occurred_at
+        elif isinstance(event, NodeLost):
+            row = out.nodes.setdefault(event.node_id or "", {})
+            row.update(state="lost", lost_at=event.occurred_at, last_position=position)
     return out
 
 
