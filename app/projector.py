@@ -29,7 +29,7 @@ from app.codec import DeadLetterReason, DecodeError, decode_event
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
 from app.db import log as event_log
-from app.db import projections
+from app.db import projections, staging
 from app.db.engine import engine_for, transaction
 from app.errors import StorageRefused
 
@@ -76,7 +76,7 @@ class Projector:
         )  # fmt: skip
         self.publisher = Publisher(settings)
         self._stop = threading.Event()
-        event_log.stage_on_connect(engine_for(settings.database_url))
+        staging.stage_on_connect(engine_for(settings.database_url))
         with transaction(settings.database_url) as conn:
             event_log.ensure_partitions(conn)
             stored = event_log.load_offsets(conn, name, settings.topic_events)

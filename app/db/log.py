@@ -5,14 +5,12 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
-import psycopg
-from sqlalchemy import Connection, Engine, event, select, text
+from sqlalchemy import Connection, select, text
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.pool import ConnectionPoolEntry
 
+from app.db import staging
 from app.db.projections import commands_from
 from app.db.tables import consumer_offsets
 from app.domain.events import Event
@@ -42,32 +40,16 @@ def payload_json(event: Event) -> str:
     return event.payload.model_dump_json()
 
 
-#: The batch is COPYed into a session-local staging table and moved into the log by
-#: one INSERT ... SELECT: binary COPY rows are formatted by psycopg in C and cost
-#: Postgres far less to read than one big json parameter unpacked field by field
-#: (uuids and timestamps arrive as bytes, not text to parse). The payload is staged
-#: as text and becomes jsonb in the INSERT (binary COPY of jsonb would re-encode the
-#: already serialised string). ON COMMIT DELETE ROWS keeps the table from keeping
-#: dead rows: temporary tables are never vacuumed.
-_STAGE_TABLE = """
-    CREATE TEMP TABLE IF NOT EXISTS event_stage (
-        ord int NOT NULL, event_id uuid NOT NULL, type text NOT NULL,
-        version smallint NOT NULL, sandbox_id text, node_id text, tenant text NOT NULL,
-        job_id text NOT NULL, occurred_at timestamptz NOT NULL, payload text NOT NULL,
-        topic text NOT NULL, topic_id uuid NOT NULL, partition int NOT NULL,
-        "offset" bigint NOT NULL
-    ) ON COMMIT DELETE ROWS
-"""
-_COPY = (
-    "COPY event_stage (ord, event_id, type, version, sandbox_id, node_id, tenant, job_id,"
-    ' occurred_at, payload, topic, topic_id, partition, "offset") FROM STDIN (FORMAT BINARY)'
-)
-_COPY_TYPES = [
-    "int4", "uuid", "text", "int2", "text", "text", "text", "text", "timestamptz", "text",
-    "text", "uuid", "int4", "int8",
-]  # fmt: skip
-#: Set in a pooled connection's info once its staging table exists.
-_STAGED = "dsec_event_stage"
+#: The batch is COPYed into this stage and moved into the log by :data:`_APPEND`. The
+#: payload is staged as text and becomes jsonb in the INSERT (binary COPY of jsonb
+#: would re-encode the already serialised string).
+EVENT_STAGE = staging.stage(
+    "event_stage",
+    [("ord", "int4"), ("event_id", "uuid"), ("type", "text"), ("version", "int2"),
+     ("sandbox_id", "text"), ("node_id", "text"), ("tenant", "text"), ("job_id", "text"),
+     ("occurred_at", "timestamptz"), ("payload", "text"), ("topic", "text"),
+     ("topic_id", "uuid"), ("partition", "int4"), ("offset", "int8")],
+)  # fmt: skip
 
 #: Empty the stage (the event-by-event fallback appends many times in one
 #: transaction), claim the ids in ``event_ids`` (the global dedupe key), then append
@@ -102,24 +84,6 @@ _APPEND = f"""
 """
 
 
-def stage_on_connect(engine: Engine) -> None:
-    """Create :func:`append`'s staging table on each new connection of ``engine``.
-
-    Created and committed on its own when the connection opens, the table is there
-    for every batch without a statement of its own; connections opened before this
-    was called get it inside their first append instead.
-    """
-    if not event.contains(engine, "connect", _create_stage):
-        event.listen(engine, "connect", _create_stage)
-
-
-def _create_stage(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
-    with dbapi_connection.cursor() as cur:
-        cur.execute(_STAGE_TABLE)
-    dbapi_connection.commit()
-    record.info[_STAGED] = True
-
-
 def append(conn: Connection, batch: Sequence[SourcedEvent]) -> list[tuple[SourcedEvent, int]]:
     """Append the batch; return the events that were new, with their positions.
 
@@ -135,9 +99,6 @@ def append(conn: Connection, batch: Sequence[SourcedEvent]) -> list[tuple[Source
     if not unique:
         return []
     items = list(unique.values())
-    if not conn.info.get(_STAGED):
-        # Not remembered: created inside this transaction, it is gone if it rolls back.
-        conn.exec_driver_sql(_STAGE_TABLE)
     positions = dict(_copy_and_insert(conn, items))
     new = [(i, positions[i.event.event_id]) for i in items if i.event.event_id in positions]
     new.sort(key=lambda pair: pair[1])
@@ -152,26 +113,19 @@ def _copy_and_insert(
     Plain tuples come back from psycopg: SQLAlchemy's result rows would add Python
     work per row on the committing thread, which the whole projector waits for.
     """
-    driver = cast("psycopg.Connection[Any]", conn.connection.driver_connection)
-    statement = _COPY
-    try:
-        with driver.cursor() as cur:
-            with cur.copy(_COPY) as copy:
-                copy.set_types(_COPY_TYPES)
-                for n, (e, topic, topic_id, partition, offset, payload) in enumerate(items):
-                    if payload is None:
-                        payload = payload_json(e)
-                    copy.write_row(
-                        (n, e.event_id, e.type, e.version, e.sandbox_id, e.node_id, e.tenant,
-                         e.job_id, e.occurred_at, payload, topic, topic_id, partition, offset)
-                    )  # fmt: skip
-            statement = _APPEND
-            cur.execute(_APPEND)
-            return cast("list[tuple[uuid.UUID, int]]", cur.fetchall())
-    except psycopg.Error as exc:
-        # Straight on the driver, so SQLAlchemy did not wrap the error: wrap it as it
-        # would, so callers tell a refused row (DataError) from an outage as usual.
-        raise DBAPIError.instance(statement, None, exc, psycopg.Error) from exc
+    staging.copy_rows(
+        conn,
+        EVENT_STAGE,
+        (
+            (n, e.event_id, e.type, e.version, e.sandbox_id, e.node_id, e.tenant, e.job_id,
+             e.occurred_at, payload_json(e) if payload is None else payload, topic, topic_id,
+             partition, offset)
+            for n, (e, topic, topic_id, partition, offset, payload) in enumerate(items)
+        ),
+    )  # fmt: skip
+    with staging.driver_errors(_APPEND), staging.driver(conn).cursor() as cur:
+        cur.execute(_APPEND)
+        return cast("list[tuple[uuid.UUID, int]]", cur.fetchall())
 
 
 def ensure_partitions(conn: Connection, days_ahead: int = 7) -> int:

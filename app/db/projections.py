@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy import Connection, select, text
 from sqlalchemy.dialects.postgresql import insert
 
+from app.db import staging
 from app.db.tables import commands, nodes, sandboxes, usage
 from app.domain.events import (
     CommandCompleted,
@@ -38,9 +39,21 @@ from app.domain.sandbox_state import TERMINAL, SandboxState, advance, rank
 
 PROJECTION_TABLES = (sandboxes, nodes, commands, usage)
 
-SANDBOX_COLUMNS = (
-    "actor", "image", "node_id", "cpus", "memory_mb", "disk_mb", "ttl_s", "network", "labels",
-    "requested_at", "scheduled_at", "started_at", "ended_at", "end_reason", "detail",
+#: The sandbox columns that lifecycle events set, with their Postgres types.
+_SANDBOX_COLUMN_TYPES = (
+    ("actor", "text"), ("image", "text"), ("node_id", "text"), ("cpus", "float8"),
+    ("memory_mb", "int4"), ("disk_mb", "int4"), ("ttl_s", "int4"), ("network", "bool"),
+    ("labels", "jsonb"), ("requested_at", "timestamptz"), ("scheduled_at", "timestamptz"),
+    ("started_at", "timestamptz"), ("ended_at", "timestamptz"), ("end_reason", "text"),
+    ("detail", "text"),
+)  # fmt: skip
+SANDBOX_COLUMNS = tuple(name for name, _ in _SANDBOX_COLUMN_TYPES)
+
+#: A batch's sandbox rows, COPYed for :data:`_UPSERT_SANDBOXES` (see app.db.staging).
+SANDBOX_STAGE = staging.stage(
+    "sandbox_stage",
+    [("sandbox_id", "text"), ("tenant", "text"), ("job_id", "text"), ("state", "text"),
+     ("commands", "int4"), ("last_position", "int8"), *_SANDBOX_COLUMN_TYPES],
 )  # fmt: skip
 
 
@@ -177,14 +190,15 @@ _RANK_CASE = "CASE {col} " + " ".join(f"WHEN '{s.value}' THEN {rank(s)}" for s i
 _COLS = ", ".join(SANDBOX_COLUMNS)
 _ENDED = "s.state IN (" + ", ".join(f"'{t.value}'" for t in sorted(TERMINAL)) + ")"
 
-# Each statement takes its rows as ONE json parameter that Postgres unpacks
-# (jsonb_populate_recordset): binding thousands of parameters from Python costs more
-# than the statements themselves.
+# The sandboxes upsert reads the batch's rows from its COPYed stage; the smaller
+# statements take theirs as ONE json parameter that Postgres unpacks: binding
+# thousands of parameters from Python costs more than the statements themselves.
 _UPSERT_SANDBOXES = text(
     f"""
+    WITH staged AS (DELETE FROM sandbox_stage RETURNING *)
     INSERT INTO sandboxes AS s (sandbox_id, tenant, job_id, state, commands, last_position, {_COLS})
     SELECT sandbox_id, tenant, job_id, state, commands, last_position, {_COLS}
-    FROM jsonb_populate_recordset(NULL::sandboxes, CAST(:rows AS jsonb))
+    FROM staged
     ON CONFLICT (sandbox_id) DO UPDATE SET
         state = CASE WHEN {_ENDED} THEN s.state
                      WHEN ({_RANK_CASE.format(col="s.state")} END)
@@ -308,12 +322,10 @@ def apply_batch(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
                     {"sandbox_id": sid, "commands": f.commands, "last_position": f.last_position}
                 )
             continue
+        cols = f.columns
         lifecycle.append(
-            {
-                "sandbox_id": sid, "tenant": f.tenant, "job_id": f.job_id,
-                "state": f.state.value, "commands": f.commands,
-                "last_position": f.last_position, **f.columns,
-            }
+            (sid, f.tenant, f.job_id, f.state.value, f.commands, f.last_position,
+             *[cols.get(c) for c in SANDBOX_COLUMNS])
         )  # fmt: skip
     # A sandbox is charged once, at its first Stopped: a second one (two parties
     # ending it at once) must count neither live nor in a rebuild, however batched.
@@ -324,7 +336,8 @@ def apply_batch(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
             conn.execute(_ALREADY_STOPPED, {"ids": sorted(set(stopping))}).scalars()
         )
     if lifecycle:
-        conn.execute(_UPSERT_SANDBOXES, {"rows": _rows(lifecycle)})
+        staging.copy_rows(conn, SANDBOX_STAGE, lifecycle)
+        conn.execute(_UPSERT_SANDBOXES)
     if counts:
         conn.execute(_COUNT_COMMANDS, {"rows": _rows(counts)})
     for node_id, row in sorted(folded.nodes.items()):
