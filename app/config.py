@@ -76,6 +76,16 @@ class Settings(BaseSettings):
             " of events): a longer hold, far less CPU spent polling an idle topic."
         ),
     )
+    projector_lanes: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description=(
+            "Transactions one projector process keeps in flight, each for its own share of"
+            " the partitions (partition mod lanes): one lane's Postgres work overlaps"
+            " another's and the process's Python. Each lane is one database connection."
+        ),
+    )
     max_reply_bytes: int = Field(
         48 << 20,
         description="Largest reply: an exec's two capped outputs (16 MiB each), base64.",

@@ -7,6 +7,7 @@ ceiling this machine's Postgres allows. The ratio is what counts here.
 
     .venv/bin/python bench/ingest.py --events 100000
     .venv/bin/python bench/ingest.py --events 100000 --processes 2   # partition-parallel
+    .venv/bin/python bench/ingest.py --events 100000 --lanes 1       # one transaction at a time
 
 Needs the embedded stack (`dsec up`) for Kafka and Postgres; it uses topics of its
 own and a database of its own (``<db>_bench``, new for each run unless
@@ -154,6 +155,10 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1, help="projectors, partition-parallel")
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument(
+        "--lanes", type=int, default=get_settings().projector_lanes,
+        help="transactions in flight per projector process (DSEC_PROJECTOR_LANES)",
+    )  # fmt: skip
+    parser.add_argument(
         "--keep-log",
         action="store_true",
         help="append to the bench database left by earlier runs instead of a new one",
@@ -241,6 +246,7 @@ def measure(args: argparse.Namespace, settings: Settings) -> None:
         "DSEC_TOPIC_PREFIX": settings.topic_prefix,
         "DSEC_METRICS_PORT": "0",
         "DSEC_DATABASE_URL": settings.database_url,
+        "DSEC_PROJECTOR_LANES": str(args.lanes),
     }
     shares = [list(range(p, args.partitions, args.processes)) for p in range(args.processes)]
     engine = engine_for(settings.database_url)
@@ -289,10 +295,15 @@ def measure(args: argparse.Namespace, settings: Settings) -> None:
         usage = conn.execute(
             text("SELECT commands, sandboxes_ended FROM usage WHERE tenant = :t"), {"t": tenant}
         ).one()
+        projected = conn.execute(
+            text("SELECT count(*) FROM commands WHERE tenant = :t"), {"t": tenant}
+        ).scalar()
     assert logged == len(events), f"{logged} events in the log, {len(events)} produced"
+    commands = sum(isinstance(e, CommandCompleted) for e in events)
+    assert usage.commands == projected == commands, f"{projected} of {commands} commands projected"
     rate = counted / ingest_s
     print(
-        f"projector x{args.processes}: start-up {startup_s:.2f}s, then {counted} events in "
+        f"projector x{args.processes} ({args.lanes} lanes each): start-up {startup_s:.2f}s, then {counted} events in "
         f"{ingest_s:.2f}s ({rate:,.0f} events/s); usage projection: {usage.commands} commands, "
         f"{usage.sandboxes_ended} sandboxes ended"
     )
@@ -308,7 +319,7 @@ def measure(args: argparse.Namespace, settings: Settings) -> None:
     ceiling = len(events) / copy_s
     print(f"raw COPY, {BATCH_RECORDS}-row transactions: {copy_s:.2f}s ({ceiling:,.0f} rows/s)")
     print(
-        f"RESULT ingest events={len(events)} processes={args.processes} "
+        f"RESULT ingest events={len(events)} processes={args.processes} lanes={args.lanes} "
         f"projector={rate:,.0f}/s copy={ceiling:,.0f}/s ratio={rate / ceiling:.2f}"
     )
 
