@@ -55,11 +55,19 @@ def up(nodes: Annotated[int, typer.Option(help="Node workers to start.")] = 1) -
 
 
 @cli.command()
-def down() -> None:
-    """Stop the processes the stack started."""
+def down(
+    keep: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A service to leave running (repeatable), e.g. --keep broker for a host"
+            " that only ingests; 'podman' spares the nodes' Podman services."
+        ),
+    ] = None,
+) -> None:
+    """Stop the processes the stack started (Postgres and Redis are left alone)."""
     from app import stack
 
-    stack.down(get_settings(), log=lambda m: console.print(f"[yellow]■[/] {m}"))
+    stack.down(get_settings(), log=lambda m: console.print(f"[yellow]■[/] {m}"), keep=keep or ())
 
 
 @cli.command()

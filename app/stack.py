@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import cache, partial
 from pathlib import Path
@@ -366,12 +366,19 @@ def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -
     return stack
 
 
-def down(settings: Settings, log: Callable[[str], None] = print) -> None:
-    """Stop every process the stack started (Postgres and Redis are left alone)."""
+def down(
+    settings: Settings, log: Callable[[str], None] = print, keep: Collection[str] = ()
+) -> None:
+    """Stop every process the stack started but those named in ``keep``.
+
+    Postgres and Redis are always left alone; ``podman`` in ``keep`` spares the
+    nodes' Podman services.
+    """
     from workers.node_setup import stop_all_podman_services
 
     for service in reversed(services(settings, known_node_ids(settings))):
-        if service.stop(settings):
+        if service.name not in keep and service.stop(settings):
             log(f"{service.name}: stopped")
-    stop_all_podman_services()
-    log("podman services: stopped")
+    if "podman" not in keep:
+        stop_all_podman_services()
+        log("podman services: stopped")

@@ -65,3 +65,22 @@ def test_a_foreign_binary_is_never_stale(settings: Settings) -> None:
 def test_the_fingerprint_follows_the_sources() -> None:
     assert code_fingerprint() == code_fingerprint()
     assert len(code_fingerprint()) == 16
+
+
+def test_down_leaves_the_services_it_is_told_to_keep(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app import stack
+
+    broker, projector = sleeper("dsec-broker"), sleeper("dsec-projector")
+    monkeypatch.setattr(stack, "services", lambda _s, _n: [broker, projector])
+    monkeypatch.setattr(stack, "known_node_ids", lambda _s: [])
+    try:
+        broker.start(settings)
+        projector.start(settings)
+        stack.down(settings, log=lambda _m: None, keep=["dsec-broker", "podman"])
+        assert broker.pid(settings) is not None
+        assert projector.pid(settings) is None
+    finally:
+        broker.stop(settings, timeout_s=2)
+        projector.stop(settings, timeout_s=2)
