@@ -303,8 +303,9 @@ def measure(args: argparse.Namespace, settings: Settings) -> None:
     assert usage.commands == projected == commands, f"{projected} of {commands} commands projected"
     rate = counted / ingest_s
     print(
-        f"projector x{args.processes} ({args.lanes} lanes each): start-up {startup_s:.2f}s, then {counted} events in "
-        f"{ingest_s:.2f}s ({rate:,.0f} events/s); usage projection: {usage.commands} commands, "
+        f"projector x{args.processes} ({args.lanes} lanes each): start-up {startup_s:.2f}s, "
+        f"then {counted} events in {ingest_s:.2f}s ({rate:,.0f} events/s); "
+        f"usage projection: {usage.commands} commands, "
         f"{usage.sandboxes_ended} sandboxes ended"
     )
     # CPU time per event, by whom: on two shared cores this, not the wall clock,
