@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
@@ -116,6 +117,40 @@ def make_consumer(settings: Settings, **overrides: Any) -> KafkaConsumer:
         return KafkaConsumer(**options)
     except KafkaError as exc:
         raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+
+
+def high_watermarks(
+    settings: Settings, parts: Sequence[TopicPartition], timeout_s: float = 10.0
+) -> dict[TopicPartition, int]:
+    """The partitions' ends (next offset to be written), as fetch responses report them.
+
+    The embedded broker answers ListOffsets (``end_offsets``) with the base offset of
+    the partition's last record batch plus one: after a batch of three records at
+    offsets 1-3 it says 2, not 4. A consumer that compared its stored position with
+    that took a valid position for one past the end. A fetch's high watermark is right,
+    so a probe consumer fetches from the claimed end and reads it.
+    """
+    probe = make_consumer(settings)
+    try:
+        probe.assign(list(parts))
+        claimed: dict[TopicPartition, int] = probe.end_offsets(list(parts))
+        for tp, end in claimed.items():
+            probe.seek(tp, end)
+        found: dict[TopicPartition, int] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(found) < len(parts) and time.monotonic() < deadline:
+            probe.poll(timeout_ms=100)
+            for tp in parts:
+                mark = probe.highwater(tp)
+                if mark is not None:
+                    found[tp] = max(mark, claimed[tp])
+        if len(found) < len(parts):
+            raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: no high watermark")
+        return found
+    except KafkaError as exc:
+        raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+    finally:
+        probe.close()
 
 
 def partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:

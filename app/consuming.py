@@ -54,7 +54,7 @@ class PositionedConsumer:
         partitions restart at their beginning and the caller is told.
         """
         warnings: list[str] = []
-        ends: dict[TopicPartition, int] = self._consumer.end_offsets(self.partitions)
+        ends = bus.high_watermarks(self.settings, self.partitions)
         for tp in self.partitions:
             saved = stored.get(tp.partition)
             if saved is None:
@@ -80,6 +80,10 @@ class PositionedConsumer:
         for records in batches.values():
             out.extend(records)
         return out
+
+    def position(self, partition: int) -> int:
+        """The offset the next read of ``partition`` starts at."""
+        return int(self._consumer.position(TopicPartition(self.topic, partition)))
 
     def close(self) -> None:
         """Leave cleanly."""

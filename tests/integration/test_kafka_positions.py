@@ -1,0 +1,48 @@
+"""Positions on the real broker: a stored offset at the true end is taken as valid."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+
+from app import bus
+from app.config import Settings
+from app.consuming import PositionedConsumer
+from app.db.log import StoredOffset
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def topic(stack: Settings) -> Iterator[str]:
+    name = f"{stack.topic_prefix}.positions-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=stack.kafka_bootstrap.split(","))
+    admin.create_topics([NewTopic(name, 1, 1)])
+    yield name
+    admin.delete_topics([name])
+    admin.close()
+
+
+def test_the_end_after_a_batch_of_several_records_is_where_it_is(
+    stack: Settings, topic: str
+) -> None:
+    # Given one record batch of three records (the producer lingers, so they go together)
+    producer = KafkaProducer(bootstrap_servers=stack.kafka_bootstrap.split(","), linger_ms=100)
+    for n in range(3):
+        producer.send(topic, key=b"k", value=b"%d" % n)
+    producer.flush()
+    producer.close()
+    tp = TopicPartition(topic, 0)
+    # Then the partition ends at 3
+    assert bus.high_watermarks(stack, [tp]) == {tp: 3}
+    # And a consumer that stored "next is 3" resumes there, not from the beginning
+    consumer = PositionedConsumer(stack, topic, "positions-test")
+    try:
+        assert consumer.seek({0: StoredOffset(consumer.topic_id, 3)}) == []
+        assert consumer.position(0) == 3
+    finally:
+        consumer.close()
