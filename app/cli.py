@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
@@ -20,6 +21,10 @@ cli.add_typer(run_cli, name="run")
 cli.add_typer(image_cli, name="image")
 projections_cli = typer.Typer(no_args_is_help=True, help="Read models derived from the log.")
 cli.add_typer(projections_cli, name="projections")
+deadletters_cli = typer.Typer(
+    no_args_is_help=True, help="Messages no consumer could use: list them, send them again."
+)
+cli.add_typer(deadletters_cli, name="deadletters")
 console = Console()
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -246,6 +251,71 @@ def schemas() -> None:
 
     for path in schemas_mod.write():
         console.print(f"wrote {path}")
+
+
+ReasonOpt = Annotated[str | None, typer.Option(help="Only letters with this reason.")]
+ConsumerOpt = Annotated[str | None, typer.Option(help="Only letters this consumer refused.")]
+SinceOpt = Annotated[
+    datetime | None, typer.Option(help="Only letters refused at or after this time (UTC).")
+]
+
+
+def _letters(reason: str | None, consumer: str | None, since: datetime | None) -> Any:
+    from app import dead_letters
+
+    if since is not None and since.tzinfo is None:
+        since = since.replace(tzinfo=UTC)
+    wanted = dead_letters.LetterFilter(reason=reason, consumer=consumer, since=since)
+    return dead_letters.read(get_settings(), wanted)
+
+
+@deadletters_cli.command("ls")
+def deadletters_ls(
+    reason: ReasonOpt = None,
+    consumer: ConsumerOpt = None,
+    since: SinceOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The letters in the dead-letter topic, oldest first per partition."""
+    rows = [
+        {
+            "letter": f"{s.partition}:{s.offset}",
+            "refused_at": s.letter.refused_at.isoformat(timespec="seconds"),
+            "consumer": s.letter.consumer,
+            "source": f"{s.letter.topic}[{s.letter.partition}]@{s.letter.offset}",
+            "reason": s.letter.reason,
+            "detail": s.letter.detail if as_json else s.letter.detail[:80],
+            "bytes": s.letter.original_size,
+            "replayable": not s.letter.original_truncated,
+        }
+        for s in _letters(reason, consumer, since)
+    ]
+    _table("dead letters", rows, as_json)
+
+
+@deadletters_cli.command("replay")
+def deadletters_replay(
+    reason: ReasonOpt = None,
+    consumer: ConsumerOpt = None,
+    since: SinceOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Send the chosen letters' original bytes to their source topics again.
+
+    For events this is safe to repeat (the log keeps one copy of an event id); a
+    message whose cause remains is refused again, as a new letter.
+    """
+    from app import dead_letters
+
+    outcome = dead_letters.replay(get_settings(), _letters(reason, consumer, since))
+    if as_json:
+        print(json.dumps({"sent": outcome.sent, "truncated": outcome.truncated}))
+        return
+    skipped = outcome.truncated
+    console.print(
+        f"sent {outcome.sent} letters to their topics again"
+        + (f"; {skipped} kept only part of their message and were not" if skipped else "")
+    )
 
 
 @projections_cli.command("rebuild")

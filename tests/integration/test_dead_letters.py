@@ -12,13 +12,18 @@ from typing import Any
 
 import pytest
 from kafka import TopicPartition
+from typer.testing import CliRunner
 
-from app import bus
+from app import bus, dead_letters
+from app.cli import cli
 from app.config import Settings
+from app.domain.dead_letter import DeadLetter
 from app.domain.events import NodeLost, NodeLostPayload
 from tests.conftest import scalar, wait_for
 
 pytestmark = pytest.mark.integration
+
+runner = CliRunner()
 
 
 def dead_letter_count(settings: Settings, reason: str) -> float:
@@ -107,3 +112,54 @@ def test_bad_event_is_dead_lettered_with_reason(stack: Settings, db: Any, reason
         )
     # And the counter moved
     assert dead_letter_count(stack, reason) >= before + 1
+
+
+def _letter(settings: Settings, refused_by: str, original: bytes, **extra: Any) -> DeadLetter:
+    """A letter as an older projector would have written it."""
+    return DeadLetter(
+        consumer=refused_by,
+        topic=settings.topic_events,
+        partition=0,
+        offset=0,
+        reason="unsupported_version",
+        detail="version 1 not supported",
+        original_b64=base64.b64encode(original).decode(),
+        original_size=len(original),
+        key="replayed",
+        **extra,
+    )
+
+
+def test_a_letter_whose_cause_is_gone_replays_into_the_log_once(stack: Settings, db: Any) -> None:
+    # Given letters from a projector that could not read events this one can, one of
+    # them with only the first bytes of a huge message
+    refused_by = f"old-projector-{uuid.uuid4().hex[:8]}"
+    event = _valid_event()
+    raw = event.model_dump_json().encode()
+    publisher = bus.Publisher(stack)
+    publisher.publish(stack.topic_dead_letters, "k", _letter(stack, refused_by, raw))
+    cut = _letter(stack, refused_by, raw[:10], original_truncated=True)
+    publisher.publish(stack.topic_dead_letters, "k", cut, wait=True)
+    publisher.close()
+    # When an operator lists and replays what that consumer refused
+    listed = runner.invoke(cli, ["deadletters", "ls", "--consumer", refused_by, "--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = json.loads(listed.stdout)
+    assert [r["replayable"] for r in rows] == [True, False]
+    assert {r["reason"] for r in rows} == {"unsupported_version"}
+    mine = dead_letters.LetterFilter(consumer=refused_by)
+    # Then the whole one is sent to its topic and lands in the log; the cut one is not
+    outcome = dead_letters.replay(stack, dead_letters.read(stack, mine))
+    assert (outcome.sent, outcome.truncated) == (1, 1)
+    # And replaying again (a second operator, a retry) leaves one copy in the log
+    again = runner.invoke(cli, ["deadletters", "replay", "--consumer", refused_by, "--json"])
+    assert json.loads(again.stdout) == {"sent": 1, "truncated": 1}
+    # (a marker published after both replays: once it is in, both were consumed)
+    marker = _valid_event()
+    publisher = bus.Publisher(stack)
+    publisher.publish(stack.topic_events, "replayed", marker, wait=True)  # same partition
+    publisher.close()
+    count = "SELECT count(*) FROM events WHERE event_id = :e"
+    with db() as conn:
+        wait_for(lambda: scalar(conn, count, e=marker.event_id), what="the marker in the log")
+        assert scalar(conn, count, e=event.event_id) == 1
