@@ -67,7 +67,10 @@ class Scheduler:
         )
         event_parts = bus.partitions(self.events, settings.topic_events)
         self.events.assign(event_parts)
-        self.events.seek_to_end(*event_parts)
+        # From the true end (see bus.high_watermarks): the broker's own answer can lie a
+        # few records short, and old endings would be applied to the recovered state.
+        for tp, end in bus.high_watermarks(settings, event_parts).items():
+            self.events.seek(tp, end)
 
     # --- state ------------------------------------------------------------------
 
