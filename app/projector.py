@@ -88,6 +88,14 @@ class Projector:
         with transaction(settings.database_url) as conn:
             event_log.ensure_partitions(conn)
             stored = event_log.load_offsets(conn, name, settings.topic_events)
+        with transaction(settings.database_url) as conn:
+            # Before folding anything new: projections built by other rules are rebuilt.
+            folded = projections.ensure_current(conn)
+        if folded is not None:
+            log.warning(
+                "%s: projections were built by other rules; rebuilt from %d events (v%d)",
+                name, folded, projections.VERSION,
+            )  # fmt: skip
         self.warnings = self.consumer.seek(stored)
         self._partitions_checked = time.monotonic()
 

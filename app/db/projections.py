@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, select, text
+from sqlalchemy import Connection, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from app.db import staging
-from app.db.tables import commands, nodes, sandboxes, usage
+from app.db.tables import commands, nodes, projection_version, sandboxes, usage
 from app.domain.events import (
     CommandCompleted,
     Event,
@@ -38,6 +38,12 @@ from app.domain.events import (
 from app.domain.sandbox_state import TERMINAL, SandboxState, advance, rank
 
 PROJECTION_TABLES = (sandboxes, nodes, commands, usage)
+
+#: The version of the rules below. Raise it with any change to what a projection
+#: holds for a given log: a projector that finds another version recorded rebuilds
+#: every projection from the log before it folds anything new (:func:`ensure_current`).
+VERSION = 1
+_VERSION_ROW = "projections"
 
 #: The sandbox columns that lifecycle events set, with their Postgres types.
 _SANDBOX_COLUMN_TYPES = (
@@ -392,10 +398,57 @@ def lock(conn: Connection) -> None:
     conn.execute(text(f"LOCK TABLE {names} IN SHARE ROW EXCLUSIVE MODE"))
 
 
+def recorded_version(conn: Connection) -> int | None:
+    """The version of the rules that built the projections, if one was recorded."""
+    row = conn.execute(
+        select(projection_version.c.version).where(projection_version.c.name == _VERSION_ROW)
+    ).scalar()
+    return None if row is None else int(row)
+
+
+def ensure_current(conn: Connection) -> int | None:
+    """Rebuild the projections if other rules built them; return the events folded then.
+
+    Runs in the caller's transaction. The version row is locked first, so of several
+    projectors starting at once one rebuilds and the others find it done. Returns
+    None when the projections were current.
+    """
+    conn.execute(
+        insert(projection_version)
+        .values(name=_VERSION_ROW, version=0, events_folded=0)
+        .on_conflict_do_nothing()
+    )
+    found = conn.execute(
+        select(projection_version.c.version)
+        .where(projection_version.c.name == _VERSION_ROW)
+        .with_for_update()
+    ).scalar()
+    if found == VERSION:
+        return None
+    return rebuild(conn)
+
+
+def _record_version(conn: Connection, folded: int) -> None:
+    stmt = insert(projection_version).values(
+        name=_VERSION_ROW, version=VERSION, rebuilt_at=func.now(), events_folded=folded
+    )
+    conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["name"],
+            set_={
+                "version": stmt.excluded.version,
+                "rebuilt_at": stmt.excluded.rebuilt_at,
+                "events_folded": stmt.excluded.events_folded,
+            },
+        )
+    )
+
+
 def rebuild(conn: Connection, chunk: int = 5000) -> int:
     """Empty the projections and fold the whole log again; return events folded.
 
-    Runs in the caller's transaction, which first locks the projection tables so a
+    The rules' :data:`VERSION` is recorded with the result. Runs in the caller's
+    transaction, which first locks the projection tables so a
     live projector waits instead of interleaving its batch with the rebuild.
     """
     from app.codec import decode_event
@@ -414,6 +467,7 @@ def rebuild(conn: Connection, chunk: int = 5000) -> int:
             .limit(chunk)
         ).all()  # fmt: skip
         if not rows:
+            _record_version(conn, total)
             return total
         items = []
         for r in rows:

@@ -69,6 +69,16 @@ consumer_offsets = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
 )
 
+#: Which version of the projections' rules built the read models (one row).
+projection_version = Table(
+    "projection_version",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("rebuilt_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("events_folded", BigInteger, nullable=False),
+)
+
 #: Projection: one row per sandbox, its current state.
 sandboxes = Table(
     "sandboxes",
