@@ -37,7 +37,6 @@ class LetterFilter:
 
     reason: str | None = None
     consumer: str | None = None
-    topic: str | None = None
     since: datetime | None = None
 
     def __call__(self, letter: DeadLetter) -> bool:
@@ -45,7 +44,6 @@ class LetterFilter:
         return (
             (self.reason is None or letter.reason == self.reason)
             and (self.consumer is None or letter.consumer == self.consumer)
-            and (self.topic is None or letter.topic == self.topic)
             and (self.since is None or letter.refused_at >= self.since)
         )
 

@@ -451,17 +451,13 @@ def _service_pids(user: NodeUser) -> list[int]:
     """
     want = user.socket_url.encode()
     pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in live_processes_of(user.uid):
         try:
-            if entry.stat().st_uid != user.uid:
-                continue
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if argv and os.path.basename(argv[0]) == b"podman" and want in argv and b"service" in argv:
-            pids.append(int(entry.name))
+            pids.append(pid)
     return pids
 
 
@@ -590,7 +586,8 @@ def _reset_stale_runtime_dir(user: NodeUser) -> None:
 
 
 def live_processes_of(uid: int) -> list[int]:
-    """Pids of the live processes whose real uid is ``uid`` (zombies excluded)."""
+    """Pids of the live processes owned by ``uid`` (their /proc entry's owner; zombies,
+    whose command line is empty anyway, excluded)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -42,11 +42,6 @@ class Stage:
         return f"COPY {self.name} ({cols}) FROM STDIN (FORMAT BINARY)"
 
     @property
-    def column_names(self) -> str:
-        """Its columns, comma-separated, for the statement that reads it."""
-        return ", ".join(f'"{c}"' for c, _ in self.columns)
-
-    @property
     def _flag(self) -> str:
         return f"dsec_stage_{self.name}"
 
