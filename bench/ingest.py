@@ -25,13 +25,12 @@ import uuid
 from datetime import timedelta
 
 from kafka import KafkaAdminClient
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 
 from app import bus
 from app.config import Settings, get_settings
 from app.db.engine import engine_for
-from app.db.setup import ensure_database, migrate
+from app.db.setup import drop_database, ensure_database, migrate
 from app.domain.base import StopReason, utcnow
 from app.domain.events import (
     CommandCompleted,
@@ -176,7 +175,10 @@ def main() -> None:
         }
     )
     if not args.keep_log:
-        drop_database(settings.admin_database_url)
+        # Every run from an empty log: runs that appended to one database grew it by
+        # 100,000 events each, and once its indexes outgrew the buffer cache a run's
+        # Postgres cost rose with the number of runs before it.
+        drop_database(settings)
     ensure_database(settings)
     migrate(settings)
     analyze(settings.admin_database_url)
@@ -185,22 +187,6 @@ def main() -> None:
         measure(args, settings)
     finally:
         drop_topics(settings)
-
-
-def drop_database(admin_url: str) -> None:
-    """Drop the bench database, so that every run starts from an empty log.
-
-    Runs that appended to one database grew it by 100,000 events each; once its
-    indexes outgrew the buffer cache, a run's Postgres cost rose with the number of
-    runs before it, and back-to-back comparisons measured the order they ran in.
-    """
-    url = make_url(admin_url)
-    server = create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        with server.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
-    finally:
-        server.dispose()
 
 
 def analyze(admin_url: str) -> None:

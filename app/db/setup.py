@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import create_engine, text
+from sqlalchemy import Connection, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
@@ -16,22 +18,35 @@ from app.errors import ServiceUnavailable
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def ensure_database(settings: Settings) -> None:
-    """Create the database named in the admin URL if it does not exist."""
+@contextmanager
+def _server(settings: Settings) -> Iterator[tuple[Connection, str]]:
+    """An autocommit connection to the server's ``postgres`` database, as the owner
+    role, and the name of the database the admin URL names."""
     url = make_url(settings.admin_database_url)
-    name = url.database
     server = create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
     try:
         with server.connect() as conn:
-            exists = conn.execute(
-                text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
-            ).scalar()
-            if not exists:
-                conn.execute(text(f'CREATE DATABASE "{name}"'))
+            yield conn, str(url.database)
     except OperationalError as exc:
         raise ServiceUnavailable(f"Postgres at {url.host}:{url.port}: {exc.orig}") from exc
     finally:
         server.dispose()
+
+
+def ensure_database(settings: Settings) -> None:
+    """Create the database named in the admin URL if it does not exist."""
+    with _server(settings) as (conn, name):
+        exists = conn.execute(
+            text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
+        ).scalar()
+        if not exists:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+
+
+def drop_database(settings: Settings) -> None:
+    """Drop the database named in the admin URL, sessions and all (benchmarks' scratch)."""
+    with _server(settings) as (conn, name):
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def migrate(settings: Settings, revision: str = "head") -> None:
