@@ -32,14 +32,15 @@ def _servers(settings: Settings) -> list[str]:
     return [s.strip() for s in settings.kafka_bootstrap.split(",") if s.strip()]
 
 
-def ensure_topics(settings: Settings) -> None:
-    """Create the platform's topics if they do not exist yet."""
+def ensure_topics(settings: Settings, tenants: Iterable[str] = ()) -> None:
+    """Create the platform's topics, and each tenant's replies topic, if missing."""
     wanted = {
         settings.topic_requests: settings.topic_partitions,
         settings.topic_events: settings.topic_partitions,
-        settings.topic_replies: settings.reply_partitions,
         settings.topic_dead_letters: 1,
     }
+    for tenant in tenants:
+        wanted[settings.replies_topic(tenant)] = settings.reply_partitions
     try:
         admin = KafkaAdminClient(bootstrap_servers=_servers(settings), request_timeout_ms=10_000)
     except KafkaError as exc:
@@ -51,6 +52,8 @@ def ensure_topics(settings: Settings) -> None:
                 continue
             with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent `up`
                 admin.create_topics([NewTopic(name, partitions, 1)])
+    except KafkaError as exc:
+        raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
     finally:
         admin.close()
 
@@ -80,11 +83,16 @@ class Publisher:
         *,
         partition: int | None = None,
         wait: bool = False,
+        headers: Sequence[tuple[str, bytes]] | None = None,
     ) -> None:
-        """Send one message; with ``wait`` block until the broker acknowledged it."""
+        """Send one message (with its proof in ``headers``); with ``wait`` block until
+        the broker acknowledged it."""
         value = message if isinstance(message, bytes) else encode(message)
         try:
-            future = self._producer.send(topic, key=key.encode(), value=value, partition=partition)
+            future = self._producer.send(
+                topic, key=key.encode(), value=value, partition=partition,
+                headers=list(headers) if headers else None,
+            )  # fmt: skip
             if wait:
                 future.get(timeout=30)
         except KafkaError as exc:

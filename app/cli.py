@@ -421,7 +421,8 @@ def bill(
 # --- driving sandboxes, watching nodes, benchmarks (logic in app/cli_*.py) ---------
 
 TenantOpt = Annotated[
-    str, typer.Option(help="Tenant to act for (default: the sandbox's, from `dsec ps`).")
+    str,
+    typer.Option(help="Act with this tenant's local credential (default: the operator's)."),
 ]
 JobOpt = Annotated[str, typer.Option("--job", help="Job to act for (default: the sandbox's).")]
 

@@ -1,9 +1,11 @@
 """``dsec create``, ``dsec exec`` and ``dsec destroy``: the SDK, from a shell.
 
 Everything goes through :class:`app.sdk.Client` (Kafka only), exactly as a trainer's
-requests do. The one Postgres read is optional: ``exec`` and ``destroy`` act for the
-tenant and job that own the sandbox (so the log bills the right job) and look them
-up in the ``sandboxes`` projection unless ``--tenant``/``--job`` say otherwise.
+requests do, signed with a local credential: ``--tenant NAME``'s, or for a sandbox
+that already exists the operator's (an operator may act on any sandbox, and the log
+says it was the operator; it never signs as the sandbox's owner). The one Postgres
+read is optional: ``exec`` and ``destroy`` bill the job that owns the sandbox, looked
+up in the ``sandboxes`` projection unless ``--job`` says otherwise.
 
 Exit codes of ``dsec exec`` follow the shells' conventions: the command's own exit
 code; 128+N when a signal N killed it; 124 when its timeout killed it (like
@@ -31,8 +33,8 @@ EXIT_TIMED_OUT = 124
 EXIT_PLATFORM_ERROR = 125
 #: The SDK's tenant and job when nothing better is known.
 DEFAULT_OWNER = ("default", "default")
-#: ``actor`` of every request the CLI sends (the audit trail shows it).
-ACTOR = "dsec-cli"
+#: The local credential the CLI acts on other tenants' sandboxes with.
+OPERATOR = "operator"
 
 
 def owner(settings: Settings, sandbox_id: str) -> tuple[str, str] | None:
@@ -50,11 +52,12 @@ def owner(settings: Settings, sandbox_id: str) -> tuple[str, str] | None:
 
 
 def resolve_owner(settings: Settings, sandbox_id: str, tenant: str, job: str) -> tuple[str, str]:
-    """The options given, else the sandbox's recorded owner, else the SDK's defaults."""
-    if tenant and job:
-        return tenant, job
+    """Whose credential to sign with (``tenant``, else the operator's) and which job
+    to bill (``job``, else the sandbox's recorded one, else the SDK's default)."""
+    if job:
+        return tenant or OPERATOR, job
     known = owner(settings, sandbox_id) or DEFAULT_OWNER
-    return tenant or known[0], job or known[1]
+    return tenant or OPERATOR, known[1]
 
 
 def exit_code_of(result: ExecResult) -> int:
@@ -106,7 +109,7 @@ def run_exec(
     command: str | list[str] = argv[0] if len(argv) == 1 else list(argv)
     tenant, job = resolve_owner(settings, sandbox_id, tenant, job)
     try:
-        with Client(settings, tenant=tenant, job_id=job, actor=ACTOR) as client:
+        with Client(settings, tenant=tenant, job_id=job) as client:
             box = client.sandbox(sandbox_id)
             if as_json:
                 result = box.exec(command, timeout_s=timeout_s)
@@ -146,7 +149,7 @@ def run_cp(
     sandbox_id, _, path = remote.partition(":")
     tenant, job = resolve_owner(settings, sandbox_id, tenant, job)
     try:
-        with Client(settings, tenant=tenant, job_id=job, actor=ACTOR) as client:
+        with Client(settings, tenant=tenant, job_id=job) as client:
             box = client.sandbox(sandbox_id)
             landed = (
                 str(box.download(path, Path(dest))) if inside[0] else box.upload(Path(src), path)
@@ -171,7 +174,7 @@ def run_create(
     """Create a sandbox (options left None take the request's defaults); print its id."""
     given = {k: v for k, v in options.items() if v is not None}
     try:
-        with Client(settings, tenant=tenant, job_id=job, actor=ACTOR) as client:
+        with Client(settings, tenant=tenant, job_id=job) as client:
             sandbox = client.create(**given)
     except (DsecError, ValueError) as exc:
         return _fail(exc)
@@ -187,7 +190,7 @@ def run_destroy(settings: Settings, sandbox_id: str, *, tenant: str = "", job: s
     """Destroy a sandbox; 0 once the node confirmed it."""
     tenant, job = resolve_owner(settings, sandbox_id, tenant, job)
     try:
-        with Client(settings, tenant=tenant, job_id=job, actor=ACTOR) as client:
+        with Client(settings, tenant=tenant, job_id=job) as client:
             client.sandbox(sandbox_id).close()
     except (DsecError, ValueError) as exc:
         return _fail(exc)

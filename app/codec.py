@@ -25,6 +25,8 @@ class DeadLetterReason(StrEnum):
     UNSUPPORTED_VERSION = "unsupported_version"
     INVALID = "invalid"
     UNSTORABLE = "unstorable"
+    UNAUTHENTICATED = "unauthenticated"
+    FORBIDDEN = "forbidden"
 
 
 class DecodeError(DsecError, ValueError):

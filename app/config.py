@@ -28,6 +28,37 @@ class Settings(BaseSettings):
     celery_broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker URL.")
     node_id: str = Field("node0", description="Id of the node this worker drives.")
     state_dir: Path = Field(Path("/var/lib/dsec"), description="Logs, pid files, node homes.")
+    secrets_dir: Path = Field(
+        Path("/var/lib/dsec/secrets"),
+        description="Root-only directory of the local stack's keys and passwords.",
+    )
+    master_key_file: Path | None = Field(
+        None,
+        description=(
+            "The control plane's master key (default: <secrets_dir>/master.key). Every"
+            " credential's key is derived from it; only control hosts hold it."
+        ),
+    )
+    node_credential_file: Path | None = Field(
+        None,
+        description="This node's credential (default: <secrets_dir>/nodes/<node_id>.json).",
+    )
+    credentials_file: Path | None = Field(
+        None,
+        description="The credential a trainer's client signs with (DSEC_CREDENTIALS).",
+    )
+    default_tenant: str = Field(
+        "default", description="Tenant whose credential the local stack makes for a new user."
+    )
+    request_max_age_s: float = Field(
+        300.0,
+        gt=0,
+        le=86_400,
+        description=(
+            "A request sent longer ago than this (by its sent_at, or that far in the future)"
+            " is refused as stale: a captured request cannot be replayed later."
+        ),
+    )
     layer_store: Path = Field(
         Path("/var/lib/dsec/store"), description="Shared read-only Podman image store."
     )
@@ -121,6 +152,14 @@ class Settings(BaseSettings):
     @property
     def topic_dead_letters(self) -> str:
         return f"{self.topic_prefix}.deadletters"
+
+    def replies_topic(self, tenant: str) -> str:
+        """The topic a tenant reads its replies from (and no other tenant may)."""
+        return f"{self.topic_prefix}.replies.{tenant}"
+
+    @property
+    def master_key_path(self) -> Path:
+        return self.master_key_file or self.secrets_dir / "master.key"
 
     def node_queue(self, node_id: str | None = None) -> str:
         """Celery queue a node's worker consumes."""

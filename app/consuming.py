@@ -16,6 +16,7 @@ from app.codec import DeadLetterReason
 from app.config import Settings
 from app.db.log import StoredOffset
 from app.domain.dead_letter import DeadLetter
+from app.domain.records import Record
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def dead_letter(
     publisher: bus.Publisher,
     settings: Settings,
     consumer: str,
-    record: ConsumerRecord,
+    record: Record,
     reason: DeadLetterReason,
     detail: str,
 ) -> None:
@@ -114,5 +115,9 @@ def dead_letter(
         original_size=len(original),
         original_truncated=len(kept) < len(original),
         key=key,
+        headers=[
+            (str(name)[:256], base64.b64encode(value or b"").decode())
+            for name, value in (record.headers or [])[:16]
+        ],
     )
     publisher.publish(settings.topic_dead_letters, key or "", letter)

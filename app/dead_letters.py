@@ -102,7 +102,8 @@ def replay(settings: Settings, letters: Iterator[StoredLetter]) -> ReplayOutcome
                 outcome.truncated += 1
                 continue
             original = base64.b64decode(letter.original_b64)
-            publisher.publish(letter.topic, letter.key or "", original)
+            proof = [(name, base64.b64decode(value)) for name, value in letter.headers]
+            publisher.publish(letter.topic, letter.key or "", original, headers=proof)
             outcome.sent += 1
         publisher.flush()
     finally:

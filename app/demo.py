@@ -18,8 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from sqlalchemy import text
 
+from app import tenants
 from app.config import Settings
 from app.db.engine import transaction
+from app.domain.proof import Role
 from app.sdk import Client
 from app.stats import summary_ms
 
@@ -86,10 +88,12 @@ def run(
 ) -> Tally:
     """Run the workload and print its summary; raise if any rollout failed."""
     job = f"demo-{uuid.uuid4().hex[:8]}"
+    # The demo is a tenant like any other, with a credential of its own.
+    tenants.ensure(settings, Role.TENANT, "demo")
     tally = Tally()
     started = time.perf_counter()
     with (
-        Client(settings, tenant="demo", job_id=job, actor="dsec-demo") as client,
+        Client(settings, tenant="demo", job_id=job) as client,
         Progress(
             TextColumn("[bold]rollouts"),
             BarColumn(),

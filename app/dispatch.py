@@ -10,19 +10,16 @@ sandbox), so deciding the same thing twice appends nothing twice.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
-
-from kafka.consumer.fetcher import ConsumerRecord
+from datetime import datetime, timedelta
 
 from app import metrics
-from app.codec import DecodeError, decode_event, decode_request, encode, peek
+from app.codec import DecodeError, decode_event, encode
 from app.config import Settings
 from app.domain.base import RejectReason, StopReason, derived_id, new_id, utcnow
 from app.domain.events import (
@@ -42,10 +39,13 @@ from app.domain.events import (
     ScheduledPayload,
     StoppedPayload,
 )
+from app.domain.gate import Admitted, Gate, GateRules, Refusal, Sender
 from app.domain.lease import Lease, LeaseAction, LeaseState
 from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement
+from app.domain.proof import KeyLookup, Principal, ProofError, Purpose, Role, verify
 from app.domain.reconcile import NodeLedger
-from app.domain.replies import Done, ErrorReply
+from app.domain.records import Record
+from app.domain.replies import Done, ErrorReply, ReplyBase
 from app.domain.requests import (
     GROUP_LABEL,
     LEASE_LABEL,
@@ -57,14 +57,14 @@ from app.domain.requests import (
     FreezeSandbox,
     RenewLease,
     ReplyTo,
-    Request,
     RequestBase,
     ThawSandbox,
     expand_group,
     member_envelope,
 )
 from app.domain.trajectory import TrajectoryLog, replay_answer
-from app.taskqueue import TASK_FOR_REQUEST
+from app.domain.trust import EVENT_SENDERS, event_refusal, may_act_on
+from app.taskqueue import TASK_FOR_REQUEST, TaskEnvelope, seal
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +77,16 @@ ENDED_MEMORY = 100_000
 _NS = uuid.uuid5(uuid.NAMESPACE_URL, "dsec-scheduler")
 
 
+#: The actor the log names for what the scheduler does on its own.
+RECONCILER = "scheduler/reconciler"
+
+
 @dataclass
 class Pending:
     """Creates waiting for room: one sandbox, or a whole rollout group."""
 
     members: list[CreateSandbox]
+    sender: Sender
     partition: int
     offset: int
     deadline_s: float
@@ -100,16 +105,29 @@ class LiveSandbox:
     job_id: str
     labels: dict[str, str]
     frozen: bool = False
+    #: The create request behind it (a redelivered create is then recognised).
+    request_id: uuid.UUID | None = None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A trainer waiting for a sandbox to start."""
+
+    request_id: uuid.UUID
+    reply_to: ReplyTo | None
+    sender: Sender
 
 
 @dataclass
 class Outbox:
-    """What one batch sends: events first, then (after they are acknowledged) tasks."""
+    """What one batch sends: events first, then (after they are acknowledged) replies
+    and tasks. Replies and tasks carry their proofs already; events are proven by the
+    process that sends them (the scheduler's own key)."""
 
     events: list[tuple[str, bytes]] = field(default_factory=list)
-    replies: list[tuple[ReplyTo, str, bytes]] = field(default_factory=list)
+    replies: list[tuple[ReplyTo, str, bytes, list[tuple[str, bytes]]]] = field(default_factory=list)
     tasks: list[tuple[str, str, list[str]]] = field(default_factory=list)
-    dead: list[tuple[ConsumerRecord, DecodeError]] = field(default_factory=list)
+    dead: list[tuple[Record, DecodeError]] = field(default_factory=list)
 
 
 class Dispatcher:
@@ -118,23 +136,42 @@ class Dispatcher:
     def __init__(
         self,
         settings: Settings,
+        keys: KeyLookup,
         heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT,
         trajectory: TrajectoryLog | None = None,
     ) -> None:
         self.settings = settings
+        self.keys = keys
         self.trajectory = trajectory
+        self.gate = Gate(
+            GateRules(
+                max_age=timedelta(seconds=settings.request_max_age_s),
+                max_message_bytes=settings.max_message_bytes,
+                reply_partitions=settings.reply_partitions,
+                topic_prefix=settings.topic_prefix,
+            ),
+            keys,
+        )
         self.placement = Placement()
         self.pending: list[Pending] = []
-        self.groups: dict[str, list[str]] = {}
+        # Rollout groups by (owner, group id): group ids are the tenant's own.
+        self.groups: dict[tuple[str, str], list[str]] = {}
         # Creates sent to a node whose Started has not come back: if the node is
         # lost first, the waiting trainer is told here.
-        self.awaiting_start: dict[str, tuple[uuid.UUID, ReplyTo | None]] = {}
-        # Trainer leases: their sandboxes carry LEASE_LABEL in the log, so a restarted
-        # scheduler finds them again (:meth:`recover`); their clocks restart then.
-        self.leases: dict[str, Lease] = {}
-        self.lease_of: dict[str, str] = {}
+        self.awaiting_start: dict[str, Waiting] = {}
+        # The create request each live sandbox came from (redeliveries are no-ops).
+        self.created_by: dict[str, uuid.UUID] = {}
+        # Trainer leases by (owner, lease id): their sandboxes carry LEASE_LABEL in the
+        # log, so a restarted scheduler finds them again (:meth:`recover`).
+        self.leases: dict[tuple[str, str], Lease] = {}
+        self.lease_of: dict[str, tuple[str, str]] = {}
         self.ledgers: dict[str, NodeLedger] = {}
-        self.ended: OrderedDict[str, str] = OrderedDict()
+        # Ended sandboxes: why, and whose they were.
+        self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        # The key each node proved its last heartbeat with: its tasks are sealed for it.
+        self.node_keys: dict[str, str] = {}
+        # Newest heartbeat time per node (an older one replayed is ignored).
+        self.heard_at: dict[str, datetime] = {}
         self.heartbeat_timeout = heartbeat_timeout
 
     def recover(
@@ -151,30 +188,34 @@ class Dispatcher:
         """
         now = utcnow()
         for node_id, node in nodes:
-            self.placement.upsert_node(NodeView.declared(node_id, node, now, confirmed=False))
+            view = NodeView.declared(node_id, node, now, confirmed=False)
+            view.queue = self.settings.node_queue(node_id)
+            self.placement.upsert_node(view)
         clock = time.monotonic()
         for box in live:
             group = box.labels.get(GROUP_LABEL)
             if group:
-                self.groups.setdefault(group, []).append(box.sandbox_id)
+                self.groups.setdefault((box.tenant, group), []).append(box.sandbox_id)
             if box.node_id:
                 self.placement.assign(
                     box.sandbox_id, box.node_id, box.cpus, box.memory_mb, box.tenant, box.job_id
                 )
+            if box.request_id is not None:
+                self.created_by[box.sandbox_id] = box.request_id
             lease_id = box.labels.get(LEASE_LABEL)
             if lease_id:
-                lease = self._lease(lease_id, clock)
+                lease = self._lease((box.tenant, lease_id), clock)
                 lease.sandboxes.add(box.sandbox_id)
-                self.lease_of[box.sandbox_id] = lease_id
+                self.lease_of[box.sandbox_id] = (box.tenant, lease_id)
                 if box.frozen:
                     lease.state, lease.lapsed_s = LeaseState.LAPSED, clock
 
-    def _lease(self, lease_id: str, now_s: float) -> Lease:
+    def _lease(self, key: tuple[str, str], now_s: float) -> Lease:
         """The lease, created with the default terms on first sight."""
-        lease = self.leases.get(lease_id)
+        lease = self.leases.get(key)
         if lease is None:
             ttl, grace = self.settings.lease_ttl_s, self.settings.lease_grace_s
-            lease = self.leases[lease_id] = Lease(lease_id, ttl, grace, now_s + ttl)
+            lease = self.leases[key] = Lease(key[1], ttl, grace, now_s + ttl)
         return lease
 
     def retry_pending(self, out: Outbox) -> None:
@@ -185,53 +226,95 @@ class Dispatcher:
                 still.append(pending)
         self.pending = still
 
-    def observe(self, out: Outbox, record: ConsumerRecord) -> None:
-        """Follow one event: nodes come and go, sandboxes end."""
+    # --- events -----------------------------------------------------------------
+
+    def _proven_event(self, record: Record) -> tuple[Principal, object] | None:
+        """The event and its proven sender, or None if either fails (the projector
+        dead-letters what fails; here it simply carries no news)."""
+        raw = record.value or b""
         try:
-            event = decode_event(record.value or b"", self.settings.max_message_bytes)
-        except DecodeError:
-            return  # the projector dead-letters it; here it simply carries no news
+            sender = verify(Purpose.EVENT, raw, record.headers, self.keys, EVENT_SENDERS)
+            event = decode_event(raw, self.settings.max_message_bytes)
+        except (ProofError, DecodeError) as exc:
+            log.warning("scheduler: ignoring an event at %s: %s", record.offset, exc)
+            metrics.FORGED.labels(NAME, "event").inc()
+            return None
+        refusal = event_refusal(sender, event)
+        if refusal is not None:
+            log.warning("scheduler: ignoring an event at %s: %s", record.offset, refusal)
+            metrics.FORGED.labels(NAME, "event").inc()
+            return None
+        return sender, event
+
+    def observe(self, out: Outbox, record: Record) -> None:
+        """Follow one event: nodes come and go, sandboxes end."""
+        proven = self._proven_event(record)
+        if proven is None:
+            return
+        sender, event = proven
         match event:
             case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):
                 assert event.node_id is not None
+                last = self.heard_at.get(event.node_id)
+                if last is not None and event.occurred_at <= last:
+                    return  # an older heartbeat, replayed: its list is out of date
+                self.heard_at[event.node_id] = event.occurred_at
+                self.node_keys[event.node_id] = sender.key_id
                 # The scheduler's clock, not the node's: skew must not kill nodes.
-                self.placement.upsert_node(NodeView.declared(event.node_id, p, utcnow()))
+                view = NodeView.declared(event.node_id, p, utcnow())
+                # A node's tasks go to its own queue, whatever it declares.
+                view.queue = self.settings.node_queue(event.node_id)
+                self.placement.upsert_node(view)
                 if p.sandboxes is not None:
                     self._reconcile(out, event.node_id, set(p.sandboxes))
             case NodeLost():
                 assert event.node_id is not None
                 self.placement.mark_lost(event.node_id)
-            case SandboxStarted():
+            case SandboxStarted() if self._placed_here(sender, event.sandbox_id):
                 self.awaiting_start.pop(event.sandbox_id or "", None)
-            case SandboxStopped(payload=p):
-                self.awaiting_start.pop(event.sandbox_id or "", None)
-                self._unlease(event.sandbox_id or "")
-                self.placement.release(event.sandbox_id or "")
-                self._ended(event.sandbox_id or "", p.reason.value)
-            case SandboxFailed(payload=p) if p.request_type == "CreateSandbox":
-                self.awaiting_start.pop(event.sandbox_id or "", None)
-                self.placement.release(event.sandbox_id or "")
-                self._ended(event.sandbox_id or "", p.reason.value)
+            case SandboxStopped(payload=p) if self._placed_here(sender, event.sandbox_id):
+                self._forget(event.sandbox_id or "", p.reason.value)
+            case SandboxFailed(payload=p) if (
+                p.request_type == "CreateSandbox" and self._placed_here(sender, event.sandbox_id)
+            ):
+                self._forget(event.sandbox_id or "", p.reason.value)
             case _:
                 pass
 
-    def _ended(self, sandbox_id: str, reason: str) -> None:
-        self.ended[sandbox_id] = reason
+    def _placed_here(self, sender: Principal, sandbox_id: str | None) -> bool:
+        """A node speaks only for the sandboxes placed on it (the scheduler for all)."""
+        if sender.role != Role.NODE:
+            return True
+        allocation = self.placement.allocations.get(sandbox_id or "")
+        return allocation is None or allocation.node_id == sender.subject
+
+    def _forget(self, sandbox_id: str, reason: str) -> None:
+        """A sandbox ended: free its room, its lease, its group slot."""
+        self.awaiting_start.pop(sandbox_id, None)
+        self._unlease(sandbox_id)
+        allocation = self.placement.release(sandbox_id)
+        self.created_by.pop(sandbox_id, None)
+        owner = allocation.tenant if allocation is not None else ""
+        self._ended(sandbox_id, reason, owner)
+
+    def _ended(self, sandbox_id: str, reason: str, owner: str) -> None:
+        if owner == "" and sandbox_id in self.ended:
+            return  # keep the owner an earlier ending recorded
+        self.ended[sandbox_id] = (reason, owner)
         while len(self.ended) > ENDED_MEMORY:
             self.ended.popitem(last=False)
 
     def _stop(self, out: Outbox, allocation: Allocation, reason: StopReason, detail: str) -> None:
         """End a sandbox the node cannot speak for any more."""
         node = self.placement.nodes.get(allocation.node_id)
-        lease = self.leases.get(self.lease_of.get(allocation.sandbox_id, ""))
+        lease = self.leases.get(self.lease_of.get(allocation.sandbox_id, ("", "")))
         last_state = LastState(
             observed_by="scheduler",
             frozen=lease.state == LeaseState.LAPSED if lease is not None else None,
             last_heartbeat_at=node.last_seen if node is not None else None,
         )
-        self._unlease(allocation.sandbox_id)
-        self.placement.release(allocation.sandbox_id)
-        self._ended(allocation.sandbox_id, reason.value)
+        waiting = self.awaiting_start.get(allocation.sandbox_id)
+        self._forget(allocation.sandbox_id, reason.value)
         event = SandboxStopped(
             event_id=derived_id(_NS, f"{allocation.sandbox_id}:{reason.value}"),
             sandbox_id=allocation.sandbox_id,
@@ -241,15 +324,14 @@ class Dispatcher:
             payload=StoppedPayload(reason=reason, detail=detail, last_state=last_state),
         )
         out.events.append((event.key, encode(event)))
-        waiting = self.awaiting_start.pop(allocation.sandbox_id, None)
-        if waiting is not None and waiting[1] is not None:
+        if waiting is not None:
             reply = ErrorReply(
-                request_id=waiting[0],
+                request_id=waiting.request_id,
                 sandbox_id=allocation.sandbox_id,
                 reason=reason.value,
                 detail=detail,
             )
-            out.replies.append((waiting[1], allocation.sandbox_id, encode(reply)))
+            self._reply(out, waiting.sender, waiting.reply_to, reply)
 
     def _reconcile(self, out: Outbox, node_id: str, reported: set[str]) -> None:
         ledger = self.ledgers.setdefault(node_id, NodeLedger())
@@ -265,10 +347,8 @@ class Dispatcher:
             if node is None:
                 break
             log.warning("scheduler: orphan %s on %s: destroying it", sandbox_id, node_id)
-            request = DestroySandbox(sandbox_id=sandbox_id, tenant="system", actor="reconciler")
-            out.tasks.append(
-                (TASK_FOR_REQUEST[request.type], node.queue, [request.model_dump_json()])
-            )
+            request = DestroySandbox(sandbox_id=sandbox_id, tenant="system", actor=RECONCILER)
+            self._task(out, node, request)
             ledger.extra.pop(sandbox_id, None)
 
     def check_nodes(self, out: Outbox) -> None:
@@ -287,44 +367,102 @@ class Dispatcher:
                 allocation = self.placement.allocations[sandbox_id]
                 self._stop(out, allocation, StopReason.NODE_LOST, f"{node.node_id}: {detail}")
 
-    # --- requests ---------------------------------------------------------------
+    # --- what goes out ------------------------------------------------------------
 
     def _emit(
         self, out: Outbox, event: SandboxRequested | SandboxScheduled | SandboxRejected
     ) -> None:
         out.events.append((event.key, encode(event)))
 
+    def _reply(
+        self, out: Outbox, sender: Sender | None, reply_to: ReplyTo | None, reply: ReplyBase
+    ) -> None:
+        """Answer a waiting trainer, proven under its own key (nobody else's)."""
+        if reply_to is None or sender is None:
+            return
+        value = encode(reply)
+        proof = sender.reply_headers(reply.request_id, value)
+        out.replies.append((reply_to, reply.sandbox_id, value, proof))
+
+    def _task(
+        self,
+        out: Outbox,
+        node: NodeView,
+        request: RequestBase,
+        sender: Sender | None = None,
+        restore: list[str | list[str]] | None = None,
+    ) -> None:
+        """Hand ``request`` to ``node``, sealed with the node's key."""
+        key_id = self.node_keys.get(node.node_id)
+        info = self.keys.lookup(key_id) if key_id is not None else None
+        if info is None:
+            info = self.keys.current(Role.NODE, node.node_id)
+        if info is None or info.revoked:
+            log.error("scheduler: no live key for node %s: cannot hand it %s", node.node_id,
+                      request.type)  # fmt: skip
+            return
+        envelope = TaskEnvelope(
+            request=request.model_dump_json(),
+            reply_key=sender.reply_key_hex(request.request_id) if sender is not None else None,
+            restore=restore,
+        )
+        args = seal(envelope, info.principal.key_id, info.secret)
+        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, args))
+
     def _reject(
         self,
         out: Outbox,
-        request: Request | None,
-        raw: dict[str, object],
-        reason: RejectReason,
-        detail: str,
+        refusal: Refusal,
     ) -> None:
+        """Log a refusal, and answer it where an answer can be proven."""
+        request, raw = refusal.request, refusal.raw
         request_id = request.request_id if request else _uuid_or_none(raw.get("request_id"))
         sandbox_id = request.sandbox_id if request else _str_or_none(raw.get("sandbox_id"))
-        request_type = request.type if request else str(raw.get("type", "unknown"))
+        request_type = request.type if request else _str_or_none(raw.get("type")) or "unknown"
+        sender = refusal.sender
+        if refusal.reason == RejectReason.DUPLICATE and request is not None:
+            # Its own id: the first request's refusal (if any) keeps its id.
+            event_id = derived_id(request.request_id, f"replay:{refusal.detail}")
+        else:
+            event_id = derived_id(request_id, "rejected") if request_id else uuid.uuid4()
+        tenant = (
+            request.tenant if request and request.tenant
+            else sender.principal.subject if sender else "unauthenticated"
+        )  # fmt: skip
         event = SandboxRejected(
-            event_id=derived_id(request_id, "rejected") if request_id else uuid.uuid4(),
+            event_id=event_id,
             sandbox_id=sandbox_id,
-            tenant=request.tenant if request else str(raw.get("tenant") or "unknown")[:128],
-            job_id=request.job_id if request else str(raw.get("job_id") or "default")[:128],
+            tenant=tenant,
+            job_id=request.job_id if request else (_str_or_none(raw.get("job_id")) or "default"),
             payload=RejectedPayload(
-                request_id=request_id, request_type=request_type, reason=reason, detail=detail
+                request_id=request_id,
+                request_type=request_type[:128],
+                reason=refusal.reason,
+                detail=refusal.detail[:2000],
+                actor=sender.principal.actor if sender else None,
             ),
         )
         self._emit(out, event)
-        metrics.REQUESTS.labels(request_type, f"rejected:{reason.value}").inc()
-        reply_to = request.reply_to if request else _reply_to_or_none(raw.get("reply_to"))
-        if reply_to is not None and request_id is not None:
+        metrics.REQUESTS.labels(request_type[:64], f"rejected:{refusal.reason.value}").inc()
+        if request_id is not None:
             reply = ErrorReply(
                 request_id=request_id,
                 sandbox_id=sandbox_id or "",
-                reason=reason.value,
-                detail=detail,
+                reason=refusal.reason.value,
+                detail=refusal.detail[:2000],
             )
-            out.replies.append((reply_to, sandbox_id or "", encode(reply)))
+            self._reply(out, refusal.reply_as, refusal.reply_to, reply)
+
+    def _refuse(self, out: Outbox, admitted: Admitted, reason: RejectReason, detail: str) -> None:
+        """Refuse an admitted request for a reason found after the door."""
+        request = admitted.request
+        self._reject(
+            out,
+            Refusal(reason, detail, admitted.sender, request, {}, request.reply_to, None,
+                    admitted.sender),
+        )  # fmt: skip
+
+    # --- creates ------------------------------------------------------------------
 
     def _quota_left(self, tenant: str) -> int | None:
         """Sandboxes the tenant may still start; None: no quota."""
@@ -358,21 +496,27 @@ class Dispatcher:
                 return False
             detail = _why(reason, members[0], len(members), pending.group)
             for m in members:
-                self._reject(out, m, {}, reason, detail)
+                self._refuse(out, Admitted(m, pending.sender), reason, detail)
             return True
         for m, allocation in zip(members, placed, strict=True):
-            self._schedule(out, m, allocation)
+            self._schedule(out, m, allocation, pending.sender)
         if pending.group is not None:
-            self.groups[pending.group] = [m.sandbox_id for m in members]
+            self.groups[(tenant, pending.group)] = [m.sandbox_id for m in members]
         return True
 
-    def _schedule(self, out: Outbox, request: CreateSandbox, placed: Allocation) -> None:
+    def _schedule(
+        self, out: Outbox, request: CreateSandbox, placed: Allocation, sender: Sender
+    ) -> None:
         """Requested + Scheduled, and the node task, for one placed sandbox."""
-        self.awaiting_start[request.sandbox_id] = (request.request_id, request.reply_to)
+        self.awaiting_start[request.sandbox_id] = Waiting(
+            request.request_id, request.reply_to, sender
+        )
+        self.created_by[request.sandbox_id] = request.request_id
         labels = request.labels
         if request.lease_id is not None:
-            self._lease(request.lease_id, time.monotonic()).sandboxes.add(request.sandbox_id)
-            self.lease_of[request.sandbox_id] = request.lease_id
+            key = (request.tenant, request.lease_id)
+            self._lease(key, time.monotonic()).sandboxes.add(request.sandbox_id)
+            self.lease_of[request.sandbox_id] = key
             # In the log, so a restarted scheduler knows the lease (and SQL the cost).
             labels = {**labels, LEASE_LABEL: request.lease_id}
         common = {
@@ -409,91 +553,136 @@ class Dispatcher:
             ),
         )
         node = self.placement.nodes[placed.node_id]
-        args = [request.model_dump_json()]
+        restore: list[str | list[str]] | None = None
         if request.restore_trajectory and self.trajectory is not None:
-            # The node rebuilds the sandbox's state before it says it is ready.
-            steps = self.trajectory.steps(request.restore_trajectory)
-            args.append(json.dumps([s.command for s in steps]))
-        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, args))
+            # The node rebuilds the sandbox's state before it says it is ready; the
+            # trajectory is looked up among the tenant's own.
+            steps = self.trajectory.steps(request.tenant, request.restore_trajectory)
+            restore = [s.command for s in steps]
+        self._task(out, node, request, sender, restore)
         metrics.REQUESTS.labels(request.type, "scheduled").inc()
 
-    def handle(self, out: Outbox, record: ConsumerRecord) -> None:
-        """One request record."""
-        raw = record.value or b""
-        try:
-            request = decode_request(raw, self.settings.max_message_bytes)
-        except DecodeError as exc:
-            out.dead.append((record, exc))
-            self._reject(out, None, peek(raw), RejectReason.INVALID, str(exc))
-            return
-        if isinstance(request, CreateSandbox | CreateGroup):
-            members = expand_group(request) if isinstance(request, CreateGroup) else [request]
-            if any(m.sandbox_id in self.placement.allocations for m in members):
+    def _create(self, out: Outbox, admitted: Admitted, record: Record) -> None:
+        request = admitted.request
+        assert isinstance(request, CreateSandbox | CreateGroup)
+        members = expand_group(request) if isinstance(request, CreateGroup) else [request]
+        for m in members:
+            holder = self.created_by.get(m.sandbox_id)
+            if holder == m.request_id:
                 return  # a redelivered create: already placed, its tasks already sent
-            pending = Pending(
-                members,
-                record.partition,
-                record.offset,
-                time.monotonic() + request.queue_s,
-                request.sandbox_id if isinstance(request, CreateGroup) else None,
-            )
-            if not self._admit(out, pending):
-                self.pending.append(pending)
+            if holder is not None or any(
+                m.sandbox_id in (p.sandbox_id for p in pending.members) for pending in self.pending
+            ):
+                self._refuse(out, admitted, RejectReason.DUPLICATE,
+                             f"sandbox id {m.sandbox_id} is in use")  # fmt: skip
+                return
+            ended = self.ended.get(m.sandbox_id)
+            if ended is not None:
+                self._refuse(
+                    out, admitted, RejectReason.DUPLICATE,
+                    f"sandbox id {m.sandbox_id} was used before (ended: {ended[0]}); "
+                    "ids are never reused",
+                )  # fmt: skip
+                return
+        pending = Pending(
+            members,
+            admitted.sender,
+            record.partition,
+            record.offset,
+            time.monotonic() + request.queue_s,
+            request.sandbox_id if isinstance(request, CreateGroup) else None,
+        )
+        if not self._admit(out, pending):
+            self.pending.append(pending)
+
+    # --- requests -----------------------------------------------------------------
+
+    def handle(self, out: Outbox, record: Record) -> None:
+        """One request record: through the gate, then by type."""
+        verdict = self.gate.admit(record, utcnow())
+        if isinstance(verdict, Refusal):
+            if verdict.decode_error is not None:
+                out.dead.append((record, verdict.decode_error))
+            self._reject(out, verdict)
+            return
+        request = verdict.request
+        if isinstance(request, CreateSandbox | CreateGroup):
+            self._create(out, verdict, record)
             return
         if isinstance(request, DestroyGroup):
-            self._destroy_group(out, request)
+            self._destroy_group(out, verdict)
             return
         if isinstance(request, RenewLease):
-            self._renew(out, request)
+            self._renew(out, verdict)
             return
-        lease = self.leases.get(self.lease_of.get(request.sandbox_id, ""))
+        self._route(out, verdict)
+
+    def _route(self, out: Outbox, admitted: Admitted) -> None:
+        """A request about one live sandbox: its owner's (or an operator's) only."""
+        request, sender = admitted.request, admitted.sender
+        allocation = self.placement.allocations.get(request.sandbox_id)
+        owner = allocation.tenant if allocation is not None else None
+        if allocation is None:
+            ended = self.ended.get(request.sandbox_id)
+            if ended is not None and may_act_on(sender.principal, ended[1]):
+                self._refuse(out, admitted, RejectReason.SANDBOX_NOT_RUNNING,
+                             f"sandbox {request.sandbox_id} has ended ({ended[0]})")  # fmt: skip
+                return
+            owner = ended[1] if ended is not None else None
+        if owner is not None and not may_act_on(sender.principal, owner):
+            self._refuse(
+                out, admitted, RejectReason.FORBIDDEN,
+                f"sandbox {request.sandbox_id} is not {sender.principal.subject}'s",
+            )  # fmt: skip
+            return
+        node = self.placement.node_of(request.sandbox_id)
+        if node is None or allocation is None:
+            self._refuse(out, admitted, RejectReason.UNKNOWN_SANDBOX,
+                         f"sandbox {request.sandbox_id} is not live on any node")  # fmt: skip
+            return
+        # What the node records is the owner's: an operator acts on the owner's bill.
+        request = request.model_copy(update={"tenant": allocation.tenant})
+        admitted = Admitted(request, sender)
+        lease = self.leases.get(self.lease_of.get(request.sandbox_id, ("", "")))
         if (
             lease is not None
             and lease.state == LeaseState.LAPSED
             and not isinstance(request, DestroySandbox | ThawSandbox)
         ):
-            self._reject(
-                out, request, {}, RejectReason.SANDBOX_NOT_RUNNING,
+            self._refuse(
+                out, admitted, RejectReason.SANDBOX_NOT_RUNNING,
                 f"sandbox {request.sandbox_id} is frozen: lease {lease.lease_id} lapsed",
             )  # fmt: skip
             return
-        node = self.placement.node_of(request.sandbox_id)
-        if node is None:
-            ended = self.ended.get(request.sandbox_id)
-            if ended is not None:
-                self._reject(
-                    out, request, {}, RejectReason.SANDBOX_NOT_RUNNING,
-                    f"sandbox {request.sandbox_id} has ended ({ended})",
-                )  # fmt: skip
-            else:
-                self._reject(
-                    out, request, {}, RejectReason.UNKNOWN_SANDBOX,
-                    f"sandbox {request.sandbox_id} is not live on any node",
-                )  # fmt: skip
+        if isinstance(request, Exec) and self._replay(out, admitted):
             return
-        if isinstance(request, Exec) and self._replay(out, request):
-            return
-        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, [request.model_dump_json()]))
+        self._task(out, node, request, sender)
         metrics.REQUESTS.labels(request.type, "routed").inc()
 
+    # --- leases and groups ----------------------------------------------------------
+
     def _unlease(self, sandbox_id: str) -> None:
-        lease_id = self.lease_of.pop(sandbox_id, None)
-        lease = self.leases.get(lease_id or "")
+        key = self.lease_of.pop(sandbox_id, None)
+        lease = self.leases.get(key) if key is not None else None
         if lease is not None:
             lease.sandboxes.discard(sandbox_id)
 
-    def _renew(self, out: Outbox, request: RenewLease) -> None:
+    def _renew(self, out: Outbox, admitted: Admitted) -> None:
+        request = admitted.request
+        assert isinstance(request, RenewLease)
         now = time.monotonic()
-        lease = self.leases.get(request.sandbox_id)
+        # A lease id names a lease among its tenant's own: another tenant renewing
+        # "the same" id renews a lease of its own, with no sandboxes of anyone else.
+        key = (request.tenant, request.sandbox_id)
+        lease = self.leases.get(key)
         if lease is None:
             lease = Lease(request.sandbox_id, request.ttl_s, request.grace_s, now + request.ttl_s)
-            self.leases[request.sandbox_id] = lease
+            self.leases[key] = lease
         if lease.renew(now, request.ttl_s, request.grace_s) == LeaseAction.THAW:
             log.info("scheduler: lease %s renewed after a lapse: thawing", lease.lease_id)
             self._lease_tasks(out, lease, LeaseAction.THAW)
-        if request.reply_to is not None:
-            done = Done(request_id=request.request_id, sandbox_id=request.sandbox_id)
-            out.replies.append((request.reply_to, request.sandbox_id, encode(done)))
+        done = Done(request_id=request.request_id, sandbox_id=request.sandbox_id)
+        self._reply(out, admitted.sender, request.reply_to, done)
 
     def _lease_tasks(self, out: Outbox, lease: Lease, action: LeaseAction) -> None:
         """Freeze, thaw or destroy every live sandbox of a lease."""
@@ -507,7 +696,7 @@ class Dispatcher:
                 "sandbox_id": sandbox_id,
                 "tenant": allocation.tenant,
                 "job_id": allocation.job_id,
-                "actor": f"lease {lease.lease_id}",
+                "actor": f"scheduler/lease {lease.lease_id}"[:200],
             }
             task: RequestBase
             if action == LeaseAction.FREEZE:
@@ -516,12 +705,12 @@ class Dispatcher:
                 task = ThawSandbox(**common)
             else:
                 task = DestroySandbox(reason=StopReason.LEASE_LAPSED.value, **common)
-            out.tasks.append((TASK_FOR_REQUEST[task.type], node.queue, [task.model_dump_json()]))
+            self._task(out, node, task)
 
     def check_leases(self, out: Outbox) -> None:
         """Freeze the sandboxes of lapsed leases; destroy them after the grace period."""
         now = time.monotonic()
-        for lease in list(self.leases.values()):
+        for key, lease in list(self.leases.items()):
             action = lease.tick(now)
             if action is None:
                 continue
@@ -530,25 +719,28 @@ class Dispatcher:
             )
             self._lease_tasks(out, lease, action)
             if action == LeaseAction.DESTROY:
-                del self.leases[lease.lease_id]
+                del self.leases[key]
 
-    def _destroy_group(self, out: Outbox, request: DestroyGroup) -> None:
-        """Route a destroy to every member; members already gone are answered here."""
-        for member in self.groups.pop(request.sandbox_id, []):
+    def _destroy_group(self, out: Outbox, admitted: Admitted) -> None:
+        """Route a destroy to every member; members already gone are answered here.
+        Group ids are the tenant's own: another tenant's id names nothing here."""
+        request = admitted.request
+        for member in self.groups.pop((request.tenant, request.sandbox_id), []):
             destroy = DestroySandbox(**member_envelope(request, member))
             node = self.placement.node_of(member)
             if node is not None:
-                task = TASK_FOR_REQUEST[destroy.type]
-                out.tasks.append((task, node.queue, [destroy.model_dump_json()]))
-            elif request.reply_to is not None:
+                self._task(out, node, destroy, admitted.sender)
+            else:
                 done = Done(request_id=destroy.request_id, sandbox_id=member, detail="already gone")
-                out.replies.append((request.reply_to, member, encode(done)))
+                self._reply(out, admitted.sender, request.reply_to, done)
 
-    def _replay(self, out: Outbox, request: Exec) -> bool:
+    def _replay(self, out: Outbox, admitted: Admitted) -> bool:
         """Answer a completed trajectory step from the log; False if it must run."""
+        request = admitted.request
+        assert isinstance(request, Exec)
         if request.trajectory_id is None or request.step is None or self.trajectory is None:
             return False
-        recorded = self.trajectory.lookup(request.trajectory_id, request.step)
+        recorded = self.trajectory.lookup(request.tenant, request.trajectory_id, request.step)
         if recorded is None:
             return False
         event, reply = replay_answer(
@@ -563,8 +755,7 @@ class Dispatcher:
             stderr_truncated=recorded.truncated,
         )
         out.events.append((event.key, encode(event)))
-        if request.reply_to is not None:
-            out.replies.append((request.reply_to, request.sandbox_id, encode(reply)))
+        self._reply(out, admitted.sender, request.reply_to, reply)
         metrics.REQUESTS.labels(request.type, "replayed").inc()
         return True
 
@@ -590,11 +781,7 @@ def _uuid_or_none(value: object) -> uuid.UUID | None:
 
 
 def _str_or_none(value: object) -> str | None:
-    return value[:128] if isinstance(value, str) else None
-
-
-def _reply_to_or_none(value: object) -> ReplyTo | None:
-    try:
-        return ReplyTo.model_validate(value) if isinstance(value, dict) else None
-    except ValueError:
+    if not isinstance(value, str):
         return None
+    # What goes into the log must be storable: no NUL, bounded.
+    return value[:128].replace("\x00", "\ufffd")

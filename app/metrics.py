@@ -11,6 +11,11 @@ DEAD_LETTERS = Counter(
 )
 BATCH_SECONDS = Histogram("dsec_projector_batch_seconds", "Projector transaction time")
 REQUESTS = Counter("dsec_requests_total", "Requests handled by the scheduler", ["type", "outcome"])
+FORGED = Counter(
+    "dsec_unproven_messages_total",
+    "Messages refused because their proof did not hold (forged, altered, not allowed)",
+    ["consumer", "kind"],
+)
 TASKS = Counter("dsec_node_tasks_total", "Node tasks run", ["task", "outcome"])
 
 

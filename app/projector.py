@@ -33,7 +33,10 @@ from app.consuming import PositionedConsumer, dead_letter
 from app.db import log as event_log
 from app.db import projections, staging
 from app.db.engine import engine_for, transaction
+from app.domain.proof import KeyInfo, KeyLookup, ProofError, Purpose, Role, verify
+from app.domain.trust import EVENT_SENDERS, event_refusal
 from app.errors import StorageRefused
+from app.keyring import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,25 @@ BATCH_RECORDS = 5000
 LANE_DEPTH = 2
 #: How long a thread may hold the GIL while another wants it (Python's default: 5 ms).
 GIL_SWITCH_S = 0.0005
+
+
+class BatchKeys(KeyLookup):
+    """A keyring's answers kept for one batch (a lookup takes a lock and a clock read;
+    a batch of 5,000 events names a handful of keys)."""
+
+    def __init__(self, keys: KeyLookup) -> None:
+        self._keys = keys
+        self._found: dict[str, KeyInfo | None] = {}
+
+    def lookup(self, key_id: str) -> KeyInfo | None:
+        try:
+            return self._found[key_id]
+        except KeyError:
+            found = self._found[key_id] = self._keys.lookup(key_id)
+            return found
+
+    def current(self, role: Role, subject: str) -> KeyInfo | None:
+        return self._keys.current(role, subject)
 
 
 @dataclass
@@ -83,6 +105,7 @@ class Projector:
             fetch_max_wait_ms=settings.background_fetch_max_wait_ms,
         )  # fmt: skip
         self.publisher = Publisher(settings)
+        self.keys = Keyring.from_settings(settings)
         self._stop = threading.Event()
         staging.stage_on_connect(engine_for(settings.database_url))
         with transaction(settings.database_url) as conn:
@@ -115,15 +138,23 @@ class Projector:
         # each record's boundaries (two broken records can join into one valid event,
         # and a record holding two can make the count match), and one pydantic call
         # for 2,000 records measured 2.34 us a record against 2.50: not worth it.
+        # Keys are looked up once per batch and sender, not once per event.
+        keys = BatchKeys(self.keys)
         for record in records:
             offsets[record.partition] = record.offset + 1
+            value = record.value or b""
             try:
-                event = decode_event(record.value or b"", max_bytes)
+                sender = verify(Purpose.EVENT, value, record.headers, keys, EVENT_SENDERS)
+                event = decode_event(value, max_bytes)
+                refusal = event_refusal(sender, event)
+                if refusal is not None:
+                    raise DecodeError(DeadLetterReason.FORBIDDEN, refusal)
+            except ProofError as proof_error:
+                self._dead(record, DeadLetterReason.UNAUTHENTICATED, str(proof_error))
+                outcome.dead += 1
+                continue
             except DecodeError as exc:
-                dead_letter(
-                    self.publisher, self.settings, self.name, record, exc.reason, exc.detail
-                )
-                metrics.DEAD_LETTERS.labels(self.name, exc.reason.value).inc()
+                self._dead(record, exc.reason, exc.detail)
                 outcome.dead += 1
                 continue
             item = event_log.SourcedEvent(
@@ -137,6 +168,10 @@ class Projector:
             # between sends a letter twice, never zero times.
             self.publisher.flush()
         return Prepared(good, sources, outcome)
+
+    def _dead(self, record: ConsumerRecord, reason: DeadLetterReason, detail: str) -> None:
+        dead_letter(self.publisher, self.settings, self.name, record, reason, detail)
+        metrics.DEAD_LETTERS.labels(self.name, reason.value).inc()
 
     def commit(self, batch: Prepared) -> BatchOutcome:
         """Append and project a prepared batch and move the offsets, in one transaction."""

@@ -13,6 +13,7 @@ import logging
 import signal
 import threading
 import time
+import uuid
 from datetime import timedelta
 
 from kafka.consumer.fetcher import ConsumerRecord
@@ -21,12 +22,16 @@ from sqlalchemy import select, text
 from app import bus, metrics
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
+from app.db import handled
 from app.db import log as event_log
 from app.db.engine import transaction
 from app.db.tables import nodes, sandboxes
 from app.db.trajectory import PostgresTrajectoryLog
 from app.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox, Outbox
+from app.domain.base import utcnow
+from app.domain.proof import SCHEDULER_KEY_ID, Purpose, headers
 from app.domain.sandbox_state import LIVE
+from app.keyring import Keyring
 from app.taskqueue import make_celery
 
 log = logging.getLogger(__name__)
@@ -41,6 +46,15 @@ _FROZEN_NOW = text(
     ) AS last WHERE type = 'SandboxFrozen'
     """
 )
+# The create request behind each live sandbox (a redelivered create is a no-op).
+_CREATED_BY = text(
+    """
+    SELECT sandbox_id, (payload->>'request_id')::uuid AS request_id FROM events
+    WHERE sandbox_id = ANY(:ids) AND type = 'SandboxRequested'
+    """
+)
+#: How often handled request ids older than the freshness window are pruned.
+PRUNE_S = 60.0
 
 
 class Scheduler:
@@ -50,10 +64,17 @@ class Scheduler:
         self, settings: Settings, heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT
     ) -> None:
         self.settings = settings
+        self.keyring = Keyring.from_settings(settings)
         self.dispatcher = Dispatcher(
-            settings, heartbeat_timeout, PostgresTrajectoryLog(settings.database_url)
+            settings, self.keyring, heartbeat_timeout, PostgresTrajectoryLog(settings.database_url)
         )
         self.placement = self.dispatcher.placement
+        # Every tenant's replies topic exists before its first answer is sent (a send to
+        # a missing topic blocks on metadata).
+        self._tenants = self.keyring.tenants()
+        bus.ensure_topics(settings, self._tenants)
+        self._topics_checked = time.monotonic()
+        self._pruned = time.monotonic()
         self.publisher = bus.Publisher(settings)
         self.celery = make_celery(settings)
         self._stopping = threading.Event()
@@ -82,7 +103,15 @@ class Scheduler:
             rows = conn.execute(
                 select(sandboxes).where(sandboxes.c.state.in_([s.value for s in LIVE]))
             ).all()
-            frozen = set(conn.execute(_FROZEN_NOW, {"ids": [r.sandbox_id for r in rows]}).scalars())
+            ids = [r.sandbox_id for r in rows]
+            frozen = set(conn.execute(_FROZEN_NOW, {"ids": ids}).scalars())
+            created_by: dict[str, uuid.UUID] = {
+                r.sandbox_id: r.request_id for r in conn.execute(_CREATED_BY, {"ids": ids})
+            }
+            window = timedelta(seconds=self.settings.request_max_age_s)
+            seen = handled.load(conn, utcnow() - window)
+        for request_id, partition, offset, at in seen:
+            self.dispatcher.gate.remember(request_id, partition, offset, at)
         self.dispatcher.recover(
             ((row.node_id, row) for row in alive),
             (
@@ -90,6 +119,7 @@ class Scheduler:
                     sandbox_id=row.sandbox_id, node_id=row.node_id, cpus=row.cpus or 0.0,
                     memory_mb=row.memory_mb or 0, tenant=row.tenant, job_id=row.job_id,
                     labels=row.labels or {}, frozen=row.sandbox_id in frozen,
+                    request_id=created_by.get(row.sandbox_id),
                 )
                 for row in rows
             ),
@@ -99,10 +129,14 @@ class Scheduler:
         for record, exc in out.dead:
             dead_letter(self.publisher, self.settings, NAME, record, exc.reason, exc.detail)
             metrics.DEAD_LETTERS.labels(NAME, exc.reason.value).inc()
+        secret = self.keyring.scheduler.secret
         for key, value in out.events:
-            self.publisher.publish(self.settings.topic_events, key, value)
-        for reply_to, key, value in out.replies:
-            self.publisher.publish(reply_to.topic, key, value, partition=reply_to.partition)
+            proof = headers(Purpose.EVENT, SCHEDULER_KEY_ID, secret, value)
+            self.publisher.publish(self.settings.topic_events, key, value, headers=proof)
+        for reply_to, key, value, proof in out.replies:
+            self.publisher.publish(
+                reply_to.topic, key, value, partition=reply_to.partition, headers=proof
+            )
         if out.events or out.replies:
             # Lifecycle events are acknowledged before any node hears of the sandbox,
             # so Scheduled precedes Started in the sandbox's partition.
@@ -129,11 +163,34 @@ class Scheduler:
         for pending in self.dispatcher.pending:
             if pending.partition in offsets:
                 offsets[pending.partition] = min(offsets[pending.partition], pending.offset)
-        if offsets:
+        gate = self.dispatcher.gate
+        if offsets or gate.unsaved:
             with transaction(self.settings.database_url) as conn:
+                # The ids with the offsets past them: a restarted scheduler that reads a
+                # request again at the same place handles it again; one read anywhere
+                # else is a replay.
+                handled.save(conn, gate.unsaved)
                 event_log.save_offsets(
                     conn, NAME, self.settings.topic_requests, self.requests.topic_id, offsets
                 )
+            gate.unsaved.clear()
+        self._housekeeping()
+
+    def _housekeeping(self) -> None:
+        """Forget request ids older than the freshness window; make new tenants' topics."""
+        now = time.monotonic()
+        if now - self._pruned > PRUNE_S:
+            self._pruned = now
+            cutoff = utcnow() - 2 * timedelta(seconds=self.settings.request_max_age_s)
+            self.dispatcher.gate.forget_before(cutoff)
+            with transaction(self.settings.database_url) as conn:
+                handled.prune(conn, cutoff)
+        if now - self._topics_checked > 5.0:
+            self._topics_checked = now
+            tenants = self.keyring.tenants()
+            if tenants - self._tenants:
+                bus.ensure_topics(self.settings, tenants)
+                self._tenants = tenants
 
     def _poll_events(self) -> list[ConsumerRecord]:
         batches = self.events.poll(timeout_ms=0, max_records=2000)

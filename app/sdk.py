@@ -28,9 +28,11 @@ from typing import Any, Literal, Self
 
 from kafka import TopicPartition
 
-from app import bus, transfer
-from app.codec import DecodeError, decode_reply
+from app import bus, credentials, transfer
+from app.codec import DecodeError, decode_reply, encode
 from app.config import Settings, get_settings
+from app.credentials import Credential
+from app.domain import proof
 from app.domain.base import RejectReason, new_sandbox_id
 from app.domain.replies import (
     ErrorReply,
@@ -54,6 +56,7 @@ from app.domain.requests import (
     member_request_id,
 )
 from app.errors import (
+    ConfigError,
     RequestTimeout,
     SandboxFailed,
     SandboxNotFound,
@@ -140,36 +143,58 @@ def _raise_for(reply: ErrorReply) -> None:
 
 
 class Client:
-    """A connection to the platform for one tenant and job. Thread-safe."""
+    """A connection to the platform for one tenant and job. Thread-safe.
+
+    Every request is signed with the tenant's credential, and a reply counts only if
+    it carries the proof that the platform made it for that very request: a reply
+    forged by another client of the bus is dropped (:attr:`forged_replies`).
+    """
 
     def __init__(
         self,
         settings: Settings | None = None,
         *,
-        tenant: str = "default",
+        credential: Credential | None = None,
+        tenant: str | None = None,
         job_id: str = "default",
-        actor: str = "sdk",
         timeout_s: float = 120.0,
         lease: bool | str = False,
         lease_ttl_s: float = 30.0,
         lease_grace_s: float = 300.0,
     ) -> None:
-        """Connect; with ``lease``, tie every sandbox this client creates to a lease it
-        renews in the background (a string reattaches to an earlier lease by id): if
-        this trainer dies, its sandboxes are frozen after ``lease_ttl_s`` and
-        destroyed ``lease_grace_s`` later unless a client reattaches."""
+        """Connect as ``credential`` (else the local credential of ``tenant``, else the
+        one :func:`app.credentials.for_client` finds: ``DSEC_CREDENTIALS`` first).
+
+        With ``lease``, every sandbox this client creates is tied to a lease it renews
+        in the background (a string reattaches to an earlier lease by id): if this
+        trainer dies, its sandboxes are frozen after ``lease_ttl_s`` and destroyed
+        ``lease_grace_s`` later unless a client reattaches."""
         self.settings = settings or get_settings()
-        self.tenant, self.job_id, self.actor = tenant, job_id, actor
+        self.credential = credential or credentials.for_client(self.settings, tenant)
+        self.tenant, self.job_id = self.credential.subject, job_id
         self.timeout_s = timeout_s
+        #: Replies dropped because their proof did not hold (forged or altered).
+        self.forged_replies = 0
         self._publisher = bus.Publisher(self.settings)
         self._consumer = bus.make_consumer(self.settings, auto_offset_reset="latest")
-        self._partition = random.randrange(self.settings.reply_partitions)
-        tp = TopicPartition(self.settings.topic_replies, self._partition)
+        topic = self.settings.replies_topic(self.tenant)
+        found = self._consumer.partitions_for_topic(topic)
+        if not found:
+            self._publisher.close()
+            self._consumer.close()
+            raise ConfigError(
+                f"no replies topic {topic} for tenant {self.tenant}: is the tenant created "
+                f"(`dsec tenant create {self.tenant}`) and the platform up?"
+            )
+        self._partition = random.choice(sorted(found))
+        tp = TopicPartition(topic, self._partition)
         self._consumer.assign([tp])
         self._consumer.seek_to_end(tp)
         self._consumer.position(tp)  # resolve now: replies to our first request must count
-        self._reply_to = ReplyTo(topic=self.settings.topic_replies, partition=self._partition)
+        self._reply_to = ReplyTo(topic=topic, partition=self._partition)
         self._waiting: dict[uuid.UUID, Future[Reply]] = {}
+        # The key each awaited request's replies are proven with.
+        self._reply_keys: dict[uuid.UUID, bytes] = {}
         self._output: dict[uuid.UUID, tuple[OutputHandler, list[int]]] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -188,18 +213,35 @@ class Client:
         while not self._closed.is_set():
             for records in self._consumer.poll(timeout_ms=100).values():
                 for record in records:
+                    value = record.value or b""
                     try:
-                        reply = decode_reply(record.value or b"", self.settings.max_reply_bytes)
+                        reply = decode_reply(value, self.settings.max_reply_bytes)
                     except DecodeError:
                         continue  # not ours to judge: another client's garbage
+                    if not self._proven(reply, value, record.headers):
+                        continue
                     if isinstance(reply, OutputChunk):
                         self._pass_output(reply)
                         continue
                     with self._lock:
                         future = self._waiting.pop(reply.request_id, None)
                         self._output.pop(reply.request_id, None)
+                        self._reply_keys.pop(reply.request_id, None)
                     if future is not None:
                         future.set_result(reply)
+
+    def _proven(self, reply: Reply, value: bytes, headers: proof.Headers | None) -> bool:
+        """The reply answers a request this client waits for, and the platform made it."""
+        with self._lock:
+            key = self._reply_keys.get(reply.request_id)
+        if key is None:
+            return False  # nobody here waits for it
+        if proof.check_mac(
+            key, proof.Purpose.REPLY, value, proof.header(headers, proof.HEADER_MAC)
+        ):
+            return True
+        self.forged_replies += 1
+        return False
 
     def _pass_output(self, chunk: OutputChunk) -> None:
         with self._lock:
@@ -217,10 +259,19 @@ class Client:
     def _renew_lease(self) -> None:
         assert self.lease_id is not None
         renew = RenewLease(
-            sandbox_id=self.lease_id, tenant=self.tenant, job_id=self.job_id, actor=self.actor,
+            sandbox_id=self.lease_id, job_id=self.job_id,
             ttl_s=self._lease_ttl_s, grace_s=self._lease_grace_s,
         )  # fmt: skip
-        self._publisher.publish(self.settings.topic_requests, self.lease_id, renew)
+        self.publish(renew)
+
+    def publish(self, request: RequestBase) -> None:
+        """Sign ``request`` with this client's credential and send it (no waiting)."""
+        value = encode(request)
+        cred = self.credential
+        signed = proof.headers(proof.Purpose.REQUEST, cred.key_id, cred.secret, value)
+        self._publisher.publish(
+            self.settings.topic_requests, request.sandbox_id, value, headers=signed
+        )
 
     def _keep_lease(self) -> None:
         # Three renewals per lease period: one lost message does not lapse it.
@@ -234,20 +285,22 @@ class Client:
         return {"lease_id": self.lease_id} if self.lease_id else {}
 
     def _common(self, sandbox_id: str) -> dict[str, Any]:
-        return {
-            "sandbox_id": sandbox_id,
-            "tenant": self.tenant,
-            "job_id": self.job_id,
-            "actor": self.actor,
-            "reply_to": self._reply_to,
-        }
+        return {"sandbox_id": sandbox_id, "job_id": self.job_id, "reply_to": self._reply_to}
 
     def expect(self, request_id: uuid.UUID) -> Future[Reply]:
         """A future for the reply to ``request_id`` (register before sending)."""
         future: Future[Reply] = Future()
+        key = proof.reply_key(self.credential.secret, request_id)
         with self._lock:
             self._waiting[request_id] = future
+            self._reply_keys[request_id] = key
         return future
+
+    def _forget(self, request_id: uuid.UUID) -> None:
+        with self._lock:
+            self._waiting.pop(request_id, None)
+            self._output.pop(request_id, None)
+            self._reply_keys.pop(request_id, None)
 
     def send(self, request: RequestBase, on_output: OutputHandler | None = None) -> Future[Reply]:
         """Send a request; the future completes with its reply. ``on_output`` gets the
@@ -257,7 +310,7 @@ class Client:
             with self._lock:
                 self._output[request.request_id] = (on_output, [0])
         future = self.expect(request.request_id)
-        self._publisher.publish(self.settings.topic_requests, request.sandbox_id, request)
+        self.publish(request)
         return future
 
     def wait(self, request: RequestBase, future: Future[Reply], timeout_s: float | None) -> Reply:
@@ -265,9 +318,7 @@ class Client:
         try:
             reply = future.result(timeout=timeout_s or self.timeout_s)
         except FutureTimeout as exc:
-            with self._lock:
-                self._waiting.pop(request.request_id, None)
-                self._output.pop(request.request_id, None)
+            self._forget(request.request_id)
             raise RequestTimeout(
                 f"{request.type} {request.sandbox_id}: no reply in {timeout_s or self.timeout_s}s"
             ) from exc
@@ -343,7 +394,7 @@ class Client:
             **{**self._shape(), **options},
         )
         futures = {m: self.expect(member_request_id(request.request_id, m)) for m in members}
-        self._publisher.publish(self.settings.topic_requests, gid, request)
+        self.publish(request)
         ready: list[Sandbox] = []
         error: Exception | None = None
         for member, future in futures.items():
@@ -372,8 +423,7 @@ class Client:
         try:
             reply = future.result(timeout=timeout_s or self.timeout_s)
         except FutureTimeout as exc:
-            with self._lock:
-                self._waiting.pop(request_id, None)
+            self._forget(request_id)
             raise RequestTimeout(f"{request.type} {request.sandbox_id}: no reply in time") from exc
         if isinstance(reply, ErrorReply):
             _raise_for(reply)
@@ -414,7 +464,7 @@ class Group:
         request = DestroyGroup(**self.client._common(self.id))
         members = [s.id for s in self.sandboxes]
         futures = {m: self.client.expect(member_request_id(request.request_id, m)) for m in members}
-        self.client._publisher.publish(self.client.settings.topic_requests, self.id, request)
+        self.client.publish(request)
         for member, future in futures.items():
             rid = member_request_id(request.request_id, member)
             self.client._wait_id(request, rid, future, timeout_s)

@@ -300,6 +300,29 @@ def prepare_node_store(settings: Settings) -> None:
     import_busybox_image()
 
 
+#: The local stack's operator credential (the CLI acts on others' sandboxes with it).
+OPERATOR = "operator"
+
+
+def ensure_credentials(settings: Settings, nodes: list[str]) -> None:
+    """The master key, the default tenant's, the operator's and each local node's
+    credential, and every tenant's replies topic (a restarted embedded broker lost
+    them)."""
+    from app import bus, secret_files, tenants
+    from app.domain.proof import Role
+
+    secret_files.ensure(settings.master_key_path)
+    tenants.ensure(settings, Role.TENANT, settings.default_tenant)
+    tenants.ensure(settings, Role.OPERATOR, OPERATOR)
+    for node in nodes:
+        tenants.ensure(settings, Role.NODE, node)
+    live = {
+        r.subject for r in tenants.listing(settings)
+        if r.revoked_at is None and r.role in (Role.TENANT, Role.OPERATOR)
+    }  # fmt: skip
+    bus.ensure_topics(settings, live)
+
+
 def node_alive(settings: Settings, node: str, since: float) -> bool:
     """The node's heartbeat reached the projection after ``since`` (epoch seconds)."""
     from sqlalchemy import select
@@ -338,7 +361,8 @@ def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -
     migrate(settings)
     log("postgres: schema at head")
     bus.ensure_topics(settings)
-    log("kafka: topics ready")
+    ensure_credentials(settings, node_ids(settings, nodes))
+    log(f"credentials: in {settings.secrets_dir} (root only); kafka: topics ready")
     prepare_node_store(settings)
     log(f"layer store: {settings.layer_store} has {settings.default_image}")
     for service in rest:

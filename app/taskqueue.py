@@ -1,7 +1,9 @@
 """The Celery contract between the scheduler and the node workers.
 
-Task bodies are the request's own JSON: the node validates it again (a boundary is
-a boundary) and never needs a schema of its own. Every node consumes one queue,
+A task's arguments are a :class:`TaskEnvelope` (the request's own JSON, which the
+node validates again, and what the node needs to answer it), the id of the node key
+it is proven with, and the proof: a node runs only what the scheduler sent it, even
+if someone else can write to Redis. Every node consumes one queue,
 ``node.<id>``, for lifecycle and exec alike, with a threads pool: Podman and the
 in-sandbox agent are I/O, and one process keeps the agents' connections in one
 place. Tasks are idempotent and short (long work is the sandbox's, not the task's).
@@ -9,11 +11,15 @@ place. Tasks are idempotent and short (long work is the sandbox's, not the task'
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 
 from celery import Celery
+from pydantic import Field
 
 from app.config import Settings
+from app.domain.base import Message
+from app.domain.proof import Purpose, check_mac, mac
 
 
 class NodeTask(StrEnum):
@@ -38,6 +44,39 @@ TASK_FOR_REQUEST = {
     "FreezeSandbox": NodeTask.FREEZE,
     "ThawSandbox": NodeTask.THAW,
 }
+
+
+class TaskEnvelope(Message):
+    """What the scheduler hands a node with a request."""
+
+    request: str = Field(description="The request's JSON, its tenant and actor set.")
+    reply_key: str | None = Field(
+        None, description="Hex key the node proves its replies with (None: nobody waits)."
+    )
+    restore: list[str | list[str]] | None = Field(
+        None, description="A trajectory's commands to replay into a new sandbox first."
+    )
+
+
+def seal(envelope: TaskEnvelope, key_id: str, secret: bytes) -> list[str]:
+    """A task's arguments: the envelope, the node key's id, and the proof."""
+    body = envelope.model_dump_json()
+    return [body, key_id, mac(secret, Purpose.TASK, body.encode())]
+
+
+def unseal(args: list[str], key_id: str, secret: bytes) -> TaskEnvelope | str:
+    """The envelope if the proof holds under this node's key; else why not."""
+    if len(args) != 3 or not all(isinstance(a, str) for a in args):
+        return "not a sealed task (expected [envelope, key id, proof])"
+    body, their_key, proof = args
+    if their_key != key_id:
+        return f"proven for key {their_key[:40]!r}, this node holds {key_id}"
+    if not check_mac(secret, Purpose.TASK, body.encode(), proof):
+        return "the task does not match its proof"
+    try:
+        return TaskEnvelope.model_validate(json.loads(body))
+    except (ValueError, RecursionError) as exc:
+        return f"unreadable envelope: {str(exc)[:200]}"
 
 
 def make_celery(settings: Settings, name: str = "dsec") -> Celery:

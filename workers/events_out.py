@@ -1,27 +1,41 @@
 """How a node tells the world: events to the log, replies to a waiting trainer.
 
-Workers never write Postgres: every fact they know travels through Kafka.
+Workers never write Postgres: every fact they know travels through Kafka. Each event
+carries the proof of this node's credential; each reply the proof of the key the
+scheduler handed over with its request (derived from the requester's own key), so
+the trainer knows the platform made it. A reply nobody can verify is not sent.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from app.bus import Publisher
 from app.codec import encode
 from app.config import Settings
+from app.credentials import Credential
 from app.domain.events import EventBase
+from app.domain.proof import Purpose, headers
 from app.domain.replies import ReplyBase
 from app.domain.requests import ReplyTo
+
+log = logging.getLogger(__name__)
 
 
 class Outlet:
     """The node's one Kafka producer (thread-safe, created on first use)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, credential: Credential) -> None:
         self.settings = settings
+        self.credential = credential
         self._publisher: Publisher | None = None
         self._lock = threading.Lock()
+        # The reply key of each request being answered now (see :meth:`answering`).
+        self._reply_keys: dict[uuid.UUID, bytes] = {}
 
     @property
     def publisher(self) -> Publisher:
@@ -30,16 +44,41 @@ class Outlet:
                 self._publisher = Publisher(self.settings)
             return self._publisher
 
+    @contextmanager
+    def answering(self, request_id: uuid.UUID, reply_key: bytes | None) -> Iterator[None]:
+        """While a request is handled, its replies are proven with ``reply_key``."""
+        if reply_key is None:
+            yield
+            return
+        with self._lock:
+            self._reply_keys[request_id] = reply_key
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reply_keys.pop(request_id, None)
+
     def event(self, event: EventBase) -> None:
-        """Append a fact to the events topic, keyed by its subject."""
-        self.publisher.publish(self.settings.topic_events, event.key, encode(event))
+        """Append a fact to the events topic, keyed by its subject, proven as this node."""
+        value = encode(event)
+        cred = self.credential
+        proof = headers(Purpose.EVENT, cred.key_id, cred.secret, value)
+        self.publisher.publish(self.settings.topic_events, event.key, value, headers=proof)
 
     def reply(self, reply_to: ReplyTo | None, reply: ReplyBase) -> None:
-        """Answer the trainer, if one waits."""
-        if reply_to is not None:
-            self.publisher.publish(
-                reply_to.topic, reply.sandbox_id, encode(reply), partition=reply_to.partition
-            )
+        """Answer the trainer, if one waits (and its request came with a reply key)."""
+        if reply_to is None:
+            return
+        with self._lock:
+            key = self._reply_keys.get(reply.request_id)
+        if key is None:
+            log.warning("no reply key for %s: its answer would not be believed", reply.request_id)
+            return
+        value = encode(reply)
+        self.publisher.publish(
+            reply_to.topic, reply.sandbox_id, value, partition=reply_to.partition,
+            headers=headers(Purpose.REPLY, None, key, value),
+        )  # fmt: skip
 
     def flush(self) -> None:
         """Wait until everything sent is acknowledged."""

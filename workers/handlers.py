@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from app.config import Settings
+from app.credentials import Credential
 from app.domain.base import FailReason, StopReason, derived_id, utcnow
 from app.domain.events import (
     CommandCompleted,
@@ -139,13 +140,20 @@ class Node:
     """One node's sandboxes: Podman, their agents and what the node tells the log."""
 
     def __init__(
-        self, settings: Settings, node_id: str, driver: PodmanDriver, agents: AgentPool
+        self,
+        settings: Settings,
+        node_id: str,
+        driver: PodmanDriver,
+        agents: AgentPool,
+        credential: Credential,
     ) -> None:
         self.settings = settings
         self.node_id = node_id
         self.driver = driver
         self.agents = agents
-        self.outlet = Outlet(settings)
+        #: What this node proves its events with, and checks its tasks against.
+        self.credential = credential
+        self.outlet = Outlet(settings, credential)
         self.redis = redis.Redis.from_url(settings.celery_broker_url)
         self.steps = StepGuard(self.redis)
         self.sandbox_root = settings.state_dir / "nodes" / node_id / "sandboxes"
@@ -461,7 +469,7 @@ class Node:
         claimed_elsewhere = (
             traj is not None
             and step is not None
-            and not self.steps.claim(traj, step, str(request.request_id))
+            and not self.steps.claim(request.tenant, traj, step, str(request.request_id))
         )
         if claimed_elsewhere:
             assert traj is not None and step is not None
@@ -484,7 +492,7 @@ class Node:
             )
         except Exception as exc:
             if traj is not None and step is not None:
-                self.steps.release(traj, step)  # it never ran: a retry may run it
+                self.steps.release(request.tenant, traj, step)  # it never ran: a retry may run it
             self._fail(request, exc)
             return
         duration_ms = result.duration_s * 1000
@@ -495,7 +503,7 @@ class Node:
         if traj is not None:
             kept = self._replay_record(request, result)
             if step is not None:
-                self.steps.record(traj, step, kept)
+                self.steps.record(request.tenant, traj, step, kept)
         self.outlet.event(self._completed(request, result, kept))
         seen = self._saw(request.sandbox_id)
         seen.commands += 1
@@ -587,7 +595,7 @@ class Node:
 
     def _answer_claimed_step(self, request: Exec, traj: str, step: int) -> None:
         """A step another request already ran (or runs): answer with its result."""
-        recorded = self.steps.wait(traj, step, request.timeout_s + AGENT_WAIT_S)
+        recorded = self.steps.wait(request.tenant, traj, step, request.timeout_s + AGENT_WAIT_S)
         if recorded is None:
             self._fail(
                 request,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import resource
 
+from app import credentials
 from app.config import get_settings
 from workers import runtime
 from workers.agent.client import AgentPool
@@ -37,6 +38,10 @@ def run(node_id: str, concurrency: int = 16) -> None:
     """
     _raise_open_files()
     settings = get_settings()
+    # The node's own credential, nothing more: a node host holds no master key.
+    credential = credentials.load(
+        settings.node_credential_file or credentials.node_file(settings, node_id)
+    )
     user = ensure_node_user(node_id, allow_egress=settings.allow_egress)
     socket_url = ensure_podman_service(user)
     driver = PodmanDriver(
@@ -44,7 +49,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
         limiter=CgroupLimiter.detect(node_id),
         store_lock=store_lock_path(settings),
     )
-    node = Node(settings, node_id, driver, AgentPool())
+    node = Node(settings, node_id, driver, AgentPool(), credential)
     runtime.install(node)
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()

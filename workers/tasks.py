@@ -1,11 +1,15 @@
-"""Celery tasks of a node: validate the request again, hand it to the node.
+"""Celery tasks of a node: check the scheduler's seal, validate the request again,
+hand it to the node.
 
-A body that does not validate is logged and dropped (the scheduler only sends what
-it validated, so this means version skew), never retried into a loop.
+A task whose seal does not hold under this node's key was not sent by the scheduler
+(someone wrote to Redis, or to another node's queue): it is refused, counted and
+dead-lettered, and nothing is done. A body that does not validate is logged and
+answered as version skew, never retried into a loop.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import uuid
@@ -15,8 +19,9 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from app import metrics
-from app.codec import peek
+from app.codec import DeadLetterReason, encode, peek
 from app.domain.base import FailReason, derived_id
+from app.domain.dead_letter import DeadLetter
 from app.domain.events import FailedPayload, SandboxFailed
 from app.domain.replies import ErrorReply
 from app.domain.requests import (
@@ -29,7 +34,7 @@ from app.domain.requests import (
     ThawSandbox,
     WriteFile,
 )
-from app.taskqueue import NodeTask
+from app.taskqueue import NodeTask, TaskEnvelope, unseal
 from workers import runtime
 from workers.celery_app import celery
 
@@ -37,7 +42,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=BaseModel)
 
 
-def _refuse(task: NodeTask, body: str, exc: ValidationError) -> None:
+def _refuse(task: NodeTask, body: str, exc: ValidationError, envelope: TaskEnvelope) -> None:
     """Say why a task could not be read, so nobody waits for it forever.
 
     The scheduler only sends what it validated, so this is version skew between the
@@ -80,17 +85,59 @@ def _refuse(task: NodeTask, body: str, exc: ValidationError) -> None:
         reason=FailReason.INCOMPATIBLE.value,
         detail=detail[:1000],
     )
-    node.outlet.reply(reply_to, reply)
+    key = bytes.fromhex(envelope.reply_key) if envelope.reply_key else None
+    with node.outlet.answering(request_id, key):
+        node.outlet.reply(reply_to, reply)
 
 
-def _run(task: NodeTask, model: type[R], body: str, handler: Callable[[R], None]) -> None:
+def _unsealed(task: NodeTask, args: tuple[str, ...]) -> TaskEnvelope | None:
+    """The task's envelope if the scheduler sealed it for this node; else refuse it."""
+    node = runtime.node()
+    cred = node.credential
+    opened = unseal(list(args), cred.key_id, cred.secret)
+    if isinstance(opened, TaskEnvelope):
+        return opened
+    log.error("refusing a %s task: %s", task.value, opened)
+    metrics.TASKS.labels(task.value, "unproven").inc()
+    metrics.FORGED.labels(f"node {node.node_id}", "task").inc()
+    raw = json.dumps(list(args)).encode()
+    kept = raw[: node.settings.max_message_bytes // 2]
+    letter = DeadLetter(
+        consumer=f"node {node.node_id}",
+        topic=node.settings.node_queue(node.node_id),
+        partition=0,
+        offset=-1,
+        reason=DeadLetterReason.UNAUTHENTICATED.value,
+        detail=f"{task.value}: {opened}"[:2000],
+        original_b64=base64.b64encode(kept).decode(),
+        original_size=len(raw),
+        original_truncated=len(kept) < len(raw),
+        key=None,
+    )
+    node.outlet.publisher.publish(node.settings.topic_dead_letters, "", encode(letter))
+    return None
+
+
+def _run(
+    task: NodeTask,
+    model: type[R],
+    args: tuple[str, ...],
+    handler: Callable[[R, TaskEnvelope], None],
+) -> None:
+    envelope = _unsealed(task, args)
+    if envelope is None:
+        return
+    body = envelope.request
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:
-        _refuse(task, body, exc)
+        _refuse(task, body, exc, envelope)
         return
+    request_id: uuid.UUID = request.request_id  # type: ignore[attr-defined]
+    key = bytes.fromhex(envelope.reply_key) if envelope.reply_key else None
     try:
-        handler(request)
+        with runtime.node().outlet.answering(request_id, key):
+            handler(request, envelope)
     except Exception:
         log.exception("%s failed", task)
         metrics.TASKS.labels(task.value, "error").inc()
@@ -99,43 +146,45 @@ def _run(task: NodeTask, model: type[R], body: str, handler: Callable[[R], None]
 
 
 @celery.task(name=NodeTask.CREATE)
-def create(body: str, restore: str | None = None) -> None:
+def create(*args: str) -> None:
     """Create and start a sandbox (replaying a trajectory's commands, if given)."""
-    commands: list[str | list[str]] = json.loads(restore) if restore else []
-    _run(NodeTask.CREATE, CreateSandbox, body, lambda r: runtime.node().create(r, commands))
+    _run(
+        NodeTask.CREATE, CreateSandbox, args,
+        lambda r, e: runtime.node().create(r, e.restore or []),
+    )  # fmt: skip
 
 
 @celery.task(name=NodeTask.EXEC)
-def exec_command(body: str) -> None:
+def exec_command(*args: str) -> None:
     """Run a command in a sandbox."""
-    _run(NodeTask.EXEC, Exec, body, runtime.node().exec)
+    _run(NodeTask.EXEC, Exec, args, lambda r, _e: runtime.node().exec(r))
 
 
 @celery.task(name=NodeTask.WRITE_FILE)
-def write_file(body: str) -> None:
+def write_file(*args: str) -> None:
     """Write a file into a sandbox."""
-    _run(NodeTask.WRITE_FILE, WriteFile, body, runtime.node().write_file)
+    _run(NodeTask.WRITE_FILE, WriteFile, args, lambda r, _e: runtime.node().write_file(r))
 
 
 @celery.task(name=NodeTask.READ_FILE)
-def read_file(body: str) -> None:
+def read_file(*args: str) -> None:
     """Read a file from a sandbox."""
-    _run(NodeTask.READ_FILE, ReadFile, body, runtime.node().read_file)
+    _run(NodeTask.READ_FILE, ReadFile, args, lambda r, _e: runtime.node().read_file(r))
 
 
 @celery.task(name=NodeTask.FREEZE)
-def freeze(body: str) -> None:
+def freeze(*args: str) -> None:
     """Freeze a sandbox (its trainer's lease lapsed, or it was asked)."""
-    _run(NodeTask.FREEZE, FreezeSandbox, body, runtime.node().freeze)
+    _run(NodeTask.FREEZE, FreezeSandbox, args, lambda r, _e: runtime.node().freeze(r))
 
 
 @celery.task(name=NodeTask.THAW)
-def thaw(body: str) -> None:
+def thaw(*args: str) -> None:
     """Thaw a frozen sandbox."""
-    _run(NodeTask.THAW, ThawSandbox, body, runtime.node().thaw)
+    _run(NodeTask.THAW, ThawSandbox, args, lambda r, _e: runtime.node().thaw(r))
 
 
 @celery.task(name=NodeTask.DESTROY)
-def destroy(body: str) -> None:
+def destroy(*args: str) -> None:
     """Destroy a sandbox."""
-    _run(NodeTask.DESTROY, DestroySandbox, body, runtime.node().destroy)
+    _run(NodeTask.DESTROY, DestroySandbox, args, lambda r, _e: runtime.node().destroy(r))

@@ -42,28 +42,31 @@ class StepGuard:
         self.redis = client
 
     @staticmethod
-    def _keys(trajectory_id: str, step: int) -> tuple[str, str]:
-        base = f"dsec:step:{trajectory_id}:{step}"
+    def _keys(tenant: str, trajectory_id: str, step: int) -> tuple[str, str]:
+        # Trajectory ids are the tenant's own; a tenant name has no ':'.
+        base = f"dsec:step:{tenant}:{trajectory_id}:{step}"
         return base, base + ":result"
 
-    def claim(self, trajectory_id: str, step: int, request_id: str) -> bool:
+    def claim(self, tenant: str, trajectory_id: str, step: int, request_id: str) -> bool:
         """True if this request may run the step (nobody claimed it before)."""
-        claim, _ = self._keys(trajectory_id, step)
+        claim, _ = self._keys(tenant, trajectory_id, step)
         return bool(self.redis.set(claim, request_id, nx=True, ex=CLAIM_TTL_S))
 
-    def release(self, trajectory_id: str, step: int) -> None:
+    def release(self, tenant: str, trajectory_id: str, step: int) -> None:
         """Give the step up (the command could not be started at all)."""
-        claim, _ = self._keys(trajectory_id, step)
+        claim, _ = self._keys(tenant, trajectory_id, step)
         self.redis.delete(claim)
 
-    def record(self, trajectory_id: str, step: int, result: StepResult) -> None:
+    def record(self, tenant: str, trajectory_id: str, step: int, result: StepResult) -> None:
         """Keep the step's result for the requests that wait on it."""
-        _, key = self._keys(trajectory_id, step)
+        _, key = self._keys(tenant, trajectory_id, step)
         self.redis.set(key, json.dumps(asdict(result)), ex=RESULT_TTL_S)
 
-    def wait(self, trajectory_id: str, step: int, timeout_s: float) -> StepResult | None:
+    def wait(
+        self, tenant: str, trajectory_id: str, step: int, timeout_s: float
+    ) -> StepResult | None:
         """The result of a step someone else claimed, once it is recorded."""
-        _, key = self._keys(trajectory_id, step)
+        _, key = self._keys(tenant, trajectory_id, step)
         deadline = time.monotonic() + timeout_s
         while True:
             raw = self.redis.get(key)

@@ -162,3 +162,28 @@ usage = Table(
     Column("ended_gb_seconds", Numeric, nullable=False, server_default=text("0")),
     Column("last_position", BigInteger, nullable=False),
 )
+
+#: Credentials by key id: owner, role, revocation. Never a secret: keys are derived
+#: from the master key (app/domain/proof.py).
+credentials = Table(
+    "credentials",
+    metadata,
+    Column("key_id", Text, primary_key=True),
+    Column("role", Text, nullable=False),
+    Column("subject", Text, nullable=False),
+    Column("label", Text, nullable=False, server_default=text("''")),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("created_by", Text, nullable=False, server_default=text("current_user")),
+    Column("revoked_at", DateTime(timezone=True)),
+    Column("revoked_by", Text),
+)
+
+#: Request ids the scheduler handled and where it read them (replays are refused).
+handled_requests = Table(
+    "handled_requests",
+    metadata,
+    Column("request_id", UUID(as_uuid=True), primary_key=True),
+    Column("partition", Integer, nullable=False),
+    Column("offset", BigInteger, nullable=False),
+    Column("handled_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+)

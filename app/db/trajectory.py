@@ -39,15 +39,16 @@ def _step(row: Any) -> RecordedStep:
 
 
 class PostgresTrajectoryLog:
-    """Looks steps up by the (trajectory_id, step) unique index."""
+    """Looks steps up by the (tenant, trajectory_id, step) unique index."""
 
     def __init__(self, url: str) -> None:
         self.url = url
 
-    def lookup(self, trajectory_id: str, step: int) -> RecordedStep | None:
+    def lookup(self, tenant: str, trajectory_id: str, step: int) -> RecordedStep | None:
         with transaction(self.url) as conn:
             row = conn.execute(
                 select(*_COLUMNS).where(
+                    commands.c.tenant == tenant,
                     commands.c.trajectory_id == trajectory_id,
                     commands.c.step == step,
                     commands.c.stdout_b64.is_not(None),
@@ -55,11 +56,11 @@ class PostgresTrajectoryLog:
             ).first()
         return _step(row) if row is not None else None
 
-    def steps(self, trajectory_id: str) -> list[RecordedStep]:
+    def steps(self, tenant: str, trajectory_id: str) -> list[RecordedStep]:
         with transaction(self.url) as conn:
             rows = conn.execute(
                 select(*_COLUMNS)
-                .where(commands.c.trajectory_id == trajectory_id)
+                .where(commands.c.tenant == tenant, commands.c.trajectory_id == trajectory_id)
                 .order_by(commands.c.step)
             ).all()
         return [_step(r) for r in rows]

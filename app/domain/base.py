@@ -64,6 +64,8 @@ class RejectReason(StrEnum):
     UNKNOWN_SANDBOX = "unknown_sandbox"
     SANDBOX_NOT_RUNNING = "sandbox_not_running"
     DUPLICATE = "duplicate"
+    UNAUTHENTICATED = "unauthenticated"
+    FORBIDDEN = "forbidden"
 
 
 class FailReason(StrEnum):

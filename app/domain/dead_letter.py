@@ -22,4 +22,8 @@ class DeadLetter(Message):
     original_size: int = Field(description="Size of the original message in bytes.")
     original_truncated: bool = Field(False, description="Only the first bytes were kept.")
     key: str | None = Field(None, description="The message's key, if text.")
+    headers: list[tuple[str, str]] = Field(
+        default_factory=list,
+        description="The message's record headers (name, value base64): its proof, for a replay.",
+    )
     refused_at: datetime = Field(default_factory=utcnow, description="When it was refused.")

@@ -73,6 +73,9 @@ class RejectedPayload(Message):
     request_type: str = Field(description="Type of the refused request.")
     reason: RejectReason = Field(description="Machine-readable reason.")
     detail: str = Field(description="Human-readable explanation.")
+    actor: str | None = Field(
+        None, description="The authenticated sender; None if the request proved nobody."
+    )
 
 
 class StartedPayload(Message):

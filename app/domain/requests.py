@@ -12,6 +12,8 @@ from app.domain.base import SCHEMA_VERSION, Message, new_id, tags, utcnow
 
 SandboxId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{2,62}$")]
 Name = Annotated[str, Field(min_length=1, max_length=128)]
+#: Set by the platform from a request's proof; empty as a trainer sends it.
+Owner = Annotated[str, Field(max_length=200)]
 #: Absolute path inside a sandbox; traversal is refused again by the in-sandbox agent.
 SandboxPath = Annotated[str, Field(pattern=r"^/", max_length=4096)]
 
@@ -19,8 +21,8 @@ SandboxPath = Annotated[str, Field(pattern=r"^/", max_length=4096)]
 class ReplyTo(Message):
     """Where a trainer waits for the answer."""
 
-    topic: str = Field(description="Replies topic.")
-    partition: int = Field(ge=0, description="Partition the trainer reads.")
+    topic: str = Field(max_length=249, description="Replies topic: the tenant's own.")
+    partition: int = Field(ge=0, le=65_535, description="Partition the trainer reads.")
 
 
 class RequestBase(Message):
@@ -30,9 +32,20 @@ class RequestBase(Message):
     request_id: uuid.UUID = Field(default_factory=new_id, description="Idempotency key.")
     version: Literal[1] = Field(SCHEMA_VERSION, description="Schema version.")
     sandbox_id: SandboxId = Field(description="Target sandbox; also the Kafka key.")
-    tenant: Name = Field(description="Who pays.")
+    tenant: Owner = Field(
+        "",
+        description=(
+            "Leave empty: the platform sets it from the request's proof (the sandbox's owner"
+            " on what it forwards to a node). A value naming another tenant is refused."
+        ),
+    )
     job_id: Name = Field("default", description="The trainer's job, for audit and billing.")
-    actor: Name = Field("sdk", description="Who sent it (user, host, service), for audit.")
+    actor: Owner = Field(
+        "",
+        description=(
+            "Leave empty: the platform sets it to the authenticated sender (tenant and key)."
+        ),
+    )
     sent_at: datetime = Field(default_factory=utcnow, description="Client clock.")
     reply_to: ReplyTo | None = Field(None, description="Where to answer, if anyone waits.")
 

@@ -36,24 +36,26 @@ class RecordedStep:
 class TrajectoryLog(Protocol):
     """Where completed steps are looked up."""
 
-    def lookup(self, trajectory_id: str, step: int) -> RecordedStep | None:
-        """The recorded result of a step, if it completed."""
+    def lookup(self, tenant: str, trajectory_id: str, step: int) -> RecordedStep | None:
+        """The recorded result of one of ``tenant``'s steps, if it completed."""
 
-    def steps(self, trajectory_id: str) -> list[RecordedStep]:
-        """Every completed step of a trajectory, in step order."""
+    def steps(self, tenant: str, trajectory_id: str) -> list[RecordedStep]:
+        """Every completed step of one of ``tenant``'s trajectories, in step order."""
 
 
 @dataclass
 class InMemoryTrajectoryLog:
     """A trajectory log in a dict (tests and benchmarks of the scheduler)."""
 
-    recorded: dict[tuple[str, int], RecordedStep] = field(default_factory=dict)
+    recorded: dict[tuple[str, str, int], RecordedStep] = field(default_factory=dict)
 
-    def lookup(self, trajectory_id: str, step: int) -> RecordedStep | None:
-        return self.recorded.get((trajectory_id, step))
+    def lookup(self, tenant: str, trajectory_id: str, step: int) -> RecordedStep | None:
+        return self.recorded.get((tenant, trajectory_id, step))
 
-    def steps(self, trajectory_id: str) -> list[RecordedStep]:
-        found = [s for (t, _), s in self.recorded.items() if t == trajectory_id]
+    def steps(self, tenant: str, trajectory_id: str) -> list[RecordedStep]:
+        found = [
+            s for (owner, t, _), s in self.recorded.items() if (owner, t) == (tenant, trajectory_id)
+        ]
         return sorted(found, key=lambda s: s.step)
 
 

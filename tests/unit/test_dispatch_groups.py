@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import json
+from itertools import count
 
-from kafka.consumer.fetcher import ConsumerRecord
+from pydantic import BaseModel
 
-from app.codec import encode
 from app.config import Settings
 from app.dispatch import Dispatcher, Outbox
 from app.domain.events import NodeHeartbeat, NodePayload
-from app.domain.requests import CreateGroup, CreateSandbox, DestroyGroup, ReplyTo
+from app.domain.records import Inbound
+from app.domain.requests import CreateGroup, CreateSandbox, DestroyGroup
+from tests.unit.signing import KEYS, record, reply_to, task_request
+
+_offsets = count()
 
 
-def _record(message: object, offset: int = 0) -> ConsumerRecord:
-    value = encode(message)  # type: ignore[arg-type]
-    return ConsumerRecord("t", 0, 0, offset, 0, 0, b"k", value, [], None, 1, len(value), -1)
+def _record(message: BaseModel, key_id: str | None = None) -> Inbound:
+    """A proven record at a fresh offset (an id read twice elsewhere is a replay)."""
+    return record(message, next(_offsets), key_id=key_id)
 
 
 def _dispatcher(settings: Settings | None = None, cpus: float = 4) -> Dispatcher:
-    dispatcher = Dispatcher(settings or Settings())
+    dispatcher = Dispatcher(settings or Settings(), KEYS)
     for node in ("n0", "n1"):
         beat = NodeHeartbeat(
             node_id=node,
@@ -35,7 +39,7 @@ def _dispatcher(settings: Settings | None = None, cpus: float = 4) -> Dispatcher
 def _group(n: int, cpus: float, queue_s: float = 0) -> CreateGroup:
     return CreateGroup(
         sandbox_id="grp-1", tenant="t", members=[f"sb-m{i}" for i in range(n)], cpus=cpus,
-        queue_s=queue_s, reply_to=ReplyTo(topic="r", partition=0),
+        queue_s=queue_s, reply_to=reply_to(),
     )  # fmt: skip
 
 
@@ -44,8 +48,8 @@ def test_group_that_fits_is_placed_whole() -> None:
     out = Outbox()
     dispatcher.handle(out, _record(_group(6, cpus=1)))
     assert len(out.tasks) == 6
-    assert dispatcher.groups["grp-1"] == [f"sb-m{i}" for i in range(6)]
-    labels = {json.loads(body[0])["labels"]["dsec.group"] for _, _, body in out.tasks}
+    assert dispatcher.groups[("t", "grp-1")] == [f"sb-m{i}" for i in range(6)]
+    labels = {task_request(body)["labels"]["dsec.group"] for _, _, body in out.tasks}
     assert labels == {"grp-1"}
 
 
@@ -57,7 +61,7 @@ def test_group_that_does_not_fit_starts_nothing_and_says_why() -> None:
     # Then no task is sent, no room stays reserved, every member is rejected
     assert out.tasks == []
     assert dispatcher.placement.allocations == {}
-    replies = [json.loads(body) for _, _, body in out.replies]
+    replies = [json.loads(body) for _, _, body, _ in out.replies]
     assert len(replies) == 3 and {r["reason"] for r in replies} == {"capacity"}
     assert "all or nothing" in replies[0]["detail"]
     types = {json.loads(body)["type"] for _, body in out.events}
@@ -82,7 +86,7 @@ def test_destroy_group_reaches_every_member() -> None:
     dispatcher.handle(Outbox(), _record(_group(3, cpus=1)))
     out = Outbox()
     dispatcher.handle(out, _record(DestroyGroup(sandbox_id="grp-1", tenant="t")))
-    assert sorted(json.loads(args[0])["sandbox_id"] for _, _, args in out.tasks) == [
+    assert sorted(task_request(args)["sandbox_id"] for _, _, args in out.tasks) == [
         "sb-m0", "sb-m1", "sb-m2",
     ]  # fmt: skip
 
@@ -92,12 +96,10 @@ def test_tenant_quota_refuses_beyond_it() -> None:
     for i in range(2):
         dispatcher.handle(Outbox(), _record(CreateSandbox(sandbox_id=f"sb-q{i}", tenant="t")))
     out = Outbox()
-    request = CreateSandbox(
-        sandbox_id="sb-q2", tenant="t", queue_s=0, reply_to=ReplyTo(topic="r", partition=0)
-    )
+    request = CreateSandbox(sandbox_id="sb-q2", tenant="t", queue_s=0, reply_to=reply_to())
     dispatcher.handle(out, _record(request))
     assert json.loads(out.replies[0][2])["reason"] == "quota"
     # another tenant is not affected
     out = Outbox()
-    dispatcher.handle(out, _record(CreateSandbox(sandbox_id="sb-o", tenant="other")))
+    dispatcher.handle(out, _record(CreateSandbox(sandbox_id="sb-o"), key_id="k-tenant-u"))
     assert len(out.tasks) == 1

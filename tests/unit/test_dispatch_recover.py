@@ -12,6 +12,7 @@ from app.dispatch import Dispatcher, LiveSandbox, Outbox
 from app.domain.lease import LeaseState
 from app.domain.requests import GROUP_LABEL, LEASE_LABEL, CreateSandbox, RenewLease
 from app.taskqueue import TASK_FOR_REQUEST
+from tests.unit.signing import KEYS, task_request
 from tests.unit.test_dispatch_groups import _record
 
 
@@ -34,7 +35,7 @@ def _live(sandbox_id: str, labels: dict[str, str], frozen: bool = False) -> Live
 
 
 def _recovered(*live: LiveSandbox) -> Dispatcher:
-    dispatcher = Dispatcher(Settings(lease_ttl_s=30, lease_grace_s=300))
+    dispatcher = Dispatcher(Settings(lease_ttl_s=30, lease_grace_s=300), KEYS)
     dispatcher.recover([("n0", Row())], live)
     return dispatcher
 
@@ -45,7 +46,7 @@ def test_recovered_sandboxes_hold_their_room_and_groups() -> None:
     )
     node = dispatcher.placement.nodes["n0"]
     assert (node.used_sandboxes, node.used_cpus, node.confirmed) == (2, 2.0, False)
-    assert dispatcher.groups == {"grp-1": ["sb-a", "sb-b"]}
+    assert dispatcher.groups == {("t", "grp-1"): ["sb-a", "sb-b"]}
     # Full (2 of 2): once the node is heard from, a third sandbox still waits.
     node.confirmed = True
     out = Outbox()
@@ -57,7 +58,7 @@ def test_leases_come_back_from_the_labels() -> None:
     dispatcher = _recovered(
         _live("sb-a", {LEASE_LABEL: "lease-1"}), _live("sb-b", {LEASE_LABEL: "lease-1"})
     )
-    lease = dispatcher.leases["lease-1"]
+    lease = dispatcher.leases[("t", "lease-1")]
     assert lease.sandboxes == {"sb-a", "sb-b"}
     assert lease.state == LeaseState.HELD
     assert lease.expires_s > time.monotonic() + 20  # a fresh TTL: the trainer may renew
@@ -65,13 +66,13 @@ def test_leases_come_back_from_the_labels() -> None:
 
 def test_a_frozen_lease_is_recovered_lapsed_and_a_renewal_thaws_it() -> None:
     dispatcher = _recovered(_live("sb-a", {LEASE_LABEL: "lease-1"}, frozen=True))
-    assert dispatcher.leases["lease-1"].state == LeaseState.LAPSED
+    assert dispatcher.leases[("t", "lease-1")].state == LeaseState.LAPSED
     out = Outbox()
     dispatcher.handle(out, _record(RenewLease(sandbox_id="lease-1", tenant="t")))
     assert [(task, queue) for task, queue, _ in out.tasks] == [
         (TASK_FOR_REQUEST["ThawSandbox"], "node.n0")
     ]
-    assert json.loads(out.tasks[0][2][0])["sandbox_id"] == "sb-a"
+    assert task_request(out.tasks[0][2])["sandbox_id"] == "sb-a"
 
 
 def test_a_leased_create_records_its_lease_in_the_log() -> None:

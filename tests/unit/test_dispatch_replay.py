@@ -5,24 +5,18 @@ from __future__ import annotations
 import json
 import uuid
 
-from kafka.consumer.fetcher import ConsumerRecord
-
-from app.codec import encode
 from app.config import Settings
 from app.dispatch import Dispatcher, Outbox
 from app.domain.events import NodeHeartbeat, NodePayload
-from app.domain.requests import CreateSandbox, Exec, ReplyTo
+from app.domain.requests import CreateSandbox, Exec
 from app.domain.trajectory import InMemoryTrajectoryLog, RecordedStep
-
-
-def _record(message: object, offset: int = 0) -> ConsumerRecord:
-    value = encode(message)  # type: ignore[arg-type]
-    return ConsumerRecord("t", 0, 0, offset, 0, 0, b"k", value, [], None, 1, len(value), -1)
+from tests.unit.signing import KEYS, reply_to
+from tests.unit.test_dispatch_groups import _record
 
 
 def _dispatcher() -> tuple[Dispatcher, InMemoryTrajectoryLog]:
     log = InMemoryTrajectoryLog()
-    dispatcher = Dispatcher(Settings(), trajectory=log)
+    dispatcher = Dispatcher(Settings(), KEYS, trajectory=log)
     beat = NodeHeartbeat(
         node_id="n0",
         payload=NodePayload(
@@ -37,14 +31,16 @@ def _dispatcher() -> tuple[Dispatcher, InMemoryTrajectoryLog]:
 def _exec(step: int) -> Exec:
     return Exec(
         sandbox_id="sb-a", tenant="t", command="mkdir x", trajectory_id="tr", step=step,
-        reply_to=ReplyTo(topic="r", partition=0),
+        reply_to=reply_to(),
     )  # fmt: skip
 
 
 def test_completed_step_is_answered_without_a_node_task() -> None:
     dispatcher, log = _dispatcher()
     original = uuid.uuid4()
-    log.recorded[("tr", 0)] = RecordedStep(original, 0, "mkdir x", 0, "", "", 1.0, False, False)
+    log.recorded[("t", "tr", 0)] = RecordedStep(
+        original, 0, "mkdir x", 0, "", "", 1.0, False, False
+    )
     out = Outbox()
     dispatcher.handle(out, _record(_exec(0)))
     assert out.tasks == []
@@ -65,9 +61,10 @@ def test_new_step_goes_to_the_node() -> None:
 def test_restore_sends_the_trajectory_commands_with_the_create() -> None:
     dispatcher, log = _dispatcher()
     for i, cmd in enumerate(["mkdir x", "touch x/y"]):
-        log.recorded[("tr", i)] = RecordedStep(uuid.uuid4(), i, cmd, 0, "", "", 1.0, False, False)
+        step = RecordedStep(uuid.uuid4(), i, cmd, 0, "", "", 1.0, False, False)
+        log.recorded[("t", "tr", i)] = step
     out = Outbox()
     create = CreateSandbox(sandbox_id="sb-b", tenant="t", restore_trajectory="tr")
     dispatcher.handle(out, _record(create))
     _task, _queue, args = out.tasks[0]
-    assert json.loads(args[1]) == ["mkdir x", "touch x/y"]
+    assert json.loads(args[0])["restore"] == ["mkdir x", "touch x/y"]

@@ -1,0 +1,41 @@
+"""Request ids the scheduler handled, kept for the freshness window: the gate's memory
+across restarts (a replayed request is refused even by a scheduler that just started).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy import Connection, delete, select
+from sqlalchemy.dialects.postgresql import insert
+
+from app.db.tables import handled_requests
+
+
+def save(conn: Connection, rows: Sequence[tuple[uuid.UUID, int, int, datetime]]) -> None:
+    """Record handled ids, in the transaction that saves the offsets past them."""
+    if not rows:
+        return
+    values = [
+        {"request_id": r, "partition": p, "offset": o, "handled_at": at} for r, p, o, at in rows
+    ]
+    conn.execute(insert(handled_requests).values(values).on_conflict_do_nothing())
+
+
+def load(conn: Connection, since: datetime) -> list[tuple[uuid.UUID, int, int, datetime]]:
+    """Ids handled since ``since``, oldest first."""
+    t = handled_requests
+    rows = conn.execute(
+        select(t.c.request_id, t.c.partition, t.c.offset, t.c.handled_at)
+        .where(t.c.handled_at >= since)
+        .order_by(t.c.handled_at)
+    ).all()
+    return [(r.request_id, r.partition, r.offset, r.handled_at) for r in rows]
+
+
+def prune(conn: Connection, before: datetime) -> int:
+    """Forget ids handled before ``before`` (older requests are refused as stale)."""
+    result = conn.execute(delete(handled_requests).where(handled_requests.c.handled_at < before))
+    return int(result.rowcount or 0)

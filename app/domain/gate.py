@@ -1,0 +1,217 @@
+"""The door every request passes: who sent it, is it fresh, is it new, may it say that.
+
+Pure: keys come from a :class:`KeyLookup`, time from the caller. The scheduler runs
+every request record through :meth:`Gate.admit` before deciding anything; what comes
+out is either an :class:`Admitted` request, whose ``tenant`` and ``actor`` are the
+proven sender's, or a :class:`Refusal` saying why, and whether a reply may be sent.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from app.codec import DecodeError, decode_request, peek
+from app.domain.base import RejectReason
+from app.domain.proof import (
+    KeyInfo,
+    KeyLookup,
+    Principal,
+    ProofError,
+    Purpose,
+    headers,
+    reply_key,
+    verify,
+)
+from app.domain.records import Record
+from app.domain.requests import ReplyTo, Request
+from app.domain.trust import REQUEST_SENDERS
+
+
+@dataclass(frozen=True)
+class Sender:
+    """A proven sender and the key its replies are derived from."""
+
+    principal: Principal
+    secret: bytes
+
+    def reply_headers(self, request_id: uuid.UUID, value: bytes) -> list[tuple[str, bytes]]:
+        """The proof a reply to ``request_id`` carries (see proof.reply_key)."""
+        return headers(Purpose.REPLY, None, reply_key(self.secret, request_id), value)
+
+    def reply_key_hex(self, request_id: uuid.UUID) -> str:
+        """The reply key handed to the node that answers ``request_id``."""
+        return reply_key(self.secret, request_id).hex()
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request that may be acted on, as its proven sender."""
+
+    request: Request
+    sender: Sender
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request refused at the door."""
+
+    reason: RejectReason
+    detail: str
+    #: The sender, if the request proved one (the log names it).
+    sender: Sender | None
+    #: The request, if it decoded.
+    request: Request | None
+    #: What could be read of it otherwise (ids for the log).
+    raw: dict[str, Any]
+    #: Where an answer may go (None: nobody, or nobody it can be proven to).
+    reply_to: ReplyTo | None
+    #: The decode error, if that is why: the record also goes to the dead letters.
+    decode_error: DecodeError | None = None
+    #: Whose key proves the answer: the sender's, or, for a request whose proof
+    #: failed under a known key, that key's (only its holder can read the answer).
+    reply_as: Sender | None = None
+
+
+@dataclass(frozen=True)
+class GateRules:
+    """The limits the gate applies."""
+
+    max_age: timedelta
+    max_message_bytes: int
+    reply_partitions: int
+    topic_prefix: str
+
+    def replies_topic(self, tenant: str) -> str:
+        return f"{self.topic_prefix}.replies.{tenant}"
+
+
+class Gate:
+    """Authentication, freshness and replay checks for request records."""
+
+    #: Request ids remembered per partition at most (the freshness window bounds it).
+    MEMORY = 1_000_000
+
+    def __init__(self, rules: GateRules, keys: KeyLookup) -> None:
+        self.rules = rules
+        self.keys = keys
+        # request id -> (partition, offset, when handled): the same id read anywhere
+        # else is a replay. Old entries go once they are older than the window.
+        self.handled: OrderedDict[uuid.UUID, tuple[int, int, datetime]] = OrderedDict()
+        #: Ids handled since the owner last saved them (it persists these).
+        self.unsaved: list[tuple[uuid.UUID, int, int, datetime]] = []
+
+    def remember(self, request_id: uuid.UUID, partition: int, offset: int, at: datetime) -> None:
+        """An id handled before (a restarted scheduler reloads them)."""
+        self.handled[request_id] = (partition, offset, at)
+
+    def forget_before(self, cutoff: datetime) -> None:
+        """Drop ids handled before ``cutoff``: requests that old are refused as stale."""
+        while self.handled:
+            oldest = next(iter(self.handled.values()))
+            if oldest[2] >= cutoff and len(self.handled) <= self.MEMORY:
+                break
+            self.handled.popitem(last=False)
+
+    def admit(self, record: Record, now: datetime) -> Admitted | Refusal:
+        """Check one request record."""
+        raw = record.value or b""
+        try:
+            principal = verify(Purpose.REQUEST, raw, record.headers, self.keys, REQUEST_SENDERS)
+        except ProofError as exc:
+            return self._unproven(raw, exc)
+        info = self.keys.lookup(principal.key_id)
+        assert info is not None  # verify found it
+        sender = Sender(principal, info.secret)
+        try:
+            request = decode_request(raw, self.rules.max_message_bytes)
+        except DecodeError as exc:
+            seen = peek(raw)
+            return Refusal(
+                RejectReason.INVALID, str(exc), sender, None, seen,
+                self._reply_to(sender, seen.get("reply_to")), exc, sender,
+            )  # fmt: skip
+        return self._check(record, request, sender, now)
+
+    def _check(
+        self, record: Record, request: Request, sender: Sender, now: datetime
+    ) -> Admitted | Refusal:
+        reply_to = self._reply_to(sender, request.reply_to)
+
+        def refuse(reason: RejectReason, detail: str, answer: bool = True) -> Refusal:
+            return Refusal(
+                reason, detail, sender, request, {}, reply_to if answer else None, None, sender
+            )
+
+        key = record.key.decode(errors="replace") if record.key is not None else None
+        if key != request.sandbox_id:
+            return refuse(RejectReason.INVALID, f"record key {key!r} is not the sandbox id")
+        age = now - request.sent_at
+        if abs(age) > self.rules.max_age:
+            return refuse(
+                RejectReason.UNAUTHENTICATED,
+                f"stale: sent_at is {age.total_seconds():.0f}s from the platform's clock "
+                f"(at most {self.rules.max_age.total_seconds():.0f}s): check the client's "
+                "clock; a captured request cannot be sent again later",
+            )
+        seen = self.handled.get(request.request_id)
+        if seen is not None and seen[:2] != (record.partition, record.offset):
+            # No reply: its answer is the first request's, which its sender may still
+            # be waiting for; an answer here would reach it first.
+            return refuse(
+                RejectReason.DUPLICATE,
+                f"request id {request.request_id} was already handled (partition {seen[0]}, "
+                f"offset {seen[1]}): a replay",
+                answer=False,
+            )
+        if seen is None:
+            self.handled[request.request_id] = (record.partition, record.offset, now)
+            self.unsaved.append((request.request_id, record.partition, record.offset, now))
+        principal = sender.principal
+        if request.tenant and request.tenant != principal.subject:
+            return refuse(
+                RejectReason.FORBIDDEN,
+                f"the request says tenant {request.tenant!r} but is proven by a credential "
+                f"of {principal.subject!r}",
+            )
+        if request.reply_to is not None and reply_to is None:
+            return refuse(
+                RejectReason.FORBIDDEN,
+                f"replies to {principal.subject}'s requests go to partitions 0-"
+                f"{self.rules.reply_partitions - 1} of "
+                f"{self.rules.replies_topic(principal.subject)}",
+                answer=False,
+            )
+        admitted = request.model_copy(
+            update={"tenant": principal.subject, "actor": principal.actor}
+        )
+        return Admitted(admitted, sender)
+
+    def _reply_to(self, sender: Sender, wanted: object) -> ReplyTo | None:
+        """Where replies to ``sender`` may go: its own topic, an existing partition."""
+        if isinstance(wanted, dict):
+            try:
+                wanted = ReplyTo.model_validate(wanted)
+            except ValueError:
+                return None
+        if not isinstance(wanted, ReplyTo):
+            return None
+        own = self.rules.replies_topic(sender.principal.subject)
+        if wanted.topic != own or wanted.partition >= self.rules.reply_partitions:
+            return None
+        return wanted
+
+    def _unproven(self, raw: bytes, exc: ProofError) -> Refusal:
+        seen = peek(raw)
+        key: KeyInfo | None = exc.key
+        # A known key whose proof failed (altered, revoked): its holder can be told,
+        # on its own topic and under its own key; nobody else can.
+        sender = Sender(key.principal, key.secret) if key is not None else None
+        reply_to = self._reply_to(sender, seen.get("reply_to")) if sender is not None else None
+        detail = f"{exc.failure.value}: {exc.detail}"
+        return Refusal(
+            RejectReason.UNAUTHENTICATED, detail, None, None, seen, reply_to, None, sender
+        )

@@ -1,0 +1,37 @@
+"""A record as consumers see it, without the Kafka client's type: what the pure
+parts of the platform (the dispatcher, decoders) read from the bus."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Record(Protocol):
+    """A bus record: kafka-python's ConsumerRecord is one, so is :class:`Inbound`."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes]] | None: ...
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """A record made by hand (unit tests, benchmarks, in-memory buses)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Sequence[tuple[str, bytes]] | None = field(default_factory=list)

@@ -1,0 +1,143 @@
+"""The control plane's keys: derived from the master key, looked up by key id.
+
+Who owns a key id and whether it was revoked comes from the ``credentials`` table,
+read again every few seconds and at once (at most once a second) when an unknown key
+id shows up, so a new tenant's first request is not refused for a stale cache. A
+revocation takes effect within :data:`REFRESH_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from app import secret_files
+from app.config import Settings
+from app.credentials import Credential
+from app.db import credentials as stored
+from app.db.credentials import CredentialRow
+from app.db.engine import transaction
+from app.domain.proof import (
+    SCHEDULER_KEY_ID,
+    KeyInfo,
+    KeyLookup,
+    Principal,
+    Role,
+    derive_secret,
+)
+from app.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: How often the credentials are read again (revocations take this long at most).
+REFRESH_S = 5.0
+#: An unknown key id reloads the credentials at most this often.
+MISS_RELOAD_S = 1.0
+
+
+class Keyring(KeyLookup):
+    """Keys by id for the scheduler and the projector. Thread-safe."""
+
+    def __init__(
+        self,
+        master: bytes,
+        load: Callable[[], Iterable[CredentialRow]],
+        refresh_s: float = REFRESH_S,
+    ) -> None:
+        self._master = master
+        self._load = load
+        self._refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._keys: dict[str, KeyInfo] = {}
+        self._loaded_at = float("-inf")
+        scheduler = Principal(SCHEDULER_KEY_ID, Role.SCHEDULER, "scheduler")
+        self.scheduler = KeyInfo(scheduler, derive_secret(master, SCHEDULER_KEY_ID))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Keyring:
+        """The keyring of a control-plane process (reads the master key file)."""
+        return cls(read_master(settings), lambda: _load_rows(settings))
+
+    def lookup(self, key_id: str) -> KeyInfo | None:
+        if key_id == SCHEDULER_KEY_ID:
+            return self.scheduler
+        now = time.monotonic()
+        with self._lock:
+            stale = now - self._loaded_at > self._refresh_s
+            missing = key_id not in self._keys and now - self._loaded_at > MISS_RELOAD_S
+            if stale or missing:
+                self._reload(now)
+            return self._keys.get(key_id)
+
+    def current(self, role: Role, subject: str) -> KeyInfo | None:
+        with self._lock:
+            if time.monotonic() - self._loaded_at > self._refresh_s:
+                self._reload(time.monotonic())
+            found = [
+                k for k in self._keys.values()
+                if k.principal.role == role and k.principal.subject == subject and not k.revoked
+            ]  # fmt: skip
+        return found[-1] if found else None
+
+    def tenants(self) -> set[str]:
+        """Tenants and operators with a live key (each has its own replies topic)."""
+        with self._lock:
+            if time.monotonic() - self._loaded_at > self._refresh_s:
+                self._reload(time.monotonic())
+            return {
+                k.principal.subject
+                for k in self._keys.values()
+                if not k.revoked and k.principal.role in (Role.TENANT, Role.OPERATOR)
+            }
+
+    def secret(self, key_id: str) -> bytes:
+        """The key of a credential (for a node: what the scheduler signs its tasks with)."""
+        return derive_secret(self._master, key_id)
+
+    def _reload(self, now: float) -> None:
+        try:
+            rows = list(self._load())
+        except Exception as exc:  # keep the keys we had: Postgres may be back soon
+            log.warning(
+                "keyring: cannot read credentials (%s); keeping %d keys", exc, len(self._keys)
+            )
+            self._loaded_at = now
+            return
+        self._keys = {
+            r.key_id: KeyInfo(
+                Principal(r.key_id, r.role, r.subject),
+                derive_secret(self._master, r.key_id),
+                revoked=r.revoked_at is not None,
+            )
+            for r in rows
+        }
+        self._loaded_at = now
+
+
+def read_master(settings: Settings) -> bytes:
+    """The master key, or a :class:`ConfigError` saying where it should be."""
+    path = settings.master_key_path
+    try:
+        return secret_files.read(path)
+    except (FileNotFoundError, PermissionError) as exc:
+        raise ConfigError(
+            f"no master key readable at {path}: control-plane services need it "
+            "(`dsec up` makes one on a local stack)"
+        ) from exc
+
+
+def credential_for(settings: Settings, row: CredentialRow) -> Credential:
+    """The credential file's content for a recorded key (its holder's copy)."""
+    return Credential(
+        key_id=row.key_id,
+        secret=derive_secret(read_master(settings), row.key_id),
+        role=row.role,
+        subject=row.subject,
+    )
+
+
+def _load_rows(settings: Settings) -> list[CredentialRow]:
+    with transaction(settings.database_url) as conn:
+        return stored.load(conn)

@@ -1,0 +1,109 @@
+"""Credentials as an operator manages them: tenants, operators and nodes.
+
+Issuing a credential records its key id and owner in Postgres (as the owner role: the
+services' role may only read them) and writes the holder's copy (key id and key,
+derived from the master key) to a root-only file; a tenant's replies topic is made
+with it. Revoking takes effect within the keyring's refresh (app/keyring.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from app import bus, credentials
+from app.config import Settings
+from app.db import credentials as stored
+from app.db.credentials import CredentialRow
+from app.db.engine import transaction
+from app.domain.proof import SUBJECT, Role
+from app.errors import ConfigError
+from app.keyring import credential_for
+
+
+@dataclass(frozen=True)
+class Issued:
+    """A credential just made, and where its holder's copy was written."""
+
+    row: CredentialRow
+    path: Path
+
+
+def _check_name(name: str) -> None:
+    if not SUBJECT.match(name):
+        raise ConfigError(
+            f"{name!r} is not a valid name: 2-63 characters of a-z, 0-9, '.', '_', '-', "
+            "starting with a letter or digit (it names a Kafka topic)"
+        )
+
+
+def _file_for(settings: Settings, row: CredentialRow) -> Path:
+    if row.role == Role.NODE:
+        return credentials.node_file(settings, row.subject)
+    return credentials.tenant_file(settings, row.subject)
+
+
+def issue(
+    settings: Settings, role: Role, subject: str, label: str = "", out: Path | None = None
+) -> Issued:
+    """A new credential for ``subject`` (written to ``out`` or the local default path)."""
+    _check_name(subject)
+    with transaction(settings.admin_database_url) as conn:
+        existing = stored.load(conn, subject=subject)
+        if any(r.role != role and r.revoked_at is None for r in existing):
+            raise ConfigError(f"{subject!r} already holds live credentials of another role")
+        row = stored.issue(conn, role, subject, label)
+    path = credentials.save(credential_for(settings, row), out or _file_for(settings, row))
+    if role in (Role.TENANT, Role.OPERATOR):
+        bus.ensure_topics(settings, [subject])
+    return Issued(row, path)
+
+
+def ensure(settings: Settings, role: Role, subject: str) -> Issued | None:
+    """A live credential of ``subject`` with a local copy; None if one was there already.
+    (``dsec up`` makes the local stack's own this way, idempotently.)"""
+    with transaction(settings.admin_database_url) as conn:
+        live = [r for r in stored.load(conn, role, subject) if r.revoked_at is None]
+    if live:
+        row = live[-1]
+        path = _file_for(settings, row)
+        try:
+            held = credentials.load(path)
+        except ConfigError:
+            held = None
+        if held is None or held.key_id != row.key_id:
+            credentials.save(credential_for(settings, row), path)
+        if role in (Role.TENANT, Role.OPERATOR):
+            bus.ensure_topics(settings, [subject])
+        return None
+    return issue(settings, role, subject, "made by dsec up")
+
+
+def rotate(
+    settings: Settings, subject: str, out: Path | None = None, *, revoke_old: bool = True
+) -> Issued:
+    """A new key for ``subject`` (same role); its older keys are revoked unless
+    ``revoke_old`` is false (then both hold until `dsec tenant revoke KEY_ID`)."""
+    with transaction(settings.admin_database_url) as conn:
+        live = [r for r in stored.load(conn, subject=subject) if r.revoked_at is None]
+    if not live:
+        raise ConfigError(f"{subject!r} has no live credential to rotate")
+    issued = issue(settings, live[-1].role, subject, "rotated", out)
+    if revoke_old:
+        with transaction(settings.admin_database_url) as conn:
+            stored.revoke(conn, subject=subject, keep=issued.row.key_id)
+    return issued
+
+
+def revoke(settings: Settings, target: str) -> list[CredentialRow]:
+    """Revoke one key (by id) or every key of a tenant or node (by name)."""
+    with transaction(settings.admin_database_url) as conn:
+        if target.startswith("k-"):
+            return stored.revoke(conn, key_id=target)
+        return stored.revoke(conn, subject=target)
+
+
+def listing(settings: Settings, role: Role | None = None) -> list[CredentialRow]:
+    """Every credential (no secrets)."""
+    with transaction(settings.database_url) as conn:
+        return stored.load(conn, role)
