@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from app.cli_tenant import node_cli, tenant_cli
 from app.config import get_settings
 from app.image_cli import image_cli
 
@@ -25,6 +26,8 @@ deadletters_cli = typer.Typer(
     no_args_is_help=True, help="Messages no consumer could use: list them, send them again."
 )
 cli.add_typer(deadletters_cli, name="deadletters")
+cli.add_typer(tenant_cli, name="tenant")
+cli.add_typer(node_cli, name="node")
 console = Console()
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -366,6 +369,12 @@ def audit(
         str, typer.Option(help="Only events since: 30m, 2h, 7d ago or an ISO time (UTC).")
     ] = "",
     limit: Annotated[int, typer.Option(help="The latest this many events.")] = 100,
+    denied: Annotated[
+        bool,
+        typer.Option(
+            "--denied", help="Only refused senders: no proof, another's sandbox, a replay."
+        ),
+    ] = False,
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
     as_json: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
 ) -> None:
@@ -386,8 +395,10 @@ def audit(
             job_id=job or None,
             since=since_at,
             limit=limit,
+            denied=denied,
         )
-    reports.render(rows, output, "audit trail", console, reports.AUDIT_COLUMNS)
+    title = "refused senders" if denied else "audit trail"
+    reports.render(rows, output, title, console, reports.AUDIT_COLUMNS)
 
 
 @cli.command()

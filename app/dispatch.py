@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from app import metrics
-from app.codec import DecodeError, decode_event, encode
+from app.codec import DeadLetterReason, DecodeError, decode_event, encode
 from app.config import Settings
 from app.domain.base import RejectReason, StopReason, derived_id, new_id, utcnow
 from app.domain.events import (
@@ -603,6 +603,10 @@ class Dispatcher:
         if isinstance(verdict, Refusal):
             if verdict.decode_error is not None:
                 out.dead.append((record, verdict.decode_error))
+            elif verdict.reason == RejectReason.UNAUTHENTICATED and verdict.sender is None:
+                # Its proof failed: kept with its bytes, like anything a consumer refused.
+                unproven = DecodeError(DeadLetterReason.UNAUTHENTICATED, verdict.detail)
+                out.dead.append((record, unproven))
             self._reject(out, verdict)
             return
         request = verdict.request

@@ -1,9 +1,10 @@
 """The control plane's keys: derived from the master key, looked up by key id.
 
 Who owns a key id and whether it was revoked comes from the ``credentials`` table,
-read again every few seconds and at once (at most once a second) when an unknown key
-id shows up, so a new tenant's first request is not refused for a stale cache. A
-revocation takes effect within :data:`REFRESH_S`.
+read again every few seconds. An unknown key id is looked up by itself at once, so a
+new tenant's first request is not refused for a stale cache; those lookups are
+limited (:data:`MISSES_PER_S`), so a flood of made-up key ids costs the database
+little. A revocation takes effect within :data:`REFRESH_S`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 
 #: How often the credentials are read again (revocations take this long at most).
 REFRESH_S = 5.0
-#: An unknown key id reloads the credentials at most this often.
-MISS_RELOAD_S = 1.0
+#: Lookups of unknown key ids per second at most (made-up ids cost a query each).
+MISSES_PER_S = 20
 
 
 class Keyring(KeyLookup):
@@ -45,9 +46,12 @@ class Keyring(KeyLookup):
         master: bytes,
         load: Callable[[], Iterable[CredentialRow]],
         refresh_s: float = REFRESH_S,
+        load_one: Callable[[str], CredentialRow | None] | None = None,
     ) -> None:
         self._master = master
         self._load = load
+        self._load_one = load_one
+        self._misses: list[float] = []
         self._refresh_s = refresh_s
         self._lock = threading.Lock()
         self._keys: dict[str, KeyInfo] = {}
@@ -58,18 +62,36 @@ class Keyring(KeyLookup):
     @classmethod
     def from_settings(cls, settings: Settings) -> Keyring:
         """The keyring of a control-plane process (reads the master key file)."""
-        return cls(read_master(settings), lambda: _load_rows(settings))
+        return cls(
+            read_master(settings),
+            lambda: _load_rows(settings),
+            load_one=lambda key_id: _load_row(settings, key_id),
+        )
 
     def lookup(self, key_id: str) -> KeyInfo | None:
         if key_id == SCHEDULER_KEY_ID:
             return self.scheduler
         now = time.monotonic()
         with self._lock:
-            stale = now - self._loaded_at > self._refresh_s
-            missing = key_id not in self._keys and now - self._loaded_at > MISS_RELOAD_S
-            if stale or missing:
+            if now - self._loaded_at > self._refresh_s:
                 self._reload(now)
-            return self._keys.get(key_id)
+            found = self._keys.get(key_id)
+            if found is not None or self._load_one is None:
+                return found
+            self._misses = [t for t in self._misses if now - t < 1.0]
+            if len(self._misses) >= MISSES_PER_S:
+                return None
+            self._misses.append(now)
+            try:
+                row = self._load_one(key_id)
+            except Exception as exc:  # as for a reload: no key, say why in the log
+                log.warning("keyring: cannot look %s up (%s)", key_id, exc)
+                return None
+            if row is None:
+                return None
+            info = self._info(row)
+            self._keys[key_id] = info
+            return info
 
     def current(self, role: Role, subject: str) -> KeyInfo | None:
         with self._lock:
@@ -105,15 +127,15 @@ class Keyring(KeyLookup):
             )
             self._loaded_at = now
             return
-        self._keys = {
-            r.key_id: KeyInfo(
-                Principal(r.key_id, r.role, r.subject),
-                derive_secret(self._master, r.key_id),
-                revoked=r.revoked_at is not None,
-            )
-            for r in rows
-        }
+        self._keys = {r.key_id: self._info(r) for r in rows}
         self._loaded_at = now
+
+    def _info(self, row: CredentialRow) -> KeyInfo:
+        return KeyInfo(
+            Principal(row.key_id, row.role, row.subject),
+            derive_secret(self._master, row.key_id),
+            revoked=row.revoked_at is not None,
+        )
 
 
 def read_master(settings: Settings) -> bytes:
@@ -141,3 +163,8 @@ def credential_for(settings: Settings, row: CredentialRow) -> Credential:
 def _load_rows(settings: Settings) -> list[CredentialRow]:
     with transaction(settings.database_url) as conn:
         return stored.load(conn)
+
+
+def _load_row(settings: Settings, key_id: str) -> CredentialRow | None:
+    with transaction(settings.database_url) as conn:
+        return stored.find(conn, key_id)

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Connection,
     Date,
     DateTime,
@@ -48,6 +49,7 @@ audit_trail = table(
     column("action", Text),
     column("outcome", Text),
     column("detail", Text),
+    column("denied", Boolean),
 )
 
 #: The ``billing_daily`` view: usage per tenant, job and UTC day.
@@ -88,10 +90,14 @@ def audit(
     job_id: str | None = None,
     since: datetime | None = None,
     limit: int = 100,
+    denied: bool = False,
 ) -> list[Row]:
-    """The latest ``limit`` audit rows matching the filters, oldest first (like ``tail``)."""
+    """The latest ``limit`` audit rows matching the filters, oldest first (like ``tail``);
+    with ``denied``, only refusals of the sender (unauthenticated, forbidden, replays)."""
     t = audit_trail
     query = select(t).order_by(t.c.position.desc()).limit(limit)
+    if denied:
+        query = query.where(t.c.denied)
     if sandbox_id is not None:
         query = query.where(t.c.sandbox_id == sandbox_id)
     if tenant is not None:

@@ -166,7 +166,7 @@ def main() -> None:
     size = pools.get(settings.default_image, 0)
     print(f"stack: node {settings.node_id}, warm pool {pools or 'off'} ({size} of the image used)")
     headline: dict[str, str] = {}
-    with Client(settings, tenant="bench", job_id="create", actor="bench") as client:
+    with Client(settings, tenant="bench", job_id="create") as client:
         destroy_all(client, create_at_once(client, 2)[0])  # warm up the paths
         for c in args.concurrency:
             latencies: list[float] = []

@@ -132,7 +132,7 @@ def main() -> None:
         raise SystemExit(f"node {settings.node_id} has no usable cgroups")
     boxes: list[Sandbox] = []
     rows: list[tuple[int, dict[str, float]]] = []
-    with Client(settings, tenant="bench", job_id="density", actor="bench", timeout_s=600) as c:
+    with Client(settings, tenant="bench", job_id="density", timeout_s=600) as c:
         time.sleep(SETTLE_S)
         base = measure(settings, driver, limiter, [])
         print(

@@ -207,7 +207,7 @@ def main() -> None:
 
     if args.only in (None, "platform"):
         job = f"e2e-{uuid.uuid4().hex[:8]}"
-        with Client(settings, tenant="bench", job_id=job, actor="bench-e2e") as client:
+        with Client(settings, tenant="bench", job_id=job) as client:
             warm_up(platform_rollout(client, 1))
             runs["platform"] = run_all(Run("platform (SDK)"), k, c, platform_rollout(client, m))
         report(runs["platform"], k, m, c)

@@ -82,7 +82,7 @@ def main() -> None:
         pool.unregister(sandbox_id)
         driver.remove(sandbox_id)
     with (
-        Client(settings, tenant="bench", job_id="exec", actor="bench") as client,
+        Client(settings, tenant="bench", job_id="exec") as client,
         client.create() as box,
     ):
         results["platform (SDK): true"] = measure(

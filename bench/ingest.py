@@ -28,6 +28,7 @@ from kafka import KafkaAdminClient
 from sqlalchemy import text
 
 from app import bus
+from app.codec import encode
 from app.config import Settings, get_settings
 from app.db.engine import engine_for
 from app.db.setup import drop_database, ensure_database, migrate
@@ -43,6 +44,8 @@ from app.domain.events import (
     StartedPayload,
     StoppedPayload,
 )
+from app.domain.proof import Purpose, headers
+from app.keyring import Keyring
 from app.projector import BATCH_RECORDS
 
 
@@ -218,10 +221,15 @@ def measure(args: argparse.Namespace, settings: Settings) -> None:
     tenant = f"ingest-{uuid.uuid4().hex[:6]}"
     events = events_for(tenant, args.events)
 
+    # Proven as the platform proves them (the scheduler's key: no credentials table
+    # is needed in the bench database), so the projector checks every proof.
+    signer = Keyring.from_settings(settings).scheduler
     started = time.perf_counter()
     publisher = bus.Publisher(settings, linger_ms=5)
     for e in events:
-        publisher.publish(settings.topic_events, e.key, e)
+        value = encode(e)
+        proof = headers(Purpose.EVENT, signer.principal.key_id, signer.secret, value)
+        publisher.publish(settings.topic_events, e.key, value, headers=proof)
     publisher.flush()
     publisher.close()
     produce_s = time.perf_counter() - started

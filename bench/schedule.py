@@ -3,7 +3,8 @@
     .venv/bin/python bench/schedule.py [--requests 20000] [--nodes 160]
 
 Measures the scheduler's own work per CreateSandbox, as it runs in the scheduler
-process: decode and validate the request bytes, place it (capacity, image locality),
+process: check the request's proof, its freshness and that its id is new, decode and
+validate the request bytes, place it (capacity, image locality),
 build and serialise its Requested and Scheduled events and its node task. The I/O
 around it (Kafka, Celery) is the same per request whatever the placement costs and is
 measured end to end by bench/e2e.py. For scale: DSec's peak is 5,000 creations/s per
@@ -13,22 +14,23 @@ unit (160 nodes).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import uuid
-
-from kafka.consumer.fetcher import ConsumerRecord
 
 from app.codec import encode
 from app.config import get_settings
 from app.dispatch import Dispatcher, Outbox
 from app.domain.events import NodeHeartbeat, NodePayload
+from app.domain.proof import KeyInfo, Purpose, Role, StaticKeys, headers
+from app.domain.records import Inbound
 from app.domain.requests import CreateSandbox, ReplyTo
 
 
-def record(value: bytes, offset: int) -> ConsumerRecord:
-    return ConsumerRecord(
-        "dsec.requests", offset % 8, 0, offset, 0, 0, b"k", value, [], None, 1, len(value), -1
-    )
+def record(value: bytes, offset: int, key: bytes, signer: KeyInfo, purpose: Purpose) -> Inbound:
+    """A record proven by ``signer``, as the SDK or a node would prove it."""
+    proof = headers(purpose, signer.principal.key_id, signer.secret, value)
+    return Inbound("dsec.requests", offset % 8, offset, key, value, proof)
 
 
 def main() -> None:
@@ -36,7 +38,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--nodes", type=int, default=160)
     args = parser.parse_args()
-    dispatcher = Dispatcher(get_settings())
+    keys = StaticKeys(os.urandom(32))
+    tenants = [keys.add(f"k-tenant-{i}", Role.TENANT, f"t{i}") for i in range(50)]
+    dispatcher = Dispatcher(get_settings(), keys)
     out = Outbox()
     # 160 nodes of DSec's shape: 188 cores, 1.5 TB, ~3,200 sandboxes each.
     for i in range(args.nodes):
@@ -47,20 +51,22 @@ def main() -> None:
                 images=["dsec/busybox:latest"] if i % 2 else [], queue=f"node.node{i}",
             ),
         )  # fmt: skip
-        dispatcher.observe(out, record(encode(beat), i))
-    requests = [
-        encode(
-            CreateSandbox(
-                sandbox_id=f"sb-{uuid.uuid4().hex[:20]}", tenant=f"t{i % 50}", job_id="bench",
-                cpus=1, memory_mb=512, reply_to=ReplyTo(topic="dsec.replies", partition=i % 16),
-            )
+        node = keys.add(f"k-node-{i}", Role.NODE, f"node{i}")
+        dispatcher.observe(out, record(encode(beat), i, b"n", node, Purpose.EVENT))
+    requests = []
+    for i in range(args.requests):
+        tenant = tenants[i % 50]
+        create = CreateSandbox(
+            sandbox_id=f"sb-{uuid.uuid4().hex[:20]}", job_id="bench", cpus=1, memory_mb=512,
+            reply_to=ReplyTo(topic=f"dsec.replies.t{i % 50}", partition=i % 16),
+        )  # fmt: skip
+        requests.append(
+            record(encode(create), i, create.sandbox_id.encode(), tenant, Purpose.REQUEST)
         )
-        for i in range(args.requests)
-    ]  # fmt: skip
     started = time.perf_counter()
-    for offset, body in enumerate(requests):
+    for request in requests:
         out = Outbox()
-        dispatcher.handle(out, record(body, offset))
+        dispatcher.handle(out, request)
     elapsed = time.perf_counter() - started
     placed = len(dispatcher.placement.allocations)
     used = sorted(n.used_sandboxes for n in dispatcher.placement.nodes.values())

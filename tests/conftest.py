@@ -33,6 +33,7 @@ def stack(settings: Settings) -> Settings:
         stack_mod.up(settings, log=lambda _m: None)
     except Exception as exc:  # name the service in the failure, never skip
         pytest.fail(f"the embedded stack is not available: {exc}", pytrace=False)
+    ensure_tenant(settings, "tests")  # the tenant the suite's own clients sign as
     return settings
 
 
@@ -45,12 +46,62 @@ def limiter(stack: Settings) -> CgroupLimiter:
     return found
 
 
+def ensure_tenant(settings: Settings, name: str, role: str = "tenant") -> Any:
+    """A tenant (or operator) with a local credential; returns the credential."""
+    from app import credentials, tenants
+    from app.domain.proof import Role
+
+    tenants.ensure(settings, Role(role), name)
+    return credentials.load(credentials.tenant_file(settings, name))
+
+
 @pytest.fixture(scope="session")
 def client(stack: Settings) -> Iterator[Any]:
     from app.sdk import Client
 
-    with Client(stack, tenant="tests", job_id=f"tests-{uuid.uuid4().hex[:6]}", actor="pytest") as c:
+    ensure_tenant(stack, "tests")
+    with Client(stack, tenant="tests", job_id=f"tests-{uuid.uuid4().hex[:6]}") as c:
         yield c
+
+
+class PlatformPublisher:
+    """A publisher that proves what it sends as the platform would: an event by its
+    node's key (node-only events) or the scheduler's; anything else goes unsigned."""
+
+    def __init__(self, settings: Settings) -> None:
+        from app import bus
+        from app.keyring import Keyring
+
+        self.settings = settings
+        self._publisher = bus.Publisher(settings)
+        self._scheduler = Keyring.from_settings(settings).scheduler
+
+    def publish(
+        self, topic: str, key: str, message: Any, *, wait: bool = False,
+        partition: int | None = None,
+    ) -> None:  # fmt: skip
+        from app import credentials
+        from app.codec import encode
+        from app.domain.proof import Purpose, headers
+        from app.domain.trust import NODE_ONLY_EVENTS
+
+        value = message if isinstance(message, bytes) else encode(message)
+        proof = None
+        if topic == self.settings.topic_events:
+            kind = getattr(message, "type", None)
+            if kind in NODE_ONLY_EVENTS:
+                cred = credentials.load(credentials.node_file(self.settings, message.node_id))
+                key_id, secret = cred.key_id, cred.secret
+            else:
+                key_id, secret = self._scheduler.principal.key_id, self._scheduler.secret
+            proof = headers(Purpose.EVENT, key_id, secret, value)
+        self._publisher.publish(topic, key, value, wait=wait, partition=partition, headers=proof)
+
+    def flush(self) -> None:
+        self._publisher.flush()
+
+    def close(self) -> None:
+        self._publisher.close()
 
 
 @pytest.fixture

@@ -374,6 +374,7 @@ class Node:
                     reason=reason,
                     detail=detail,
                     request_id=request.request_id if request else None,
+                    actor=request.actor if request else None,
                     last_state=last_state,
                 ),
             )
@@ -426,7 +427,9 @@ class Node:
         self.outlet.event(
             event_type(
                 **self._envelope(request),
-                payload=FreezePayload(reason=reason, request_id=request.request_id),
+                payload=FreezePayload(
+                    reason=reason, request_id=request.request_id, actor=request.actor
+                ),
             )
         )
         self.outlet.reply(

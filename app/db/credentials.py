@@ -81,6 +81,12 @@ def load(conn: Connection, role: Role | None = None, subject: str | None = None
     return [_row(r) for r in conn.execute(query).all()]
 
 
+def find(conn: Connection, key_id: str) -> CredentialRow | None:
+    """One credential by key id."""
+    row = conn.execute(select(credentials).where(credentials.c.key_id == key_id)).first()
+    return _row(row) if row is not None else None
+
+
 def _row(row: object) -> CredentialRow:
     m = row._mapping  # type: ignore[attr-defined]
     return CredentialRow(

@@ -121,6 +121,9 @@ class StoppedPayload(Message):
     reason: StopReason = Field(description="Why it ended.")
     detail: str = Field("", description="Human-readable explanation.")
     request_id: uuid.UUID | None = Field(None, description="The Destroy request, if any.")
+    actor: str | None = Field(
+        None, description="Who asked for the end (the authenticated sender); None: the platform."
+    )
     last_state: LastState | None = Field(None, description="How it stood when it ended.")
 
 
@@ -170,6 +173,7 @@ class FreezePayload(Message):
 
     reason: str = Field(description="lease_lapsed, requested, lease_renewed ...")
     request_id: uuid.UUID | None = Field(None, description="The request behind it.")
+    actor: str | None = Field(None, description="Who asked (the authenticated sender).")
 
 
 class NodePayload(Message):

@@ -13,8 +13,10 @@ from kafka import TopicPartition
 from app import bus
 from app.codec import encode
 from app.config import Settings
+from app.domain.proof import Purpose, headers
 from app.domain.requests import CreateSandbox
-from tests.conftest import scalar, wait_for
+from app.keyring import Keyring
+from tests.conftest import ensure_tenant, scalar, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -38,38 +40,68 @@ def _dead_letters_after(settings: Settings, send: Any, original: bytes) -> list[
     return ours
 
 
+def _signed(settings: Settings, value: bytes) -> list[tuple[str, bytes]]:
+    """The proof tenant "tests" gives a request: its bytes are garbage, its sender real."""
+    cred = ensure_tenant(settings, "tests")
+    return headers(Purpose.REQUEST, cred.key_id, cred.secret, value)
+
+
 def test_malformed_request_goes_to_dead_letters(stack: Settings) -> None:
     publisher = bus.Publisher(stack)
     garbage = b"{this is not json"
+    proof = _signed(stack, garbage)
     ours = _dead_letters_after(
         stack,
-        lambda: publisher.publish(stack.topic_requests, "sb-garbage", garbage, wait=True),
+        lambda: publisher.publish(
+            stack.topic_requests, "sb-garbage", garbage, wait=True, headers=proof
+        ),
         garbage,
     )
     publisher.close()
     assert ours and ours[0]["reason"] == "malformed_json" and ours[0]["consumer"] == "scheduler"
 
 
+def test_unsigned_request_goes_to_dead_letters(stack: Settings) -> None:
+    publisher = bus.Publisher(stack)
+    unsigned = encode(CreateSandbox(sandbox_id=f"sb-nosig-{uuid.uuid4().hex[:8]}"))
+    ours = _dead_letters_after(
+        stack,
+        lambda: publisher.publish(stack.topic_requests, "sb-nosig", unsigned, wait=True),
+        unsigned,
+    )
+    publisher.close()
+    assert ours and ours[0]["reason"] == "unauthenticated"
+
+
 def test_malformed_event_goes_to_dead_letters(stack: Settings) -> None:
     publisher = bus.Publisher(stack)
     garbage = json.dumps({"type": "SandboxExploded", "version": 1}).encode()
+    proof = _platform_proof(stack, garbage)
     ours = _dead_letters_after(
-        stack, lambda: publisher.publish(stack.topic_events, "x", garbage, wait=True), garbage
+        stack,
+        lambda: publisher.publish(stack.topic_events, "x", garbage, wait=True, headers=proof),
+        garbage,
     )
     publisher.close()
     assert ours and ours[0]["reason"] == "unknown_type" and ours[0]["consumer"] == "projector"
+
+
+def _platform_proof(settings: Settings, value: bytes) -> list[tuple[str, bytes]]:
+    info = Keyring.from_settings(settings).scheduler
+    return headers(Purpose.EVENT, info.principal.key_id, info.secret, value)
 
 
 def test_invalid_request_is_rejected_then_next_request_works(
     stack: Settings, client: Any, db: Any
 ) -> None:
     # Given a create asking for an impossible amount of CPU, sent by a raw Kafka client
-    request = CreateSandbox(sandbox_id=f"sb-bad-{uuid.uuid4().hex[:8]}", tenant="tests")
+    request = CreateSandbox(sandbox_id=f"sb-bad-{uuid.uuid4().hex[:8]}")
     body = json.loads(encode(request))
     body["cpus"] = -4
+    raw = json.dumps(body).encode()
     publisher = bus.Publisher(stack)
     publisher.publish(
-        stack.topic_requests, request.sandbox_id, json.dumps(body).encode(), wait=True
+        stack.topic_requests, request.sandbox_id, raw, wait=True, headers=_signed(stack, raw)
     )
     publisher.close()
     # Then a Rejected event says why

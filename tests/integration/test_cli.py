@@ -41,13 +41,15 @@ def test_a_sandbox_from_create_to_destroy(
     stack: Settings, db: Callable[[], Any], tmp_path: Path
 ) -> None:
     tenant = f"cli-{uuid.uuid4().hex[:8]}"
-    # Given a sandbox created from the shell
+    # Given a tenant an operator made, and a sandbox it created from the shell
+    made = _json(dsec("tenant", "create", tenant, "--json"))
+    assert made["role"] == "tenant" and Path(made["credential_file"]).stat().st_mode & 0o077 == 0
     created = dsec("create", "--tenant", tenant, "--job", "shell", "--memory-mb", "128")
     assert created.exit_code == 0, created.output
     sandbox_id = created.stdout.strip()
     assert sandbox_id.startswith("sb-")
     try:
-        # When a command runs in it, with no --tenant
+        # When a command runs in it, with no --tenant (as the local operator)
         ran = dsec("exec", sandbox_id, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
         # Then its output comes back raw, on the right streams, and its exit code is ours
         assert ran.exit_code == 3, ran.output
@@ -91,6 +93,15 @@ def test_a_sandbox_from_create_to_destroy(
                 sb=sandbox_id,
             )
         assert billed == [tenant]
+        # And the log says the operator ran them, not the tenant
+        with db() as conn:
+            actors = scalar(
+                conn,
+                "SELECT array_agg(DISTINCT payload->>'actor') FROM events"
+                " WHERE sandbox_id = :sb AND type = 'CommandCompleted'",
+                sb=sandbox_id,
+            )
+        assert len(actors) == 1 and actors[0].startswith("operator:")
     finally:
         destroyed = dsec("destroy", sandbox_id)
     assert destroyed.exit_code == 0, destroyed.output
@@ -104,7 +115,7 @@ def test_a_sandbox_from_create_to_destroy(
 
 def test_exec_in_an_unknown_sandbox_fails_with_125(stack: Settings) -> None:
     # When a command is sent to a sandbox that never existed
-    result = dsec("exec", "--tenant", "cli", "sb-never-was-here", "--", "true")
+    result = dsec("exec", "sb-never-was-here", "--", "true")
     # Then the CLI says why on stderr and ends with 125, never a command's code
     assert result.exit_code == 125
     assert "unknown_sandbox" in result.stderr

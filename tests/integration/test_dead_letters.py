@@ -19,7 +19,9 @@ from app.cli import cli
 from app.config import Settings
 from app.domain.dead_letter import DeadLetter
 from app.domain.events import NodeLost, NodeLostPayload
-from tests.conftest import scalar, wait_for
+from app.domain.proof import Purpose, headers
+from app.keyring import Keyring
+from tests.conftest import PlatformPublisher, scalar, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +82,7 @@ def test_bad_event_is_dead_lettered_with_reason(stack: Settings, db: Any, reason
     consumer.seek_to_end(tp)
     consumer.position(tp)
     # When a bad event and then a good one are published
-    publisher = bus.Publisher(stack)
+    publisher = PlatformPublisher(stack)
     key = f"dl-{uuid.uuid4().hex[:8]}"
     publisher.publish(stack.topic_events, key, bad, wait=True)
     good = _valid_event()
@@ -115,8 +117,11 @@ def test_bad_event_is_dead_lettered_with_reason(stack: Settings, db: Any, reason
 
 
 def _letter(settings: Settings, refused_by: str, original: bytes, **extra: Any) -> DeadLetter:
-    """A letter as an older projector would have written it."""
+    """A letter as an older projector would have written it, with the record's proof."""
+    signer = Keyring.from_settings(settings).scheduler
+    proof = headers(Purpose.EVENT, signer.principal.key_id, signer.secret, original)
     return DeadLetter(
+        headers=[(name, base64.b64encode(value).decode()) for name, value in proof],
         consumer=refused_by,
         topic=settings.topic_events,
         partition=0,
@@ -136,7 +141,7 @@ def test_a_letter_whose_cause_is_gone_replays_into_the_log_once(stack: Settings,
     refused_by = f"old-projector-{uuid.uuid4().hex[:8]}"
     event = _valid_event()
     raw = event.model_dump_json().encode()
-    publisher = bus.Publisher(stack)
+    publisher = PlatformPublisher(stack)
     publisher.publish(stack.topic_dead_letters, "k", _letter(stack, refused_by, raw))
     cut = _letter(stack, refused_by, raw[:10], original_truncated=True)
     publisher.publish(stack.topic_dead_letters, "k", cut, wait=True)
@@ -156,7 +161,7 @@ def test_a_letter_whose_cause_is_gone_replays_into_the_log_once(stack: Settings,
     assert json.loads(again.stdout) == {"sent": 1, "truncated": 1}
     # (a marker published after both replays: once it is in, both were consumed)
     marker = _valid_event()
-    publisher = bus.Publisher(stack)
+    publisher = PlatformPublisher(stack)
     publisher.publish(stack.topic_events, "replayed", marker, wait=True)  # same partition
     publisher.close()
     count = "SELECT count(*) FROM events WHERE event_id = :e"

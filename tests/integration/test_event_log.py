@@ -10,17 +10,16 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DBAPIError
 
-from app.bus import Publisher
 from app.config import Settings
 from app.domain.events import NodeLost, NodeLostPayload
 from app.errors import LogTamperRefused
-from tests.conftest import scalar, wait_for
+from tests.conftest import PlatformPublisher, scalar, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def _one_event(settings: Settings) -> uuid.UUID:
-    publisher = Publisher(settings)
+    publisher = PlatformPublisher(settings)
     event = NodeLost(node_id=f"test-{uuid.uuid4().hex[:6]}", payload=NodeLostPayload(detail="test"))
     publisher.publish(settings.topic_events, event.key, event, wait=True)
     publisher.close()
@@ -61,7 +60,7 @@ def test_owner_cannot_change_the_log_even_as_replica(stack: Settings, statement:
 
 def test_same_message_twice_lands_once(stack: Settings, db: Any) -> None:
     # Given one event published twice, byte for byte (a producer retry)
-    publisher = Publisher(stack)
+    publisher = PlatformPublisher(stack)
     event = NodeLost(node_id=f"dup-{uuid.uuid4().hex[:6]}", payload=NodeLostPayload(detail="dup"))
     publisher.publish(stack.topic_events, event.key, event)
     publisher.publish(stack.topic_events, event.key, event)

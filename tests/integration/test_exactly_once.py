@@ -31,7 +31,7 @@ from app.domain.events import (
     StartedPayload,
     StoppedPayload,
 )
-from tests.conftest import scalar, wait_for
+from tests.conftest import PlatformPublisher, scalar, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -89,7 +89,7 @@ def test_sigkill_at_random_moments_loses_and_duplicates_nothing(stack: Settings,
     env = {**os.environ, "DSEC_TOPIC_PREFIX": prefix, "DSEC_METRICS_PORT": "0"}
 
     def produce() -> None:
-        publisher = bus.Publisher(settings)
+        publisher = PlatformPublisher(settings)
         for i, event in enumerate(stream):
             publisher.publish(settings.topic_events, event.key, event)
             if i % 100 == 99:

@@ -11,11 +11,10 @@ from typing import Any
 import pytest
 
 from app import stack as stack_mod
-from app.bus import Publisher
 from app.config import Settings
 from app.domain.events import NodeLost, NodeLostPayload
 from app.errors import SandboxRejected
-from tests.conftest import scalar, wait_for
+from tests.conftest import PlatformPublisher, scalar, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,7 +38,7 @@ def three_nodes(stack: Settings) -> Iterator[Settings]:
 def _retire_extra_nodes(stack: Settings) -> None:
     # Also after a failed `up`: a live extra node would take later tests' sandboxes.
     extra = stack_mod.node_ids(stack, NODES)[1:]
-    publisher = Publisher(stack)
+    publisher = PlatformPublisher(stack)
     for node in extra:
         _worker(stack, node).stop(stack)
         lost = NodeLost(node_id=node, payload=NodeLostPayload(detail="stopped by the tests"))

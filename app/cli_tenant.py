@@ -1,0 +1,163 @@
+"""``dsec tenant ...`` and ``dsec node ...``: credentials, as an operator manages them.
+
+Secrets never reach the terminal: a new credential is written to a file readable by
+root only (its path is printed), for the operator to hand to the tenant or the node
+host. Listings show key ids, owners and revocations.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from app.config import get_settings
+from app.db.credentials import CredentialRow
+from app.domain.proof import Role
+from app.errors import DsecError
+
+tenant_cli = typer.Typer(
+    no_args_is_help=True, help="Tenants and operators: credentials that sign requests."
+)
+node_cli = typer.Typer(no_args_is_help=True, help="Nodes: credentials that prove their events.")
+console = Console()
+
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", help="Write the credential here (default: the local secrets dir)."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _row(row: CredentialRow) -> dict[str, Any]:
+    return {
+        "key_id": row.key_id,
+        "role": row.role.value,
+        "name": row.subject,
+        "label": row.label,
+        "created_at": row.created_at.isoformat(timespec="seconds"),
+        "created_by": row.created_by,
+        "revoked_at": row.revoked_at.isoformat(timespec="seconds") if row.revoked_at else None,
+    }
+
+
+def _print(rows: list[CredentialRow], as_json: bool, title: str) -> None:
+    found = [_row(r) for r in rows]
+    if as_json:
+        print(json.dumps(found, indent=2))
+        return
+    table = Table(title=title)
+    for column in found[0] if found else ["(none)"]:
+        table.add_column(column)
+    for row in found:
+        table.add_row(*("" if v is None else str(v) for v in row.values()))
+    console.print(table)
+
+
+def _fail(exc: DsecError) -> None:
+    console.print(f"[red]dsec:[/] {exc}")
+    raise typer.Exit(2)
+
+
+def _issue(role: Role, name: str, label: str, out: Path | None, as_json: bool) -> None:
+    from app import tenants
+
+    try:
+        issued = tenants.issue(get_settings(), role, name, label, out)
+    except DsecError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        print(json.dumps({**_row(issued.row), "credential_file": str(issued.path)}, indent=2))
+    else:
+        console.print(
+            f"{role.value} {name}: key {issued.row.key_id}, credential in {issued.path} "
+            "(root only; hand it over, e.g. as DSEC_CREDENTIALS)"
+        )
+
+
+@tenant_cli.command("create")
+def tenant_create(
+    name: str,
+    label: Annotated[str, typer.Option(help="A note kept with the key.")] = "",
+    operator: Annotated[
+        bool, typer.Option("--operator", help="An operator: may act on every sandbox.")
+    ] = False,
+    out: OutOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Make a tenant (or operator) credential; its replies topic is made with it."""
+    _issue(Role.OPERATOR if operator else Role.TENANT, name, label, out, as_json)
+
+
+@tenant_cli.command("ls")
+def tenant_ls(
+    revoked: Annotated[bool, typer.Option(help="Show revoked keys too.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Tenants' and operators' keys (never their secrets)."""
+    from app import tenants
+
+    rows = [
+        r
+        for r in tenants.listing(get_settings())
+        if r.role in (Role.TENANT, Role.OPERATOR) and (revoked or r.revoked_at is None)
+    ]
+    _print(rows, as_json, "tenants")
+
+
+@tenant_cli.command("rotate")
+def tenant_rotate(
+    name: str,
+    keep_old: Annotated[
+        bool, typer.Option(help="Leave the old keys valid (revoke them later by key id).")
+    ] = False,
+    out: OutOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Give a tenant a new key; its old keys stop working unless --keep-old."""
+    from app import tenants
+
+    try:
+        issued = tenants.rotate(get_settings(), name, out, revoke_old=not keep_old)
+    except DsecError as exc:
+        _fail(exc)
+        return
+    _print([issued.row], as_json, f"new key of {name} (credential in {issued.path})")
+
+
+@tenant_cli.command("revoke")
+def tenant_revoke(
+    target: Annotated[str, typer.Argument(help="A key id (k-...), or a name: all its keys.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Revoke keys: requests signed with them are refused within seconds."""
+    from app import tenants
+
+    _print(tenants.revoke(get_settings(), target), as_json, "revoked")
+
+
+@node_cli.command("add")
+def node_add(name: str, out: OutOpt = None, as_json: JsonOpt = False) -> None:
+    """Make a node credential: copy the file to the node host (DSEC_NODE_CREDENTIAL_FILE)."""
+    _issue(Role.NODE, name, "", out, as_json)
+
+
+@node_cli.command("ls")
+def node_ls(as_json: JsonOpt = False) -> None:
+    """Nodes' keys."""
+    from app import tenants
+
+    _print(tenants.listing(get_settings(), Role.NODE), as_json, "node credentials")
+
+
+@node_cli.command("revoke")
+def node_revoke(target: str, as_json: JsonOpt = False) -> None:
+    """Revoke a node's keys: its events are refused (dead letters) and it gets no work."""
+    from app import tenants
+
+    _print(tenants.revoke(get_settings(), target), as_json, "revoked")
