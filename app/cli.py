@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.cli_tenant import node_cli, tenant_cli
-from app.config import get_settings
+from app.config import get_settings, redact
 from app.image_cli import image_cli
 
 cli = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training.")
@@ -104,16 +104,7 @@ def status(as_json: JsonOpt = False) -> None:
             "service": "postgres",
             "state": "external",
             "pid": None,
-            "endpoint": settings.database_url,
-            "log": "",
-        }
-    )
-    rows.append(
-        {
-            "service": "redis",
-            "state": "external",
-            "pid": None,
-            "endpoint": settings.celery_broker_url,
+            "endpoint": redact(settings.database_url),
             "log": "",
         }
     )

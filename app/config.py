@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
 
 
 class Settings(BaseSettings):
@@ -19,13 +21,29 @@ class Settings(BaseSettings):
     )
     database_url: str = Field(
         "postgresql+psycopg://dsec_app@127.0.0.1:5432/dsec",
-        description="SQLAlchemy URL the services use (least-privilege role).",
+        description=(
+            "SQLAlchemy URL the services use (least-privilege role). Without a password,"
+            " the local stack's <secrets_dir>/postgres-<user>.password is used."
+        ),
     )
     admin_database_url: str = Field(
-        "postgresql+psycopg://postgres@127.0.0.1:5432/dsec",
-        description="SQLAlchemy URL for migrations and setup (owner role).",
+        "postgresql+psycopg://dsec_owner@127.0.0.1:5432/dsec",
+        description="SQLAlchemy URL for migrations and credentials (the owner role).",
     )
-    celery_broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker URL.")
+    postgres_superuser_url: str = Field(
+        "postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
+        description=(
+            "Used by `dsec up` alone, to make the dsec roles on a local Postgres (if it"
+            " cannot connect, it runs psql as the postgres system user instead)."
+        ),
+    )
+    celery_broker_url: str = Field(
+        "redis://127.0.0.1:6390/0",
+        description=(
+            "Celery broker URL. Without a password, the local stack's"
+            " <secrets_dir>/redis.password is used (its own Redis, on port 6390)."
+        ),
+    )
     node_id: str = Field("node0", description="Id of the node this worker drives.")
     state_dir: Path = Field(Path("/var/lib/dsec"), description="Logs, pid files, node homes.")
     secrets_dir: Path = Field(
@@ -137,6 +155,28 @@ class Settings(BaseSettings):
         ),
     )
 
+    @model_validator(mode="after")
+    def _local_passwords(self) -> Settings:
+        return self.fill_local_passwords()
+
+    def fill_local_passwords(self) -> Settings:
+        """Fill in the local stack's passwords where the URLs carry none (and the
+        files are readable: root's, on a host that has them). ``dsec up`` calls it
+        again once it has made them."""
+        for name in ("database_url", "admin_database_url"):
+            url = make_url(getattr(self, name))
+            if url.password is None and url.username:
+                found = _secret(self.secrets_dir / f"postgres-{url.username}.password")
+                if found is not None:
+                    setattr(self, name, url.set(password=found).render_as_string(False))
+        broker = urlsplit(self.celery_broker_url)
+        if broker.scheme.startswith("redis") and broker.password is None:
+            found = _secret(self.secrets_dir / "redis.password")
+            if found is not None:
+                netloc = f":{quote(found, safe='')}@{broker.netloc.rpartition('@')[2]}"
+                self.celery_broker_url = urlunsplit(broker._replace(netloc=netloc))
+        return self
+
     @property
     def topic_requests(self) -> str:
         return f"{self.topic_prefix}.requests"
@@ -164,6 +204,23 @@ class Settings(BaseSettings):
     def node_queue(self, node_id: str | None = None) -> str:
         """Celery queue a node's worker consumes."""
         return f"node.{node_id or self.node_id}"
+
+
+def _secret(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:  # missing, or not ours to read
+        return None
+
+
+def redact(url: str) -> str:
+    """A URL fit to print: its password replaced."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 @lru_cache(maxsize=1)

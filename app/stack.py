@@ -83,6 +83,8 @@ class Service:
     ready: Callable[[], bool] | None = None
     # Our own processes run this checkout's code; the broker is a foreign binary.
     runs_our_code: bool = True
+    #: What its /proc cmdline shows (default: its last argument); Redis retitles itself.
+    title: bytes | None = None
 
     def pidfile(self, settings: Settings) -> Path:
         return settings.state_dir / "run" / f"{self.name}.pid"
@@ -129,7 +131,8 @@ class Service:
             if cmdline or not _alive(pid):
                 break
             time.sleep(0.01)
-        return pid if self.argv[-1].encode() in cmdline or b"dsec" in cmdline else None
+        mark = self.title or self.argv[-1].encode()
+        return pid if mark in cmdline or b"dsec" in cmdline else None
 
     def start(self, settings: Settings) -> bool:
         """Start unless running this checkout's code; True if it was started now."""
@@ -229,6 +232,7 @@ def services(settings: Settings, nodes: int | list[str] = 1) -> list[Service]:
             ready=lambda: port_open(host, port),
             runs_our_code=False,
         ),
+        redis_service(settings),
         Service(
             "projector",
             [py, "-m", "app.cli", "run", "projector"],
@@ -256,36 +260,94 @@ def services(settings: Settings, nodes: int | list[str] = 1) -> list[Service]:
                 py,
                 "-m",
                 "celery",
-                "-b",
-                settings.celery_broker_url,
+                # The app, not `-b URL`: a password on the command line is anyone's to read.
+                "-A",
+                "app.flower_app",
                 "flower",
                 f"--port={settings.flower_port}",
                 "--address=127.0.0.1",
                 "dsec-flower",
             ],
             endpoint=f"http://127.0.0.1:{settings.flower_port}",
-            # Flower 2 refuses its HTTP API without auth unless told; it listens on
-            # loopback only.
-            env={"FLOWER_UNAUTHENTICATED_API": "true"},
+            # Basic auth from a root-only file, passed in the environment (which only
+            # its user reads); its HTTP API then needs the same credentials.
+            env={"FLOWER_BASIC_AUTH": f"{FLOWER_USER}:{flower_password(settings)}"},
             ready=lambda: port_open("127.0.0.1", settings.flower_port),
         )
     )
     return out
 
 
+#: The user Flower asks for (its password is <secrets_dir>/flower.password).
+FLOWER_USER = "dsec"
+
+
+def flower_password(settings: Settings) -> str:
+    """Flower's password ('' where it is not readable: ``up`` makes it, root only)."""
+    from app import secret_files
+
+    return secret_files.read_text(settings.secrets_dir / "flower.password") or ""
+
+
+def redis_service(settings: Settings) -> Service:
+    """The stack's own Redis (the Celery broker): a password, and an append-only file
+    so that creation tasks queued when it restarts are not lost (fsync every second).
+    Its configuration, password included, is a root-only file, not its command line."""
+    parts = urlparse(settings.celery_broker_url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    conf = settings.state_dir / "redis" / "redis.conf"
+    return Service(
+        "redis",
+        ["redis-server", str(conf)],
+        endpoint=f"redis://{host}:{port}",
+        ready=lambda: port_open(host, port),
+        runs_our_code=False,
+        title=f"redis-server {host}:{port}".encode(),
+    )
+
+
+def write_redis_conf(settings: Settings) -> None:
+    """The configuration :func:`redis_service` starts with (rewritten each `up`)."""
+    from app import secret_files
+
+    parts = urlparse(settings.celery_broker_url)
+    password = secret_files.ensure(settings.secrets_dir / "redis.password", text=True).decode()
+    home = settings.state_dir / "redis"
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(home, 0o700)
+    conf = home / "redis.conf"
+    body = "\n".join(
+        [
+            f"bind {parts.hostname or '127.0.0.1'}",
+            f"port {parts.port or 6379}",
+            "protected-mode yes",
+            f"requirepass {password}",
+            f"dir {home}",
+            "appendonly yes",
+            "appendfsync everysec",
+            'save ""',
+            f"logfile {settings.state_dir / 'logs' / 'redis-server.log'}",
+            "daemonize no",
+            "",
+        ]
+    )
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(body)
+    settings.fill_local_passwords()
+
+
 def check_backing_services(settings: Settings) -> None:
-    """Postgres and Redis must answer (the bootstrap installs them where missing)."""
+    """Postgres must answer (the bootstrap installs it where missing); Redis is the
+    stack's own."""
     pg = make_url(settings.admin_database_url)
     if not port_open(pg.host or "127.0.0.1", pg.port or 5432, 2.0):
         raise ServiceUnavailable(
             f"Postgres is not answering on {pg.host}:{pg.port or 5432} (run `make bootstrap`)"
         )
-    redis = urlparse(settings.celery_broker_url)
-    if not port_open(redis.hostname or "127.0.0.1", redis.port or 6379, 2.0):
-        raise ServiceUnavailable(
-            f"Redis is not answering on {redis.hostname}:{redis.port or 6379} "
-            "(run `make bootstrap`)"
-        )
+    for tool in ("redis-server",):
+        if shutil.which(tool) is None:
+            raise ServiceUnavailable(f"{tool} is not installed (run `make bootstrap`)")
     for tool in ("podman", "runc", "newuidmap"):
         if shutil.which(tool) is None:
             raise ServiceUnavailable(f"{tool} is not installed (run `make bootstrap`)")
@@ -344,19 +406,25 @@ def node_alive(settings: Settings, node: str, since: float) -> bool:
 
 def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -> list[Service]:
     """Bring the whole embedded stack up; reuse whatever already runs."""
-    from app import bus
+    from app import bus, secret_files
+    from app.db.roles import ensure_roles
     from app.db.setup import ensure_database, migrate
 
     check_backing_services(settings)
     started_at = time.time()
+    write_redis_conf(settings)
+    secret_files.ensure(settings.secrets_dir / "flower.password", text=True)
     stack = services(settings, nodes)
-    broker, rest = stack[0], stack[1:]
-    if broker.ready is not None and broker.ready():
-        log(f"broker: reusing {broker.endpoint}")
-    else:
-        broker.start(settings)
-        wait_until(broker.ready or (lambda: True), 20, "the Kafka-protocol broker")
-        log(f"broker: started on {broker.endpoint}")
+    broker, redis, rest = stack[0], stack[1], stack[2:]
+    for backing, what in ((broker, "the Kafka-protocol broker"), (redis, "Redis")):
+        if backing.ready is not None and backing.ready():
+            log(f"{backing.name}: reusing {backing.endpoint}")
+        else:
+            backing.start(settings)
+            wait_until(backing.ready or (lambda: True), 20, what)
+            log(f"{backing.name}: started on {backing.endpoint}")
+    ensure_roles(settings)
+    log("postgres: roles dsec_owner and dsec_app with passwords")
     ensure_database(settings)
     migrate(settings)
     log("postgres: schema at head")
