@@ -13,6 +13,7 @@ from app.codec import (
     decode_reply,
     decode_request,
     encode,
+    peek,
 )
 from app.domain.events import SandboxStopped, StoppedPayload
 from app.domain.replies import ExecOutput
@@ -44,6 +45,21 @@ def test_request_round_trip_keeps_type() -> None:
         ),
         (json.dumps({"type": "Exec", "sandbox_id": "sb-1"}).encode(), DeadLetterReason.INVALID),
         (b"x" * 2000, DeadLetterReason.TOO_LARGE),
+        # hostile, not just wrong: none of these may raise anything but DecodeError
+        (b"[" * 999, DeadLetterReason.TOO_DEEP),
+        (b'{"a":' * 199, DeadLetterReason.TOO_DEEP),
+        (b'{"type": "Exec", "command": "\\ud800"}', DeadLetterReason.MALFORMED_JSON),
+        (b'{"type": "Exec", "version": ' + b"9" * 900 + b"}", DeadLetterReason.UNSUPPORTED_VERSION),
+        (b'{"type": ["Exec"]}', DeadLetterReason.UNKNOWN_TYPE),
+        (b'{"type": {"Exec": 1}}', DeadLetterReason.UNKNOWN_TYPE),
+        (
+            b'{"type": "Exec", "sandbox_id": "sb-1", "command": "a\\u0000"}',
+            DeadLetterReason.INVALID,
+        ),
+        (
+            b'{"type": "Exec", "sandbox_id": "sb-1", "command": "x", "timeout_s": NaN}',
+            DeadLetterReason.INVALID,
+        ),
     ],
 )
 def test_bad_requests_are_refused_with_reason(raw: bytes, reason: DeadLetterReason) -> None:
@@ -83,3 +99,11 @@ def test_replies_are_read_tolerantly_but_still_validated() -> None:
     with pytest.raises(DecodeError) as info:
         decode_reply(json.dumps(body).encode())
     assert info.value.reason == DeadLetterReason.INVALID
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"\xff", b"[" * 100_000, b'{"a":' * 100_000, b'{"a": "\\ud800"}', b"[1]"]
+)
+def test_peek_never_raises(raw: bytes) -> None:
+    assert peek(raw) == {}
+    assert peek(b'{"request_id": "x", "deep": ' + b"[" * 10 + b"]" * 10 + b"}")["request_id"] == "x"
