@@ -32,6 +32,32 @@ def _servers(settings: Settings) -> list[str]:
     return [s.strip() for s in settings.kafka_bootstrap.split(",") if s.strip()]
 
 
+def client_options(settings: Settings) -> dict[str, Any]:
+    """Bootstrap servers and security settings every Kafka client of ours takes (TLS,
+    SASL PLAIN/SCRAM, client certificates): one principal per process, the one Kafka's
+    ACLs know it by (docs/security.md)."""
+    options: dict[str, Any] = {
+        "bootstrap_servers": _servers(settings),
+        "security_protocol": settings.kafka_security_protocol,
+    }
+    if settings.kafka_sasl_mechanism:
+        password = (
+            settings.kafka_sasl_password_file.read_text().strip()
+            if settings.kafka_sasl_password_file
+            else None
+        )
+        options.update(
+            sasl_mechanism=settings.kafka_sasl_mechanism,
+            sasl_plain_username=settings.kafka_sasl_username,
+            sasl_plain_password=password,
+        )
+    for name in ("cafile", "certfile", "keyfile"):
+        path = getattr(settings, f"kafka_ssl_{name}")
+        if path is not None:
+            options[f"ssl_{name}"] = str(path)
+    return options
+
+
 def ensure_topics(settings: Settings, tenants: Iterable[str] = ()) -> None:
     """Create the platform's topics, and each tenant's replies topic, if missing."""
     wanted = {
@@ -42,7 +68,7 @@ def ensure_topics(settings: Settings, tenants: Iterable[str] = ()) -> None:
     for tenant in tenants:
         wanted[settings.replies_topic(tenant)] = settings.reply_partitions
     try:
-        admin = KafkaAdminClient(bootstrap_servers=_servers(settings), request_timeout_ms=10_000)
+        admin = KafkaAdminClient(**client_options(settings), request_timeout_ms=10_000)
     except KafkaError as exc:
         raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
     try:
@@ -64,7 +90,7 @@ class Publisher:
     def __init__(self, settings: Settings, *, linger_ms: int = 0) -> None:
         try:
             self._producer = KafkaProducer(
-                bootstrap_servers=_servers(settings),
+                **client_options(settings),
                 acks="all",
                 linger_ms=linger_ms,
                 # Replies may be large (an exec's output); consumers bound requests and
@@ -113,7 +139,7 @@ class Publisher:
 def make_consumer(settings: Settings, **overrides: Any) -> KafkaConsumer:
     """A consumer without group membership and without auto-commit."""
     options: dict[str, Any] = {
-        "bootstrap_servers": _servers(settings),
+        **client_options(settings),
         "group_id": None,
         "enable_auto_commit": False,
         "fetch_max_wait_ms": settings.fetch_max_wait_ms,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import Field, model_validator
@@ -19,6 +20,22 @@ class Settings(BaseSettings):
     kafka_bootstrap: str = Field(
         "127.0.0.1:19092", description="Kafka bootstrap servers, comma separated."
     )
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT",
+        description="How every client of the platform and the SDK talks to Kafka.",
+    )
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="SASL mechanism (with SASL_PLAINTEXT or SASL_SSL)."
+    )
+    kafka_sasl_username: str | None = Field(None, description="SASL principal name.")
+    kafka_sasl_password_file: Path | None = Field(
+        None, description="File holding the SASL password (never the password itself)."
+    )
+    kafka_ssl_cafile: Path | None = Field(
+        None, description="CA bundle the brokers are checked with."
+    )
+    kafka_ssl_certfile: Path | None = Field(None, description="Client certificate (mTLS).")
+    kafka_ssl_keyfile: Path | None = Field(None, description="Client certificate's key (mTLS).")
     database_url: str = Field(
         "postgresql+psycopg://dsec_app@127.0.0.1:5432/dsec",
         description=(
