@@ -8,7 +8,7 @@ import resource
 from app import credentials
 from app.config import get_settings
 from workers import runtime
-from workers.agent.client import AgentPool
+from workers.agent.client import AgentPool, peer_is_sandbox_init
 from workers.celery_app import celery
 from workers.handlers import Node
 from workers.image_store import store_lock_path
@@ -49,7 +49,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
         limiter=CgroupLimiter.detect(node_id),
         store_lock=store_lock_path(settings),
     )
-    node = Node(settings, node_id, driver, AgentPool(), credential)
+    node = Node(settings, node_id, driver, AgentPool(verify=peer_is_sandbox_init), credential)
     runtime.install(node)
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.agent.client import AgentConnection
+from workers.agent.client import AgentConnection, peer_is_sandbox_init
 from workers.agent.errors import AgentProtocolError
 from workers.agent.protocol import (
     HEADER_LEN,
@@ -37,6 +38,7 @@ from workers.agent.protocol import (
     frame,
     frame_length,
     op_of,
+    response_limit,
 )
 
 
@@ -269,3 +271,70 @@ def test_a_version_1_agent_gets_a_plain_exec_and_the_output_comes_at_the_end() -
     assert seen_ops == [Op.EXEC]
     assert got == [Output(1, b"out"), Output(2, b"err")]
     assert (result.stdout, result.stderr) == (b"out", b"err")
+
+
+def _fake_agent(*responses: bytes) -> tuple[AgentConnection, threading.Thread, socket.socket]:
+    """A connection whose peer answers the first request with ``responses``."""
+    host, fake_agent = socket.socketpair()
+
+    def serve() -> None:
+        header = fake_agent.recv(HEADER_LEN, socket.MSG_WAITALL)
+        fake_agent.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
+        for response in responses:
+            try:
+                fake_agent.sendall(response)
+            except OSError:  # the host hung up: what the test wants
+                return
+
+    server = threading.Thread(target=serve)
+    server.start()
+    return AgentConnection(host, Hello(version=2, pid=1)), server, fake_agent
+
+
+@pytest.mark.parametrize(
+    "responses",
+    [
+        # A frame announcing far more than max_output: never read into memory.
+        [(64 << 20).to_bytes(4, "big") + b"\x00"],
+        # A well-formed result whose stdout exceeds what was asked.
+        [encode_response(ExecResult(0, b"x" * 2048, b""))],
+        # Streamed pieces that together exceed it.
+        [encode_response(Output(1, b"x" * 1000)), encode_response(Output(1, b"x" * 1000))],
+    ],
+    ids=["huge-frame", "big-stdout", "streamed-too-much"],
+)
+def test_the_host_enforces_the_output_cap_it_asked_for(responses: list[bytes]) -> None:
+    conn, server, fake_agent = _fake_agent(*responses)
+    with pytest.raises(AgentProtocolError):
+        conn.exec(["true"], max_output=1024, on_output=lambda _: None)
+    assert conn.closed  # a peer that broke the protocol is never asked again
+    fake_agent.close()
+    server.join()
+
+
+def test_the_host_enforces_the_file_size_it_asked_for() -> None:
+    conn, server, fake_agent = _fake_agent(encode_response(ReadFileResult(b"y" * 100, False)))
+    with pytest.raises(AgentProtocolError):
+        conn.read_file("/workspace/x", max_bytes=10)
+    fake_agent.close()
+    server.join()
+
+
+def test_response_limits_follow_the_request() -> None:
+    small = response_limit(ExecRequest(argv=("true",), max_output=1024))
+    assert small < 1 << 20
+    assert response_limit(ReadFileRequest("/x", 10)) < response_limit(
+        ReadFileRequest("/x", 1 << 20)
+    )
+    assert response_limit(PingRequest()) < 1 << 20
+
+
+def test_only_a_containers_init_is_taken_for_the_agent() -> None:
+    # This test process is no container's init: a connection from it is refused, as a
+    # process inside a sandbox connecting to its agent socket would be.
+    host, peer = socket.socketpair()
+    conn = AgentConnection(host, Hello(version=2, pid=1))
+    assert conn.peer_pid == os.getpid()
+    assert not peer_is_sandbox_init("sb-test", conn)
+    conn.close()
+    peer.close()

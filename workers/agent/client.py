@@ -4,7 +4,9 @@ The host listens on ``<run_dir>/agent.sock`` (``run_dir`` is host-owned and moun
 read-only at ``/.dsec/run``); the agent connects out. So the host only ever opens paths
 in its own directories and never follows a symlink the sandbox made. Anything that
 arrives on the socket is still untrusted: frames are size-checked before allocation
-and a HELLO must arrive within a deadline.
+and a HELLO must arrive within a deadline. The code in a sandbox is hostile to its
+agent: the node accepts only the container's init (:func:`peer_is_sandbox_init`,
+from the socket's peer credentials), and never reads more than a request asked for.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from workers.agent.errors import (
 from workers.agent.protocol import (
     HEADER_LEN,
     HELLO_PAYLOAD_LEN,
-    MAX_RESPONSE_FRAME,
     SUPPORTED_VERSIONS,
+    CapCheck,
     ErrorReply,
     ExecRequest,
     ExecResult,
@@ -54,6 +56,7 @@ from workers.agent.protocol import (
     encode_request,
     frame_length,
     op_of,
+    response_limit,
 )
 from workers.sandbox_spec import AGENT_SOCKET_NAME
 
@@ -67,6 +70,34 @@ IO_TIMEOUT_S = 30.0
 _HELLO_FRAME_LEN = HEADER_LEN + HELLO_PAYLOAD_LEN
 _UCRED = struct.Struct("3i")
 _DEAD_EVENTS = select.POLLHUP | select.POLLERR | select.POLLRDHUP | select.POLLNVAL
+
+
+def _nspid(pid: int | str) -> list[int]:
+    """The pid of ``pid`` in each pid namespace it is in, outermost first."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    return [int(part) for part in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def peer_is_sandbox_init(sandbox_id: str, conn: AgentConnection) -> bool:
+    """True if the peer of ``conn`` is a container's init: PID 1 of a pid namespace
+    right below this process's. The sandbox's own processes cannot pass: they are
+    deeper than that, and any namespace they make is deeper still. Only the socket's
+    own sandbox can reach it, so this is that sandbox's agent."""
+    own, peer = _nspid("self"), _nspid(conn.peer_pid) if conn.peer_pid > 0 else []
+    if len(peer) == len(own) + 1 and peer[-1] == 1:
+        return True
+    log.warning(
+        "sandbox %s: refused an agent connection from pid %d (namespaced pids %s): "
+        "not the sandbox's init, a process inside it tried to take its channel",
+        sandbox_id, conn.peer_pid, peer or "unknown",
+    )  # fmt: skip
+    return False
 
 
 def _check_hello(raw: bytes | bytearray) -> Hello:
@@ -216,10 +247,12 @@ class AgentConnection:
                 self._sock.settimeout(timeout_s)
                 self._sock.sendall(data)
                 op = op_of(request)
+                limit, caps = response_limit(request), CapCheck(request)
                 while True:
                     header = self._recv_exact(HEADER_LEN, deadline)
-                    length = frame_length(header, MAX_RESPONSE_FRAME)
+                    length = frame_length(header, limit)
                     response = decode_response(op, self._recv_exact(length, deadline))
+                    caps.check(response)
                     if not isinstance(response, Output):
                         break
                     if on_output is not None:

@@ -58,7 +58,9 @@
  * WRITE_FILE creates missing parent directories (0755) and truncates in place.
  *
  * PID 1 duties: reap every zombie (as a child subreaper when not PID 1), exit on
- * SIGTERM/SIGINT. Memory stays small: buffers live only for one request.
+ * SIGTERM/SIGINT from outside the sandbox. Hostile neighbours: commands are the
+ * sandbox's own code; the agent is not dumpable (no ptrace, no /proc/1/mem) and
+ * ignores signals sent from inside, and the host accepts only PID 1's connection. Memory stays small: buffers live only for one request.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -179,7 +181,11 @@ static void handle_signals(void)
     int term = 0;
     while ((n = read(g_sigfd, si, sizeof si)) > 0) {
         for (size_t i = 0; i < (size_t)n / sizeof si[0]; i++)
-            if (si[i].ssi_signo == SIGTERM || si[i].ssi_signo == SIGINT)
+            /* As PID 1, only a sender outside the sandbox's pid namespace (Podman
+             * stopping the container: ssi_pid 0 here) may end us; the sandbox's own
+             * processes must not be able to take its agent down. */
+            if ((si[i].ssi_signo == SIGTERM || si[i].ssi_signo == SIGINT) &&
+                (getpid() != 1 || si[i].ssi_pid == 0))
                 term = 1;
     }
     reap_children();
@@ -1077,6 +1083,9 @@ int main(int argc, char **argv)
      * kernel when freed, so an idle agent stays at its startup footprint. */
     mallopt(M_MMAP_THRESHOLD, 128 * 1024);
     mallopt(M_TRIM_THRESHOLD, 256 * 1024);
+    /* Not dumpable: a command runs as our uid without capabilities, so this is what
+     * keeps it from ptrace, /proc/1/mem and pidfd_getfd on us (the agent's socket). */
+    prctl(PR_SET_DUMPABLE, 0);
     setup_signals();
     init_env();
     if (getpid() != 1)

@@ -53,8 +53,6 @@ SUPPORTED_VERSIONS = frozenset({1, 2})
 MAX_REQUEST_FRAME = 64 << 20
 #: The agent clamps per-stream EXEC output and READ_FILE sizes to this.
 MAX_OUTPUT_BYTES = 64 << 20
-#: Largest response a well-behaved agent can send (two full output streams + headers).
-MAX_RESPONSE_FRAME = 2 * MAX_OUTPUT_BYTES + 64
 #: HELLO's payload length (op + version + pid).
 HELLO_PAYLOAD_LEN = 9
 #: Length of the frame header.
@@ -468,6 +466,55 @@ def decode_response(op: Op, payload: bytes | bytearray | memoryview) -> Response
         raise AgentProtocolError(f"no response defined for op {op!r}")
     r.end()
     return response
+
+
+#: Room in any response for its fixed fields and an error reply's message.
+RESPONSE_SLACK = 64 << 10
+
+
+def response_limit(request: Request) -> int:
+    """The largest response frame the host accepts for ``request``: room for what it
+    asked for and no more. The peer is the sandbox's, hence hostile: a frame beyond
+    this is never read into memory."""
+    match request:
+        case ExecRequest():
+            return 2 * min(request.max_output, MAX_OUTPUT_BYTES) + RESPONSE_SLACK
+        case ReadFileRequest():
+            return min(request.max_bytes, MAX_OUTPUT_BYTES) + RESPONSE_SLACK
+        case _:
+            return RESPONSE_SLACK
+
+
+class CapCheck:
+    """Checks that the responses to one request stay within what it asked for
+    (``max_output`` per stream, streamed pieces included; ``max_bytes`` of a file)."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.streamed = {1: 0, 2: 0}
+
+    def check(self, response: Response) -> None:
+        """Raise :class:`AgentProtocolError` if ``response`` exceeds a cap."""
+        request = self.request
+        if isinstance(response, Output) and isinstance(request, ExecRequest):
+            self.streamed[response.stream] += len(response.data)
+            cap = min(request.max_output, MAX_OUTPUT_BYTES)
+            self._within(self.streamed[response.stream], cap, "streamed output")
+        elif isinstance(response, ExecResult) and isinstance(request, ExecRequest):
+            cap = min(request.max_output, MAX_OUTPUT_BYTES)
+            self._within(len(response.stdout), cap, "stdout")
+            self._within(len(response.stderr), cap, "stderr")
+        elif isinstance(response, ReadFileResult) and isinstance(request, ReadFileRequest):
+            self._within(len(response.data), min(request.max_bytes, MAX_OUTPUT_BYTES), "file data")
+        elif isinstance(response, WriteFileResult) and isinstance(request, WriteFileRequest):
+            self._within(response.bytes_written, len(request.data), "bytes written")
+
+    @staticmethod
+    def _within(size: int, cap: int, what: str) -> None:
+        if size > cap:
+            raise AgentProtocolError(
+                f"agent sent {size} bytes of {what}, more than the {cap} asked"
+            )
 
 
 def op_of(request: Request) -> Op:
