@@ -21,7 +21,6 @@ from sqlalchemy import text
 from app import tenants
 from app.config import Settings
 from app.db.engine import transaction
-from app.domain.proof import Role
 from app.sdk import Client
 from app.stats import summary_ms
 
@@ -89,11 +88,11 @@ def run(
     """Run the workload and print its summary; raise if any rollout failed."""
     job = f"demo-{uuid.uuid4().hex[:8]}"
     # The demo is a tenant like any other, with a credential of its own.
-    tenants.ensure(settings, Role.TENANT, "demo")
+    demo = tenants.local(settings, "demo")
     tally = Tally()
     started = time.perf_counter()
     with (
-        Client(settings, tenant="demo", job_id=job) as client,
+        Client(settings, credential=demo, job_id=job) as client,
         Progress(
             TextColumn("[bold]rollouts"),
             BarColumn(),

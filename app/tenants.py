@@ -13,6 +13,7 @@ from pathlib import Path
 
 from app import bus, credentials
 from app.config import Settings
+from app.credentials import Credential
 from app.db import credentials as stored
 from app.db.credentials import CredentialRow
 from app.db.engine import transaction
@@ -77,6 +78,13 @@ def ensure(settings: Settings, role: Role, subject: str) -> Issued | None:
             bus.ensure_topics(settings, [subject])
         return None
     return issue(settings, role, subject, "made by dsec up")
+
+
+def local(settings: Settings, subject: str, role: Role = Role.TENANT) -> Credential:
+    """The local credential of ``subject``, made first if missing: what the demo, the
+    benchmarks and the tests on the stack's own machine connect with."""
+    ensure(settings, role, subject)
+    return credentials.load(credentials.tenant_file(settings, subject))
 
 
 def rotate(

@@ -36,6 +36,7 @@ from typing import Any
 
 import podman
 
+from app import tenants
 from app.config import Settings, get_settings
 from app.domain.requests import CreateSandbox, DestroySandbox
 from app.sdk import Client
@@ -166,7 +167,7 @@ def main() -> None:
     size = pools.get(settings.default_image, 0)
     print(f"stack: node {settings.node_id}, warm pool {pools or 'off'} ({size} of the image used)")
     headline: dict[str, str] = {}
-    with Client(settings, tenant="bench", job_id="create") as client:
+    with Client(settings, credential=tenants.local(settings, "bench"), job_id="create") as client:
         destroy_all(client, create_at_once(client, 2)[0])  # warm up the paths
         for c in args.concurrency:
             latencies: list[float] = []

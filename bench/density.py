@@ -26,6 +26,7 @@ import re
 import time
 from pathlib import Path
 
+from app import tenants
 from app.config import Settings, get_settings
 from app.domain.requests import DestroySandbox
 from app.sdk import Client, Sandbox
@@ -132,7 +133,8 @@ def main() -> None:
         raise SystemExit(f"node {settings.node_id} has no usable cgroups")
     boxes: list[Sandbox] = []
     rows: list[tuple[int, dict[str, float]]] = []
-    with Client(settings, tenant="bench", job_id="density", timeout_s=600) as c:
+    bench = tenants.local(settings, "bench")
+    with Client(settings, credential=bench, job_id="density", timeout_s=600) as c:
         time.sleep(SETTLE_S)
         base = measure(settings, driver, limiter, [])
         print(

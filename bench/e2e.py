@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import podman
 from exec import line  # bench/exec.py, next to this file
 
+from app import tenants
 from app.config import Settings, get_settings
 from app.sdk import Client
 from app.stats import summary_ms
@@ -207,7 +208,7 @@ def main() -> None:
 
     if args.only in (None, "platform"):
         job = f"e2e-{uuid.uuid4().hex[:8]}"
-        with Client(settings, tenant="bench", job_id=job) as client:
+        with Client(settings, credential=tenants.local(settings, "bench"), job_id=job) as client:
             warm_up(platform_rollout(client, 1))
             runs["platform"] = run_all(Run("platform (SDK)"), k, c, platform_rollout(client, m))
         report(runs["platform"], k, m, c)

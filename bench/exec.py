@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from app import tenants
 from app.config import get_settings
 from app.sdk import Client
 from app.stats import percentile
@@ -82,7 +83,7 @@ def main() -> None:
         pool.unregister(sandbox_id)
         driver.remove(sandbox_id)
     with (
-        Client(settings, tenant="bench", job_id="exec") as client,
+        Client(settings, credential=tenants.local(settings, "bench"), job_id="exec") as client,
         client.create() as box,
     ):
         results["platform (SDK): true"] = measure(

@@ -35,6 +35,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from app import tenants
 from app.config import Settings, get_settings
 from app.sdk import Client, Sandbox
 from workers.image_debian import DEBIAN_IMAGE, build_debian_image
@@ -148,7 +149,8 @@ def main() -> None:
     run = uuid.uuid4().hex[:8]
     print(f"image {image}: {found.size / MB:.1f} MB; node {user.node_id}; N={n}")
 
-    with Client(settings, tenant="bench", job_id=f"image-sharing-{run}") as client:
+    bench = tenants.local(settings, "bench")
+    with Client(settings, credential=bench, job_id=f"image-sharing-{run}") as client:
         # --- shared store: N sandboxes, one image --------------------------------------
         before = du(user.graphroot)
         started = time.monotonic()

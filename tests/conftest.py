@@ -48,11 +48,10 @@ def limiter(stack: Settings) -> CgroupLimiter:
 
 def ensure_tenant(settings: Settings, name: str, role: str = "tenant") -> Any:
     """A tenant (or operator) with a local credential; returns the credential."""
-    from app import credentials, tenants
+    from app import tenants
     from app.domain.proof import Role
 
-    tenants.ensure(settings, Role(role), name)
-    return credentials.load(credentials.tenant_file(settings, name))
+    return tenants.local(settings, name, Role(role))
 
 
 @pytest.fixture(scope="session")
