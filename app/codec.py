@@ -89,7 +89,7 @@ def _parse(raw: bytes) -> Any:
     if _too_deep(raw):
         raise DecodeError(DeadLetterReason.TOO_DEEP, f"nested deeper than {MAX_DEPTH}")
     try:
-        return from_json(raw)
+        return from_json(raw, allow_inf_nan=False)
     except (ValueError, RecursionError, MemoryError) as exc:
         raise DecodeError(DeadLetterReason.MALFORMED_JSON, str(exc)) from exc
 

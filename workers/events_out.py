@@ -18,7 +18,7 @@ from app.bus import Publisher
 from app.codec import encode
 from app.config import Settings
 from app.credentials import Credential
-from app.domain.events import EventBase
+from app.domain.events import CommandCompleted, EventBase
 from app.domain.proof import Purpose, headers
 from app.domain.replies import ReplyBase
 from app.domain.requests import ReplyTo
@@ -61,6 +61,9 @@ class Outlet:
     def event(self, event: EventBase) -> None:
         """Append a fact to the events topic, keyed by its subject, proven as this node."""
         value = encode(event)
+        if len(value) > self.settings.max_message_bytes and isinstance(event, CommandCompleted):
+            log.warning("%s: record of %d bytes cut to fit the log", event.sandbox_id, len(value))
+            value = encode(event.without_outputs())
         cred = self.credential
         proof = headers(Purpose.EVENT, cred.key_id, cred.secret, value)
         self.publisher.publish(self.settings.topic_events, event.key, value, headers=proof)

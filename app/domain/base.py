@@ -14,9 +14,10 @@ SCHEMA_VERSION: Literal[1] = 1
 
 
 class Message(BaseModel):
-    """Base of every message on the bus: immutable, unknown fields rejected."""
+    """Base of every message on the bus: immutable, unknown fields rejected, no
+    infinities or NaN (JSON has none, and Postgres' jsonb refuses them)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 def new_id() -> uuid.UUID:

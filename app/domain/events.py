@@ -261,6 +261,15 @@ class CommandCompleted(EventBase):
     type: Literal["CommandCompleted"] = "CommandCompleted"
     payload: CommandPayload
 
+    def without_outputs(self) -> CommandCompleted:
+        """The same record without the step outputs replays answer with: what the log
+        keeps of a command whose record would not fit one message. The command ran; its
+        record must not be lost for its size (a replay then runs the step again)."""
+        payload = self.payload.model_copy(
+            update={"stdout_b64": None, "stderr_b64": None, "truncated": True}
+        )
+        return self.model_copy(update={"payload": payload})
+
 
 class CommandReplayed(EventBase):
     """A trajectory step was answered from the log without running again."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import binascii
+import json
 import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import AfterValidator, Field, TypeAdapter
 
 from app.domain.base import SCHEMA_VERSION, Message, new_id, tags, utcnow
 
@@ -16,6 +18,49 @@ Name = Annotated[str, Field(min_length=1, max_length=128)]
 Owner = Annotated[str, Field(max_length=200)]
 #: Absolute path inside a sandbox; traversal is refused again by the in-sandbox agent.
 SandboxPath = Annotated[str, Field(pattern=r"^/", max_length=4096)]
+#: Labels end up in events and projections: a few short ones (64, and room for the
+#: platform's own group and lease labels on what it derives from a request).
+Labels = Annotated[
+    dict[
+        Annotated[str, Field(min_length=1, max_length=128)],
+        Annotated[str, Field(max_length=1024)],
+    ],
+    Field(max_length=66),
+]
+#: An environment variable's name (no "="), and a value Linux takes (MAX_ARG_STRLEN).
+EnvName = Annotated[str, Field(pattern=r"^[^=]+$", max_length=1024)]
+Env = Annotated[dict[EnvName, Annotated[str, Field(max_length=128 << 10)]], Field(max_length=1024)]
+
+
+def _strict_base64(value: str) -> str:
+    try:
+        binascii.a2b_base64(value, strict_mode=True)
+    except binascii.Error as exc:
+        raise ValueError(f"not base64: {exc}") from None
+    return value
+
+
+#: Bytes as base64 text, refused at the door if it does not decode.
+Base64 = Annotated[str, AfterValidator(_strict_base64)]
+
+#: The largest command, as JSON text: every command that runs is logged whole in its
+#: CommandCompleted (and replayed from there), which must fit one message. Linux takes
+#: no single argument longer than this either (MAX_ARG_STRLEN), so a shell string
+#: beyond it could not run; larger scripts go in with WriteFile.
+COMMAND_MAX_BYTES = 128 << 10
+
+
+def _bounded_command(command: str | list[str]) -> str | list[str]:
+    size = len(json.dumps(command, ensure_ascii=False).encode())
+    if size > COMMAND_MAX_BYTES:
+        raise ValueError(
+            f"the command is {size} bytes as JSON, more than {COMMAND_MAX_BYTES}: "
+            "write a long script to a file with WriteFile and run that"
+        )
+    return command
+
+
+Command = Annotated[str | list[str], AfterValidator(_bounded_command)]
 
 
 class ReplyTo(Message):
@@ -60,8 +105,8 @@ class SandboxShape(Message):
     pids_limit: int = Field(256, ge=8, le=65_536, description="Most processes at once.")
     ttl_s: int = Field(3600, ge=1, le=7 * 86_400, description="Destroyed after this long.")
     network: bool = Field(False, description="Allow network egress.")
-    env: dict[str, str] = Field(default_factory=dict, description="Default environment.")
-    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
+    env: Env = Field(default_factory=dict, description="Default environment.")
+    labels: Labels = Field(default_factory=dict, description="Free-form labels (64 at most).")
     queue_s: float = Field(
         30.0, ge=0, le=3600, description="Wait this long for room (nodes, quota); 0: now or never."
     )
@@ -100,14 +145,14 @@ class Exec(RequestBase):
     """Run one command in a sandbox."""
 
     type: Literal["Exec"] = "Exec"
-    command: str | list[str] = Field(description="Shell string, or argv list.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment.")
+    command: Command = Field(description="Shell string, or argv list (128 KiB at most).")
+    env: Env = Field(default_factory=dict, description="Extra environment.")
     cwd: SandboxPath | None = Field(None, description="Working directory (default /workspace).")
     timeout_s: float = Field(
         60.0, gt=0, le=86_400, description="Kills the command, not the sandbox."
     )
     max_output_bytes: int = Field(1 << 20, ge=0, le=16 << 20, description="Cap per stream.")
-    stdin_b64: str = Field("", description="Standard input, base64.")
+    stdin_b64: Base64 = Field("", description="Standard input, base64.")
     trajectory_id: Name | None = Field(None, description="Trajectory this step belongs to.")
     step: int | None = Field(None, ge=0, description="Step number within the trajectory.")
     stream_output: bool = Field(
@@ -121,7 +166,7 @@ class WriteFile(RequestBase):
 
     type: Literal["WriteFile"] = "WriteFile"
     path: SandboxPath = Field(description="Absolute path inside the sandbox.")
-    data_b64: str = Field(description="Content, base64.")
+    data_b64: Base64 = Field(description="Content, base64.")
     mode: int = Field(0o644, ge=0, le=0o7777, description="Permission bits.")
 
 

@@ -14,7 +14,8 @@ from app import bus
 from app.codec import encode
 from app.config import Settings
 from app.domain.proof import Purpose, headers
-from app.domain.requests import CreateSandbox
+from app.domain.requests import CreateSandbox, Exec, WriteFile
+from app.errors import SandboxRejected
 from app.keyring import Keyring
 from tests.conftest import ensure_tenant, scalar, wait_for
 
@@ -119,3 +120,38 @@ def test_invalid_request_is_rejected_then_next_request_works(
     # And the next good request still works
     with client.create() as sandbox:
         assert sandbox.exec("echo ok").stdout == b"ok\n"
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "named"),
+    [
+        (WriteFile, {"path": "/workspace/x", "data_b64": "not base64!"}, "data_b64"),
+        (Exec, {"command": ["echo", "x" * (200 << 10)]}, "command"),
+        (Exec, {"command": "true", "env": {"A=B": "x"}}, "env"),
+        (Exec, {"command": "true", "stdin_b64": "%%%"}, "stdin_b64"),
+    ],
+    ids=["write-bad-base64", "command-too-large", "env-name-with-equals", "stdin-bad-base64"],
+)
+def test_an_impossible_request_is_answered_and_logged_never_dropped(
+    client: Any, db: Any, kind: Any, fields: dict[str, Any], named: str
+) -> None:
+    # Given a sandbox, and a request the models would refuse, signed and sent as is
+    with client.create() as box:
+        bad = kind.model_construct(**client._common(box.id), **fields)
+        # Then its sender hears why, at once (not after a 60 s timeout)
+        with pytest.raises(SandboxRejected) as refused:
+            client.wait(bad, client.send(bad), 30)
+        assert refused.value.reason == "invalid" and named in str(refused.value)
+        # and the log says so
+        with db() as conn:
+            wait_for(
+                lambda: scalar(
+                    conn,
+                    "SELECT count(*) FROM events WHERE type = 'SandboxRejected'"
+                    " AND payload->>'request_id' = :r",
+                    r=str(bad.request_id),
+                ),
+                what="the refusal in the log",
+            )
+        # and the sandbox still serves its trainer
+        assert box.exec("echo ok").stdout == b"ok\n"
