@@ -33,7 +33,9 @@ from app.consuming import PositionedConsumer, dead_letter
 from app.db import log as event_log
 from app.db import projections, staging
 from app.db.engine import engine_for, transaction
+from app.domain.events import Event
 from app.domain.proof import KeyInfo, KeyLookup, ProofError, Purpose, Role, verify
+from app.domain.records import Record
 from app.domain.trust import EVENT_SENDERS, event_refusal
 from app.errors import StorageRefused
 from app.keyring import Keyring
@@ -70,6 +72,23 @@ class BatchKeys(KeyLookup):
 
     def current(self, role: Role, subject: str) -> KeyInfo | None:
         return self._keys.current(role, subject)
+
+
+def admit_event(record: Record, keys: KeyLookup, max_bytes: int) -> Event | DecodeError:
+    """One record of the events topic: the event it proves, or why it is a dead letter.
+    Pure, and total: whatever bytes and headers arrive, it returns."""
+    value = record.value or b""
+    try:
+        sender = verify(Purpose.EVENT, value, record.headers, keys, EVENT_SENDERS)
+        event = decode_event(value, max_bytes)
+    except ProofError as proof_error:
+        return DecodeError(DeadLetterReason.UNAUTHENTICATED, str(proof_error))
+    except DecodeError as exc:
+        return exc
+    refusal = event_refusal(sender, event)
+    if refusal is not None:
+        return DecodeError(DeadLetterReason.FORBIDDEN, refusal)
+    return event
 
 
 @dataclass
@@ -142,21 +161,12 @@ class Projector:
         keys = BatchKeys(self.keys)
         for record in records:
             offsets[record.partition] = record.offset + 1
-            value = record.value or b""
-            try:
-                sender = verify(Purpose.EVENT, value, record.headers, keys, EVENT_SENDERS)
-                event = decode_event(value, max_bytes)
-                refusal = event_refusal(sender, event)
-                if refusal is not None:
-                    raise DecodeError(DeadLetterReason.FORBIDDEN, refusal)
-            except ProofError as proof_error:
-                self._dead(record, DeadLetterReason.UNAUTHENTICATED, str(proof_error))
+            taken = admit_event(record, keys, max_bytes)
+            if isinstance(taken, DecodeError):
+                self._dead(record, taken.reason, taken.detail)
                 outcome.dead += 1
                 continue
-            except DecodeError as exc:
-                self._dead(record, exc.reason, exc.detail)
-                outcome.dead += 1
-                continue
+            event = taken
             item = event_log.SourcedEvent(
                 event, record.topic, topic_id, record.partition, record.offset,
                 event_log.payload_json(event),
