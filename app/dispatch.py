@@ -297,6 +297,16 @@ class Dispatcher:
         owner = allocation.tenant if allocation is not None else ""
         self._ended(sandbox_id, reason, owner)
 
+    def unknown_ids(self, sandbox_ids: Iterable[str]) -> list[str]:
+        """The ids among ``sandbox_ids`` this scheduler knows nothing of: neither live
+        nor ended in its memory (whose history the log may still hold)."""
+        return [i for i in sandbox_ids if i not in self.created_by and i not in self.ended]
+
+    def note_ended(self, sandbox_id: str, reason: str, owner: str) -> None:
+        """A sandbox the log shows ended before this scheduler's memory: its id is
+        never given to another sandbox (every life is billed under its own id)."""
+        self._ended(sandbox_id, reason, owner)
+
     def _ended(self, sandbox_id: str, reason: str, owner: str) -> None:
         if owner == "" and sandbox_id in self.ended:
             return  # keep the owner an earlier ending recorded

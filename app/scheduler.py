@@ -30,13 +30,17 @@ from app.db.trajectory import PostgresTrajectoryLog
 from app.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox, Outbox
 from app.domain.base import utcnow
 from app.domain.proof import SCHEDULER_KEY_ID, Purpose, headers
-from app.domain.sandbox_state import LIVE
+from app.domain.sandbox_state import LIVE, SandboxState
 from app.keyring import Keyring
 from app.taskqueue import make_celery
 
 log = logging.getLogger(__name__)
 
 # Sandboxes whose last freeze-or-thaw in the log is a freeze.
+#: States of a sandbox that lived and ended (a rejected create never lived: its id
+#: may be asked for again).
+ENDED = (SandboxState.STOPPED, SandboxState.FAILED)
+
 _FROZEN_NOW = text(
     """
     SELECT sandbox_id FROM (
@@ -153,6 +157,7 @@ class Scheduler:
         self.dispatcher.check_leases(out)
         self.dispatcher.retry_pending(out)
         records = self.requests.poll(timeout_ms=50, max_records=500)
+        self._learn_ended(records)
         offsets: dict[int, int] = {}
         for record in records:
             self.dispatcher.handle(out, record)
@@ -175,6 +180,24 @@ class Scheduler:
                 )
             gate.unsaved.clear()
         self._housekeeping()
+
+    def _learn_ended(self, records: list[ConsumerRecord]) -> None:
+        """Which sandboxes named by this batch (a request's key is its sandbox id)
+        ended before this scheduler's memory: one query per batch, so an id is never
+        given a second life after a restart either."""
+        keys = {r.key.decode(errors="replace") for r in records if r.key}
+        unknown = self.dispatcher.unknown_ids(keys)
+        if not unknown:
+            return
+        with transaction(self.settings.database_url) as conn:
+            rows = conn.execute(
+                select(sandboxes.c.sandbox_id, sandboxes.c.end_reason, sandboxes.c.tenant).where(
+                    sandboxes.c.sandbox_id.in_(unknown),
+                    sandboxes.c.state.in_([s.value for s in ENDED]),
+                )
+            ).all()
+        for row in rows:
+            self.dispatcher.note_ended(row.sandbox_id, row.end_reason or "ended", row.tenant)
 
     def _housekeeping(self) -> None:
         """Forget request ids older than the freshness window; make new tenants' topics."""

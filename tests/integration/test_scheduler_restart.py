@@ -10,6 +10,8 @@ import pytest
 
 from app import stack as stack_mod
 from app.config import Settings
+from app.domain.requests import CreateSandbox
+from app.errors import SandboxRejected
 from app.sdk import Client
 from tests.conftest import scalar, wait_for
 from tests.integration.test_leases import event_count, process_states
@@ -47,9 +49,19 @@ def test_sandboxes_groups_and_leases_survive_a_scheduler_restart(
     leased.exec("sh -c 'while true; do :; done' >/dev/null 2>&1 &")
     trainer.close()
     wait_for(lambda: event_count(db, leased.id, "SandboxFrozen"), timeout_s=30, what="frozen")
+    # and a sandbox that lived and ended, in the log
+    ended = client.create()
+    ended.close()
+    wait_for(lambda: stopped(db, ended.id), timeout_s=30, what="ended")
 
     # When the scheduler restarts
     restart_scheduler(stack)
+
+    # Then the id of the sandbox that ended is not given a second life (or a second bill
+    # row under the same id): the new scheduler learns it from the log
+    with pytest.raises(SandboxRejected) as refused:
+        client.call(CreateSandbox(**client._common(ended.id)), timeout_s=30)
+    assert refused.value.reason == "duplicate", refused.value
 
     # Then requests for what it placed before still reach the right node
     assert box.exec("echo still here", timeout_s=30).stdout == b"still here\n"
