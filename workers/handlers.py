@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
@@ -68,6 +69,7 @@ from workers.agent.client import AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
 from workers.agent.protocol import ExecResult as AgentExecResult
 from workers.agent.protocol import Output as AgentOutput
+from workers.deadlines import Deadlines, Due
 from workers.errors import ImageNotFound, NodeError, SandboxCreateFailed
 from workers.events_out import Outlet
 from workers.podman_driver import PodmanDriver
@@ -169,6 +171,11 @@ class Node:
         # What the node saw happen in each sandbox, for the last state its Stopped
         # records (kept in memory: a restarted worker knows less, and says so).
         self._activity: dict[str, Activity] = {}
+        #: Ends each sandbox at its TTL deadline (started by the worker's main).
+        self.deadlines = Deadlines(self.expire)
+        # Removals of expired sandboxes: their processes are already dead, the
+        # container's removal must not hold up the next deadline.
+        self._reaper = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsec-ttl")
 
     @contextmanager
     def busy(self, sandbox_id: str) -> Iterator[None]:
@@ -178,9 +185,7 @@ class Node:
         try:
             yield
         finally:
-            with self._busy_lock:
-                self._busy.discard(sandbox_id)
-                self.last_transition = time.monotonic()
+            self._release(sandbox_id)
 
     def busy_ids(self) -> set[str]:
         """Sandboxes in a lifecycle transition now (being created count as running)."""
@@ -303,6 +308,10 @@ class Node:
                 ),
             )
         )
+        self.deadlines.watch(
+            Due(expires_at(spec.labels) or utcnow(), request.sandbox_id, request.tenant,
+                request.job_id)
+        )  # fmt: skip
         if restore and not self._restore(request, restore):
             return
         self.outlet.reply(
@@ -357,8 +366,11 @@ class Node:
         reason: StopReason,
         detail: str = "",
         request: RequestBase | None = None,
+        ended_at: datetime | None = None,
     ) -> None:
-        """End a sandbox for ``reason`` and append Stopped with how it stood."""
+        """End a sandbox for ``reason`` and append Stopped with how it stood;
+        ``ended_at``: when it ended, if before now (its TTL deadline)."""
+        self.deadlines.cancel(sandbox_id)
         last_state = self._last_state(sandbox_id)  # before its cgroups go
         self._discard(sandbox_id)
         self.outlet.event(
@@ -366,6 +378,7 @@ class Node:
                 event_id=derived_id(
                     request.request_id if request else _NS, f"{sandbox_id}:stopped"
                 ),
+                occurred_at=ended_at or utcnow(),
                 sandbox_id=sandbox_id,
                 node_id=self.node_id,
                 tenant=tenant,
@@ -436,6 +449,44 @@ class Node:
             request.reply_to,
             Done(request_id=request.request_id, sandbox_id=request.sandbox_id, detail=reason),
         )
+
+    def expire(self, due: Due) -> bool:
+        """The sandbox's time is up (on the deadlines thread): kill every process of
+        it now, remove it on a reaper thread. False if it is in another transition
+        (asked again shortly)."""
+        with self._busy_lock:
+            if due.sandbox_id in self._busy:
+                return False
+            self._busy.add(due.sandbox_id)
+        try:
+            killed = self.driver.kill_processes(due.sandbox_id)
+            self._reaper.submit(self._reap, due)
+        except BaseException:
+            self._release(due.sandbox_id)
+            raise
+        late_ms = (utcnow() - due.at).total_seconds() * 1000
+        log.info(
+            "%s: time to live reached, %d processes killed %.1f ms after the deadline",
+            due.sandbox_id, killed, late_ms,
+        )  # fmt: skip
+        return True
+
+    def _reap(self, due: Due) -> None:
+        try:
+            if self.agents.is_registered(due.sandbox_id):
+                self.stop(
+                    due.sandbox_id, due.tenant, due.job_id, StopReason.TTL,
+                    "time to live reached", ended_at=due.at,
+                )  # fmt: skip
+        except Exception:
+            log.exception("removing %s after its deadline", due.sandbox_id)
+        finally:
+            self._release(due.sandbox_id)
+
+    def _release(self, sandbox_id: str) -> None:
+        with self._busy_lock:
+            self._busy.discard(sandbox_id)
+            self.last_transition = time.monotonic()
 
     def destroy(self, request: DestroySandbox) -> None:
         """Destroy on request; a second destroy is answered without a second Stopped."""
@@ -696,12 +747,18 @@ class Node:
 _NS = uuid.uuid5(uuid.NAMESPACE_URL, "dsec-node")
 
 
-def expired(labels: dict[str, str], now: datetime | None = None) -> bool:
-    """The sandbox's TTL label says it should be gone."""
+def expires_at(labels: dict[str, str]) -> datetime | None:
+    """The sandbox's TTL deadline, from its labels."""
     raw = labels.get(LABEL_EXPIRES)
     if not raw:
-        return False
+        return None
     try:
-        return datetime.fromisoformat(raw) <= (now or datetime.now(UTC))
+        return datetime.fromisoformat(raw)
     except ValueError:
-        return False
+        return None
+
+
+def expired(labels: dict[str, str], now: datetime | None = None) -> bool:
+    """The sandbox's TTL label says it should be gone."""
+    deadline = expires_at(labels)
+    return deadline is not None and deadline <= (now or datetime.now(UTC))

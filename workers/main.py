@@ -53,6 +53,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
     runtime.install(node)
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()
+    node.deadlines.start()
     Upkeep(node).start()
     log.info(
         "node %s: podman at %s, queue %s, warm pools %s",

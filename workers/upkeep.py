@@ -33,7 +33,8 @@ import time
 
 from app.domain.base import StopReason
 from app.domain.events import NodeHeartbeat, NodePayload, NodeRegistered
-from workers.handlers import LABEL_JOB, LABEL_TENANT, Node, expired
+from workers.deadlines import Due
+from workers.handlers import LABEL_JOB, LABEL_TENANT, Node, expired, expires_at
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,11 @@ def reconcile(node: Node) -> list[str]:
         tenant = labels.get(LABEL_TENANT, "unknown")
         job = labels.get(LABEL_JOB, "default")
         if box.running and expired(labels):
-            node.stop(box.sandbox_id, tenant, job, StopReason.TTL, "time to live reached")
+            # Missed by the deadlines thread (the worker was down): billed to the deadline.
+            node.stop(
+                box.sandbox_id, tenant, job, StopReason.TTL, "time to live reached",
+                ended_at=expires_at(labels),
+            )  # fmt: skip
         elif box.running and box.oom_killed:
             node.stop(box.sandbox_id, tenant, job, StopReason.OOM, "out of memory (OOM kill)")
         elif box.state in ENDED_STATES:
@@ -119,6 +124,9 @@ def reconcile(node: Node) -> list[str]:
                 # After a worker restart: listen again, the agent calls back.
                 env = node.warm.env_of(box) if node.warm is not None else {}
                 node.agents.register(box.sandbox_id, node.run_dir(box.sandbox_id), env)
+            deadline = expires_at(labels)
+            if deadline is not None and not node.deadlines.is_watched(box.sandbox_id):
+                node.deadlines.watch(Due(deadline, box.sandbox_id, tenant, job))
     # A warm container being made is nobody's transition but the pool's own.
     busy = busy_before | node.busy_ids()
     warm = node.warm

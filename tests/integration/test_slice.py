@@ -102,6 +102,7 @@ def test_exec_on_unknown_sandbox_is_rejected(client: Any) -> None:
 def test_ttl_reaps_a_forgotten_sandbox(client: Any, db: Any) -> None:
     # Given a sandbox with a two-second time to live that nobody destroys
     sandbox = client.create(ttl_s=2)
+    sandbox.exec("sleep 1000 > /dev/null 2>&1 &")
     # Then the node's reaper ends it with the reason ttl
     with db() as conn:
         reason = wait_for(
@@ -114,3 +115,12 @@ def test_ttl_reaps_a_forgotten_sandbox(client: Any, db: Any) -> None:
             what="the TTL reaper",
         )
     assert reason == "ttl"
+    # and it is billed its time to live, not a reaper round more
+    with db() as conn:
+        billed = scalar(
+            conn,
+            "SELECT extract(epoch FROM ended_at - started_at) FROM sandbox_lives"
+            " WHERE sandbox_id = :s",
+            s=sandbox.id,
+        )
+    assert 0 < billed <= 2
