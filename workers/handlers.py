@@ -8,8 +8,10 @@ runs, so a redelivered task never runs a command twice.
 from __future__ import annotations
 
 import base64
+import hashlib
 import itertools
 import logging
+import os
 import shlex
 import shutil
 import signal
@@ -73,7 +75,7 @@ from workers.deadlines import Deadlines, Due
 from workers.errors import ImageNotFound, NodeError, SandboxCreateFailed
 from workers.events_out import Outlet
 from workers.podman_driver import PodmanDriver
-from workers.sandbox_spec import AGENT_BIN_MOUNT, SandboxSpec
+from workers.sandbox_spec import AGENT_BIN_MOUNT, AGENT_SOCKET_NAME, SandboxSpec
 from workers.trajectory import StepGuard, StepResult
 
 if TYPE_CHECKING:
@@ -200,12 +202,23 @@ class Node:
     # --- helpers ----------------------------------------------------------------
 
     def run_dir(self, sandbox_id: str) -> Path:
-        """Host-owned directory mounted read-only at /.dsec/run in the sandbox."""
-        return self.sandbox_root / sandbox_id
+        """Host-owned directory mounted read-only at /.dsec/run in the sandbox: named
+        after the sandbox, or after a digest of its id where the agent's socket path
+        would not fit AF_UNIX's 107 bytes (ids may have 63 characters)."""
+        plain = self.sandbox_root / sandbox_id
+        if len(os.fsencode(plain / AGENT_SOCKET_NAME)) < 108:
+            return plain
+        return self.sandbox_root / f"h-{hashlib.sha256(sandbox_id.encode()).hexdigest()[:24]}"
 
     def _fail(self, request: RequestBase, exc: Exception) -> None:
         reason = _reason_for(exc)
         detail = str(exc)[:1000] or type(exc).__name__
+        if reason == FailReason.AGENT_UNAVAILABLE and request.type != "CreateSandbox":
+            # No agent: most often the sandbox itself is gone (its memory limit killed
+            # PID 1); say that, and why, rather than blame the agent.
+            ended = self._why_not_running(request.sandbox_id)
+            if ended is not None:
+                reason, detail = FailReason.SANDBOX_NOT_RUNNING, ended
         log.warning("%s %s failed: %s: %s", request.type, request.sandbox_id, reason, detail)
         self.outlet.event(
             SandboxFailed(
@@ -228,6 +241,20 @@ class Node:
                 detail=detail,
             ),
         )
+
+    def _why_not_running(self, sandbox_id: str) -> str | None:
+        """Why the sandbox's container no longer runs; None if it does."""
+        try:
+            box = self.driver.get(sandbox_id)
+        except NodeError:
+            return None
+        if box is None:
+            return f"sandbox {sandbox_id} is gone"
+        if box.running:
+            return None
+        if box.oom_killed:
+            return f"sandbox {sandbox_id} ended: out of memory (OOM kill)"
+        return f"sandbox {sandbox_id} ended: its container exited with {box.exit_code}"
 
     def _envelope(self, request: RequestBase) -> dict[str, str]:
         """The envelope of an event this node records about a request's sandbox."""

@@ -75,6 +75,7 @@ class FailReason(StrEnum):
     IMAGE_NOT_FOUND = "image_not_found"
     RUNTIME_ERROR = "runtime_error"
     AGENT_UNAVAILABLE = "agent_unavailable"
+    SANDBOX_NOT_RUNNING = "sandbox_not_running"
     TIMEOUT = "timeout"
     REFUSED = "refused"
     INTERNAL = "internal"

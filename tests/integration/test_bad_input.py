@@ -155,3 +155,32 @@ def test_an_impossible_request_is_answered_and_logged_never_dropped(
             )
         # and the sandbox still serves its trainer
         assert box.exec("echo ok").stdout == b"ok\n"
+
+
+def test_a_sandbox_id_lives_once(client: Any, db: Any) -> None:
+    # Given a sandbox
+    box = client.create()
+    # When its id is asked for again while it runs, then after it ended
+    with pytest.raises(SandboxRejected) as in_use:
+        client.call(CreateSandbox(**client._common(box.id)), timeout_s=30)
+    box.close()
+    with pytest.raises(SandboxRejected) as ended:
+        client.call(CreateSandbox(**client._common(box.id)), timeout_s=30)
+    # Then both are refused at once with the reason, and the log holds one life
+    assert in_use.value.reason == ended.value.reason == "duplicate"
+    # (right after the destroy the scheduler may not have seen the end yet: "in use")
+    assert "in use" in str(in_use.value)
+    with db() as conn:
+        wait_for(
+            lambda: scalar(
+                conn, "SELECT ended_at FROM sandbox_lives WHERE sandbox_id = :s", s=box.id
+            ),
+            what="the life's end",
+        )
+        lives = scalar(conn, "SELECT count(*) FROM sandbox_lives WHERE sandbox_id = :s", s=box.id)
+        started = scalar(
+            conn,
+            "SELECT count(*) FROM events WHERE sandbox_id = :s AND type = 'SandboxStarted'",
+            s=box.id,
+        )
+    assert (lives, started) == (1, 1)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from app.config import Settings
+from app.errors import SandboxError
 from tests.conftest import scalar, wait_for
 from workers.limits import CgroupLimiter, Limits
 
@@ -77,6 +78,11 @@ def test_memory_hog_is_oom_killed_and_the_sandbox_stops_with_oom(
     # And the sandbox ends, once, with reason oom
     stops = wait_for(lambda: _stops(db, box.id), 15, "SandboxStopped of the OOM-killed sandbox")
     box.closed = True  # ended already (a destroy now is refused: sandbox_not_running)
+    # And the next request hears that the sandbox no longer runs (from the scheduler,
+    # or from the node if the scheduler has not seen the end yet), not of its agent
+    with pytest.raises(SandboxError) as after:
+        box.exec("true")
+    assert after.value.reason == "sandbox_not_running", after.value
     time.sleep(0.5)
     assert [reason for reason, _ in _stops(db, box.id) or []] == ["oom"], stops
     assert "out of memory" in stops[0][1]

@@ -3,10 +3,12 @@ rootless Podman -> Kafka -> projector -> Postgres, and back to the trainer."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
 
+from app.domain.requests import CreateSandbox
 from app.errors import SandboxFailed, SandboxNotFound
 from tests.conftest import scalar, wait_for
 
@@ -124,3 +126,14 @@ def test_ttl_reaps_a_forgotten_sandbox(client: Any, db: Any) -> None:
             s=sandbox.id,
         )
     assert 0 < billed <= 2
+
+
+def test_the_longest_sandbox_id_the_protocol_allows_works(client: Any) -> None:
+    # 63 characters: its agent socket's path would pass AF_UNIX's limit, named as is
+    long_id = ("sb-long-" + uuid.uuid4().hex * 2)[:63]
+    client.call(CreateSandbox(**client._common(long_id)), timeout_s=60)
+    box = client.sandbox(long_id)
+    try:
+        assert box.exec("echo hi").stdout == b"hi\n"
+    finally:
+        box.close()
