@@ -103,8 +103,42 @@ class Settings(BaseSettings):
     flower_port: int = Field(5555, description="Celery Flower HTTP port.")
     metrics_port: int = Field(9464, description="First Prometheus metrics port of the services.")
     node_capacity_sandboxes: int = Field(2000, description="Sandboxes a node accepts.")
-    node_capacity_cpus: float = Field(0.0, description="Declared CPUs of a node (0: detect).")
-    node_capacity_memory_mb: int = Field(0, description="Declared memory of a node (0: detect).")
+    node_capacity_cpus: float = Field(
+        0.0, description="Declared CPUs of a node (0: its cores times node_cpu_overcommit)."
+    )
+    node_capacity_memory_mb: int = Field(
+        0,
+        description=(
+            "Declared memory of a node (0: its memory less node_memory_reserve_mb, times"
+            " node_memory_overcommit)."
+        ),
+    )
+    node_cpu_overcommit: float = Field(
+        8.0,
+        gt=0,
+        description=(
+            "CPUs a node promises per core. Sandboxes idle mostly, and a CPU limit is a"
+            " ceiling: overcommitted CPU only runs slower (docs/isolation.md)."
+        ),
+    )
+    node_memory_overcommit: float = Field(
+        1.5,
+        gt=0,
+        description=(
+            "Memory a node promises per MiB it has. Above 1, sandboxes that all use their"
+            " whole limit at once exhaust the host: the kernel's OOM killer then picks"
+            " among them (docs/isolation.md)."
+        ),
+    )
+    node_memory_reserve_mb: int = Field(
+        1024, ge=0, description="Memory a node keeps for itself, never promised to sandboxes."
+    )
+    node_pids_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="Most of the host's pid_max one sandbox may ask for (pids_limit).",
+    )
     default_image: str = Field("dsec/busybox:latest", description="Image used when none is named.")
     allow_egress: bool = Field(
         True,

@@ -41,7 +41,7 @@ from app.domain.events import (
 )
 from app.domain.gate import Admitted, Gate, GateRules, Refusal, Sender
 from app.domain.lease import Lease, LeaseAction, LeaseState
-from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement
+from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement, SandboxMax
 from app.domain.proof import KeyLookup, Principal, ProofError, Purpose, Role, verify
 from app.domain.reconcile import NodeLedger
 from app.domain.records import Record
@@ -493,8 +493,9 @@ class Dispatcher:
         else:
             for m in members:
                 got = self.placement.place(
-                    m.sandbox_id, m.image, m.cpus, m.memory_mb, m.tenant, m.job_id
-                )
+                    m.sandbox_id, m.image, m.cpus, m.memory_mb, m.tenant, m.job_id,
+                    pids=m.pids_limit,
+                )  # fmt: skip
                 if isinstance(got, RejectReason):
                     reason = got
                     break
@@ -502,9 +503,11 @@ class Dispatcher:
         if reason is not None:
             for allocation in placed:  # all or nothing
                 self.placement.release(allocation.sandbox_id)
-            if time.monotonic() < pending.deadline_s:
+            if reason != RejectReason.INVALID and time.monotonic() < pending.deadline_s:
                 return False
-            detail = _why(reason, members[0], len(members), pending.group)
+            detail = _why(
+                reason, members[0], len(members), pending.group, self.placement.largest_sandbox()
+            )
             for m in members:
                 self._refuse(out, Admitted(m, pending.sender), reason, detail)
             return True
@@ -774,9 +777,26 @@ class Dispatcher:
         return True
 
 
-def _why(reason: RejectReason, request: CreateSandbox, n: int, group: str | None) -> str:
+def _why(
+    reason: RejectReason,
+    request: CreateSandbox,
+    n: int,
+    group: str | None,
+    largest: SandboxMax | None = None,
+) -> str:
     what = f"group {group} ({n} sandboxes)" if group else "the sandbox"
     waited = f"after waiting {request.queue_s:g}s"
+    if reason == RejectReason.INVALID:
+        most = (
+            f"the most any node allows one sandbox is {largest.cpus:g} CPU, "
+            f"{largest.memory_mb} MiB, {largest.pids} processes"
+            if largest is not None
+            else "no node declares its limits"
+        )
+        return (
+            f"no node can give one sandbox {request.cpus:g} CPU, {request.memory_mb} MiB "
+            f"and {request.pids_limit} processes: {most}"
+        )
     if reason == RejectReason.NO_NODES:
         return f"no live node {waited}"
     if reason == RejectReason.QUOTA:

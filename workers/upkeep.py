@@ -30,6 +30,7 @@ import os
 import shutil
 import threading
 import time
+from pathlib import Path
 
 from app.domain.base import StopReason
 from app.domain.events import NodeHeartbeat, NodePayload, NodeRegistered
@@ -43,13 +44,32 @@ HEARTBEAT_S = 5.0
 ENDED_STATES = frozenset({"exited", "stopped", "dead"})
 
 
+def _host_memory_mb() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+
+
+def _pid_max() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 32_768
+
+
 def _capacity(node: Node) -> tuple[float, int]:
+    """What the node promises in all: its host times the configured overcommit."""
     s = node.settings
-    cpus = s.node_capacity_cpus or float(os.cpu_count() or 1) * 8  # sandboxes idle mostly
-    memory = s.node_capacity_memory_mb or (
-        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20) * 4
-    )
+    cpus = s.node_capacity_cpus or float(os.cpu_count() or 1) * s.node_cpu_overcommit
+    usable = max(0, _host_memory_mb() - s.node_memory_reserve_mb)
+    memory = s.node_capacity_memory_mb or usable * s.node_memory_overcommit
     return cpus, int(memory)
+
+
+def _sandbox_max(node: Node) -> tuple[float, int, int]:
+    """The most one sandbox may have: the host's cores, its memory less the reserve,
+    a share of its pid_max (a limit beyond them is one the host could not keep)."""
+    s = node.settings
+    memory = max(0, _host_memory_mb() - s.node_memory_reserve_mb)
+    return float(os.cpu_count() or 1), memory, int(_pid_max() * s.node_pids_share)
 
 
 def held(node: Node) -> list[str]:
@@ -63,7 +83,11 @@ def held(node: Node) -> list[str]:
 def payload(node: Node, sandboxes: list[str] | None, images: list[str]) -> NodePayload:
     """The node's capacity and load as a heartbeat carries it."""
     cpus, memory = _capacity(node)
+    max_cpus, max_memory, max_pids = _sandbox_max(node)
     return NodePayload(
+        max_sandbox_cpus=max_cpus,
+        max_sandbox_memory_mb=max_memory,
+        max_sandbox_pids=max_pids,
         capacity_sandboxes=node.settings.node_capacity_sandboxes,
         capacity_cpus=cpus,
         capacity_memory_mb=memory,

@@ -188,6 +188,15 @@ class NodePayload(Message):
     sandboxes: list[str] | None = Field(
         None, description="Sandboxes it runs (or is creating) now; None: not reported."
     )
+    max_sandbox_cpus: float | None = Field(
+        None, description="Most CPUs one sandbox may have here (the host's cores)."
+    )
+    max_sandbox_memory_mb: int | None = Field(
+        None, description="Most memory one sandbox may have here (the host's, less a reserve)."
+    )
+    max_sandbox_pids: int | None = Field(
+        None, description="Most processes one sandbox may have here (a share of pid_max)."
+    )
 
 
 class NodeLostPayload(Message):

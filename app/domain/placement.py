@@ -30,6 +30,31 @@ class NodeCapacity(Protocol):
     def images(self) -> Iterable[str]: ...
 
 
+@dataclass(frozen=True)
+class SandboxMax:
+    """The most one sandbox may have on a host: its cores, its memory less a reserve,
+    a share of its pid_max (a request beyond them would be a limit the host cannot
+    keep)."""
+
+    cpus: float
+    memory_mb: int
+    pids: int
+
+    @classmethod
+    def declared(cls, node: object) -> SandboxMax | None:
+        """From a heartbeat's payload; None for a node that did not say."""
+        cpus = getattr(node, "max_sandbox_cpus", None)
+        memory = getattr(node, "max_sandbox_memory_mb", None)
+        pids = getattr(node, "max_sandbox_pids", None)
+        if cpus is None or memory is None or pids is None:
+            return None
+        return cls(float(cpus), int(memory), int(pids))
+
+    def allows(self, cpus: float, memory_mb: int, pids: int) -> bool:
+        """Within every maximum."""
+        return cpus <= self.cpus + 1e-9 and memory_mb <= self.memory_mb and pids <= self.pids
+
+
 @dataclass
 class NodeView:
     """What the scheduler knows of one node."""
@@ -47,6 +72,8 @@ class NodeView:
     used_sandboxes: int = 0
     used_cpus: float = 0.0
     used_memory_mb: int = 0
+    #: What one sandbox may have on this host (None: not declared).
+    max_sandbox: SandboxMax | None = None
 
     @classmethod
     def declared(
@@ -62,7 +89,12 @@ class NodeView:
             images=frozenset(node.images),
             last_seen=last_seen,
             confirmed=confirmed,
+            max_sandbox=SandboxMax.declared(node),
         )
+
+    def allows(self, cpus: float, memory_mb: int, pids: int) -> bool:
+        """Whether this host can give one sandbox that much at all."""
+        return self.max_sandbox is None or self.max_sandbox.allows(cpus, memory_mb, pids)
 
     def fits(self, cpus: float, memory_mb: int) -> bool:
         """Room for one more sandbox of this size."""
@@ -119,14 +151,19 @@ class Placement:
         memory_mb: int,
         tenant: str = "unknown",
         job_id: str = "default",
+        pids: int = 0,
     ) -> Allocation | RejectReason:
-        """Reserve room for a sandbox, or say why there is none."""
+        """Reserve room for a sandbox, or say why there is none: ``INVALID`` when no
+        live node could ever give one sandbox that much (waiting would not help)."""
         if sandbox_id in self.allocations:
             return self.allocations[sandbox_id]
         alive = [n for n in self.nodes.values() if n.alive and n.confirmed]
         if not alive:
             return RejectReason.NO_NODES
-        candidates = [n for n in alive if n.fits(cpus, memory_mb)]
+        able = [n for n in alive if n.allows(cpus, memory_mb, pids)]
+        if not able:
+            return RejectReason.INVALID
+        candidates = [n for n in able if n.fits(cpus, memory_mb)]
         if not candidates:
             return RejectReason.CAPACITY
         best = min(
@@ -170,6 +207,20 @@ class Placement:
             node.used_cpus -= allocation.cpus
             node.used_memory_mb -= allocation.memory_mb
         return allocation
+
+    def largest_sandbox(self) -> SandboxMax | None:
+        """The most any live node allows one sandbox (for a refusal to say)."""
+        declared = [
+            n.max_sandbox for n in self.nodes.values()
+            if n.alive and n.confirmed and n.max_sandbox is not None
+        ]  # fmt: skip
+        if not declared:
+            return None
+        return SandboxMax(
+            max(m.cpus for m in declared),
+            max(m.memory_mb for m in declared),
+            max(m.pids for m in declared),
+        )
 
     def tenant_sandboxes(self, tenant: str) -> int:
         """Live sandboxes of a tenant (for quotas)."""

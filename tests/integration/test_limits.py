@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from app.config import Settings
-from app.errors import SandboxError
+from app.errors import SandboxError, SandboxRejected
 from tests.conftest import scalar, wait_for
 from workers.limits import CgroupLimiter, Limits
 
@@ -197,3 +197,18 @@ def test_a_destroyed_sandbox_leaves_its_last_state_in_the_log(client: Any, db: A
     )
     assert last["cpu_s"] > 0 and last["memory_peak_mb"] >= 8
     assert last["processes"] >= 1 and last["oom_kills"] == 0 and last["frozen"] is False
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{"pids_limit": 65_536}, {"cpus": 64}, {"memory_mb": 262_144}],
+    ids=["pids-beyond-pid_max", "cpus-beyond-cores", "memory-beyond-host"],
+)
+def test_a_limit_no_host_can_keep_is_refused_at_once(client: Any, shape: dict[str, Any]) -> None:
+    # Given a create asking one sandbox for more than any node's host has, and
+    # willing to wait for room: waiting would not help
+    with pytest.raises(SandboxRejected) as refused:
+        client.create(queue_s=60, timeout_s=20, **shape)
+    # Then it is refused at once, saying what the nodes allow
+    assert refused.value.reason == "invalid"
+    assert "the most any node allows one sandbox" in str(refused.value)

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.domain.base import RejectReason
-from app.domain.placement import Allocation, NodeView, Placement
+from app.domain.placement import Allocation, NodeView, Placement, SandboxMax
 
 
 def node(
@@ -67,3 +67,20 @@ def test_capacity_is_never_exceeded(ops: list[tuple[float, int, bool]]) -> None:
             assert view.used_sandboxes <= view.capacity_sandboxes
             assert view.used_cpus <= view.capacity_cpus + 1e-6
             assert view.used_memory_mb <= view.capacity_memory_mb
+
+
+def test_a_sandbox_no_host_can_hold_is_invalid_not_waiting_for_room() -> None:
+    placement = Placement()
+    small = node("a", cpus=64)
+    small.max_sandbox = SandboxMax(cpus=2, memory_mb=4000, pids=8192)
+    big = node("b", cpus=64)
+    big.max_sandbox = SandboxMax(cpus=8, memory_mb=4000, pids=8192)
+    placement.upsert_node(small)
+    placement.upsert_node(big)
+    # More than every host: invalid, whatever room there is
+    assert placement.place("sb-1", "img", 16, 128) == RejectReason.INVALID
+    assert placement.place("sb-2", "img", 1, 128, pids=65_536) == RejectReason.INVALID
+    # More than one host but not the other: placed on the one that can
+    placed = placement.place("sb-3", "img", 4, 128)
+    assert isinstance(placed, Allocation) and placed.node_id == "b"
+    assert placement.largest_sandbox() == SandboxMax(8, 4000, 8192)
