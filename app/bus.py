@@ -100,6 +100,21 @@ class Publisher:
             )
         except KafkaError as exc:
             raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+        self._tracked: set[str] = set()
+
+    def _track(self, topic: str) -> None:
+        """Make the producer's metadata follow ``topic`` for good.
+
+        kafka-python 3.0.12: a producer whose bootstrap metadata listed every topic
+        tracks none of them; the first topic it must look up later (a new tenant's
+        replies topic) replaces its metadata with that topic alone, the partitions it
+        sent to before lose their leader, and its sender thread asks for metadata in a
+        tight loop: a whole core, for good (seen on the scheduler after a tenant was
+        created). Tracking each topic on first use keeps them all in every refresh.
+        """
+        if topic not in self._tracked:
+            self._producer._sender.add_topic(topic)
+            self._tracked.add(topic)
 
     def publish(
         self,
@@ -114,6 +129,7 @@ class Publisher:
         """Send one message (with its proof in ``headers``); with ``wait`` block until
         the broker acknowledged it."""
         value = message if isinstance(message, bytes) else encode(message)
+        self._track(topic)
         try:
             future = self._producer.send(
                 topic, key=key.encode(), value=value, partition=partition,

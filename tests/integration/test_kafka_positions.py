@@ -46,3 +46,23 @@ def test_the_end_after_a_batch_of_several_records_is_where_it_is(
         assert consumer.position(0) == 3
     finally:
         consumer.close()
+
+
+def test_a_producer_keeps_every_topic_after_a_new_one(stack: Settings) -> None:
+    # Given a producer that has sent to an existing topic (known from its bootstrap)
+    publisher = bus.Publisher(stack)
+    admin = KafkaAdminClient(bootstrap_servers=stack.kafka_bootstrap.split(","))
+    late = f"{stack.topic_prefix}.late-{uuid.uuid4().hex[:8]}"
+    try:
+        publisher.publish(stack.topic_dead_letters, "k", b"x", wait=True)
+        # When it sends to a topic made after it started (a new tenant's replies)
+        admin.create_topics([NewTopic(late, 1, 1)])
+        publisher.publish(late, "k", b"y", wait=True)
+        # Then its metadata still knows the first topic's leader: without that, its
+        # sender thread asks for metadata in a tight loop, a whole core for good
+        metadata = publisher._producer._metadata
+        assert metadata.leader_for_partition(TopicPartition(stack.topic_dead_letters, 0))
+    finally:
+        publisher.close()
+        admin.delete_topics([late])
+        admin.close()
