@@ -184,3 +184,68 @@ def test_a_sandbox_id_lives_once(client: Any, db: Any) -> None:
             s=box.id,
         )
     assert (lives, started) == (1, 1)
+
+
+def test_a_deeply_nested_event_is_a_dead_letter_and_the_log_goes_on(
+    stack: Settings, client: Any
+) -> None:
+    # Given a proven event nested 100,000 deep (it used to stop the projector for good)
+    publisher = bus.Publisher(stack)
+    deep = b'{"type": "SandboxStopped", "payload": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    proof = _platform_proof(stack, deep)
+    ours = _dead_letters_after(
+        stack,
+        lambda: publisher.publish(stack.topic_events, "x", deep, wait=True, headers=proof),
+        deep,
+    )
+    publisher.close()
+    # Then the projector and the scheduler each set it aside with the reason
+    assert {(d["consumer"], d["reason"]) for d in ours} >= {("projector", "too_deep")}
+    # And the log goes on: a sandbox's life after it is recorded
+    with client.create() as box:
+        assert box.exec("echo after").stdout == b"after\n"
+
+
+def test_bad_requests_in_a_batch_cost_the_good_ones_nothing(client: Any) -> None:
+    # Given a batch where every other request is hostile: nested JSON, a reply
+    # partition beyond the topic, a NUL in a trajectory id (all from a real tenant)
+    sandbox_ids = [f"sb-batch-{uuid.uuid4().hex[:10]}" for _ in range(3)]
+    good = [CreateSandbox(**client._common(s), memory_mb=32) for s in sandbox_ids]
+    futures = []
+    hostile = [
+        b"[" * 50_000 + b"]" * 50_000,
+        json.dumps(
+            {
+                **json.loads(encode(good[0])),
+                "sandbox_id": "sb-hostile-1",
+                "reply_to": {"topic": client._reply_to.topic, "partition": 60_000},
+            }
+        ).encode(),
+        json.dumps(
+            {
+                "type": "Exec",
+                "sandbox_id": "sb-hostile-2",
+                "command": "true",
+                "trajectory_id": "t\x00",
+                "step": 0,
+            }
+        ).encode(),
+    ]
+    publisher = bus.Publisher(client.settings)
+    cred = client.credential
+    for request, bad in zip(good, hostile, strict=True):
+        futures.append(client.send(request))
+        proof = headers(Purpose.REQUEST, cred.key_id, cred.secret, bad)
+        publisher.publish(client.settings.topic_requests, "sb-hostile", bad, headers=proof)
+    publisher.flush()
+    publisher.close()
+    # Then every good request is answered: its sandbox runs
+    boxes = [client.sandbox(s) for s in sandbox_ids]
+    try:
+        for request, future in zip(good, futures, strict=True):
+            client.wait(request, future, 60)
+        for box in boxes:
+            assert box.exec("echo ok").stdout == b"ok\n"
+    finally:
+        for box in boxes:
+            box.close()
