@@ -217,6 +217,7 @@ def test_bad_requests_in_a_batch_cost_the_good_ones_nothing(client: Any) -> None
         json.dumps(
             {
                 **json.loads(encode(good[0])),
+                "request_id": str(uuid.uuid4()),
                 "sandbox_id": "sb-hostile-1",
                 "reply_to": {"topic": client._reply_to.topic, "partition": 60_000},
             }
