@@ -113,6 +113,14 @@ class Settings(BaseSettings):
             " node_memory_overcommit)."
         ),
     )
+    node_max_commands: int = Field(
+        4096,
+        ge=1,
+        description=(
+            "Commands a node runs at once, all sandboxes together (each waits on a thread"
+            " of its own; the sandboxes' own limits are what bound their work)."
+        ),
+    )
     node_cpu_overcommit: float = Field(
         8.0,
         gt=0,

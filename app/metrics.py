@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 EVENTS_APPENDED = Counter("dsec_events_appended_total", "Events newly appended to the log")
 EVENTS_DUPLICATE = Counter("dsec_events_duplicate_total", "Redelivered events skipped")
@@ -17,6 +17,7 @@ FORGED = Counter(
     ["consumer", "kind"],
 )
 TASKS = Counter("dsec_node_tasks_total", "Node tasks run", ["task", "outcome"])
+COMMANDS_IN_FLIGHT = Gauge("dsec_node_commands_in_flight", "Commands running on the node now")
 
 
 def serve(port: int) -> None:

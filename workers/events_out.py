@@ -34,8 +34,10 @@ class Outlet:
         self.credential = credential
         self._publisher: Publisher | None = None
         self._lock = threading.Lock()
-        # The reply key of each request being answered now (see :meth:`answering`).
+        # The reply key of each request being answered now, and by how many threads
+        # (the exec task's and its command's overlap; see :meth:`answering`).
         self._reply_keys: dict[uuid.UUID, bytes] = {}
+        self._answering: dict[uuid.UUID, int] = {}
 
     @property
     def publisher(self) -> Publisher:
@@ -52,11 +54,16 @@ class Outlet:
             return
         with self._lock:
             self._reply_keys[request_id] = reply_key
+            self._answering[request_id] = self._answering.get(request_id, 0) + 1
         try:
             yield
         finally:
             with self._lock:
-                self._reply_keys.pop(request_id, None)
+                left = self._answering.pop(request_id, 1) - 1
+                if left > 0:
+                    self._answering[request_id] = left
+                else:
+                    self._reply_keys.pop(request_id, None)
 
     def event(self, event: EventBase) -> None:
         """Append a fact to the events topic, keyed by its subject, proven as this node."""

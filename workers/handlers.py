@@ -71,6 +71,7 @@ from workers.agent.client import AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
 from workers.agent.protocol import ExecResult as AgentExecResult
 from workers.agent.protocol import Output as AgentOutput
+from workers.commands import Commands
 from workers.deadlines import Deadlines, Due
 from workers.errors import ImageNotFound, NodeError, SandboxCreateFailed
 from workers.events_out import Outlet
@@ -173,6 +174,8 @@ class Node:
         # What the node saw happen in each sandbox, for the last state its Stopped
         # records (kept in memory: a restarted worker knows less, and says so).
         self._activity: dict[str, Activity] = {}
+        #: Commands in flight, off the Celery pool (workers/commands.py).
+        self.commands = Commands(self.outlet, settings.node_max_commands)
         #: Ends each sandbox at its TTL deadline (started by the worker's main).
         self.deadlines = Deadlines(self.expire)
         # Removals of expired sandboxes: their processes are already dead, the
@@ -542,20 +545,30 @@ class Node:
     # --- work inside a sandbox --------------------------------------------------
 
     def exec(self, request: Exec) -> None:
-        """Run one command through the sandbox's agent, at most once per request id."""
+        """Run one command through the sandbox's agent, at most once per request id
+        (claim and run on the calling thread)."""
+        job = self.admit_exec(request)
+        if job is not None:
+            job()
+
+    def admit_exec(self, request: Exec) -> Callable[[], None] | None:
+        """Claim an exec (on the task's thread: a worker that dies before this gets the
+        task again) and return what is left to do, the command itself or the answer of
+        a step another request runs; None if this request ran already."""
         if not self._claim(request):
             log.info("exec %s already ran on this node; skipping", request.request_id)
-            return
+            return None
         traj, step = request.trajectory_id, request.step
-        claimed_elsewhere = (
+        if (
             traj is not None
             and step is not None
             and not self.steps.claim(request.tenant, traj, step, str(request.request_id))
-        )
-        if claimed_elsewhere:
-            assert traj is not None and step is not None
-            self._answer_claimed_step(request, traj, step)
-            return
+        ):
+            return lambda: self._answer_claimed_step(request, traj, step)
+        return lambda: self._run_exec(request)
+
+    def _run_exec(self, request: Exec) -> None:
+        traj, step = request.trajectory_id, request.step
         argv = (
             ["/bin/sh", "-c", request.command]
             if isinstance(request.command, str)

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -182,9 +183,16 @@ class PodmanDriver:
         """
         name = _name(sandbox_id)
         with self._mapped(NodeError, f"remove {name}"):
-            response = self._client().api.delete(
-                f"/containers/{name}", params={"force": True, "timeout": 0, "volumes": True}
-            )
+            for attempt in range(REMOVE_ATTEMPTS):
+                response = self._client().api.delete(
+                    f"/containers/{name}", params={"force": True, "timeout": 0, "volumes": True}
+                )
+                # A container whose processes were just killed (its TTL) can be caught
+                # between running and exited: Podman then answers 500 "could not be
+                # stopped ... container state improper". A moment later it goes.
+                if response.status_code != 500 or "could not be stopped" not in response.text:
+                    break
+                time.sleep(0.05 * (attempt + 1))
             existed: bool = response.status_code != 404
             if existed:
                 response.raise_for_status()
@@ -527,6 +535,10 @@ def _empty_ro_tmpfs(target: str) -> dict[str, Any]:
 
 def _bind(source: Any, target: str) -> dict[str, Any]:
     return {"type": "bind", "source": str(source), "target": target, "read_only": True}
+
+
+#: Tries at removing a container caught between running and exited.
+REMOVE_ATTEMPTS = 5
 
 
 def _name(sandbox_id: str) -> str:

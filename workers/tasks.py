@@ -156,8 +156,17 @@ def create(*args: str) -> None:
 
 @celery.task(name=NodeTask.EXEC)
 def exec_command(*args: str) -> None:
-    """Run a command in a sandbox."""
-    _run(NodeTask.EXEC, Exec, args, lambda r, _e: runtime.node().exec(r))
+    """Claim a command and start it in its sandbox; it runs off the pool
+    (workers/commands.py), so the task ends as soon as it has started."""
+    _run(NodeTask.EXEC, Exec, args, _start_command)
+
+
+def _start_command(request: Exec, envelope: TaskEnvelope) -> None:
+    node = runtime.node()
+    job = node.admit_exec(request)
+    if job is not None:
+        key = bytes.fromhex(envelope.reply_key) if envelope.reply_key else None
+        node.commands.submit(request.request_id, key, job)
 
 
 @celery.task(name=NodeTask.WRITE_FILE)
