@@ -1,0 +1,101 @@
+"""Long commands in many sandboxes at once, and what a create or a short command costs
+meanwhile.
+
+    .venv/bin/python bench/concurrency.py [--n 200] [--sleep 10] [--probes 20]
+
+Creates N sandboxes, then sends `sleep S` to all of them at once through the SDK and
+times until the last answer (ideal: S). While they run, it times `--probes` short
+execs in a sandbox of its own and a few creates (each destroyed again), and compares
+them with the same probes on the idle node just before. Needs `dsec up`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from collections.abc import Callable
+
+from app import tenants
+from app.config import get_settings
+from app.domain.requests import Exec
+from app.sdk import Client, Sandbox
+from app.stats import percentile
+
+SHAPE = {"memory_mb": 16, "cpus": 0.005, "ttl_s": 3600}
+
+
+def probes(client: Client, probe: Sandbox, n: int) -> tuple[list[float], list[float]]:
+    """Milliseconds of ``n`` short execs and of ``n // 4`` creates (+ destroys)."""
+    execs, creates = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        probe.exec("true")
+        execs.append((time.perf_counter() - t) * 1000)
+    for _ in range(max(1, n // 4)):
+        t = time.perf_counter()
+        box = client.create(**SHAPE)
+        creates.append((time.perf_counter() - t) * 1000)
+        box.close()
+    return execs, creates
+
+
+def p50(values: list[float]) -> float:
+    return percentile(values, 50)
+
+
+def timed(what: str, fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    took = time.perf_counter() - t
+    print(f"{what}: {took:.1f}s")
+    return took
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--sleep", type=float, default=10.0)
+    parser.add_argument("--probes", type=int, default=20)
+    args = parser.parse_args()
+    settings = get_settings()
+    job = f"concurrency-{uuid.uuid4().hex[:6]}"
+    with Client(
+        settings, credential=tenants.local(settings, "bench"), job_id=job, timeout_s=600
+    ) as client:
+        boxes: list[Sandbox] = []
+
+        def make() -> None:
+            while len(boxes) < args.n:
+                boxes.extend(client.create_many(min(50, args.n - len(boxes)), **SHAPE))
+
+        timed(f"created {args.n} sandboxes", make)
+        probe = client.create(**SHAPE)
+        idle_execs, idle_creates = probes(client, probe, args.probes)
+        requests = [
+            Exec(**client._common(b.id), command=f"sleep {args.sleep:g}", timeout_s=600)
+            for b in boxes
+        ]
+        started = time.perf_counter()
+        futures = [client.send(r) for r in requests]
+        busy_execs, busy_creates = probes(client, probe, args.probes)
+        for request, future in zip(requests, futures, strict=True):
+            client.wait(request, future, 600)
+        wall = time.perf_counter() - started
+        probe.close()
+        for box in boxes:
+            box.close()
+    print(f"{args.n} x sleep {args.sleep:g}: all answered after {wall:.2f}s")
+    print(
+        f"short exec p50: idle {p50(idle_execs):.1f} ms, meanwhile {p50(busy_execs):.1f} ms;"
+        f" create p50: idle {p50(idle_creates):.1f} ms, meanwhile {p50(busy_creates):.1f} ms"
+    )
+    print(
+        f"RESULT concurrency n={args.n} sleep={args.sleep:g} wall_s={wall:.2f}"
+        f" exec_p50_ms={p50(idle_execs):.1f}/{p50(busy_execs):.1f}"
+        f" create_p50_ms={p50(idle_creates):.1f}/{p50(busy_creates):.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
