@@ -1,6 +1,7 @@
-"""Placements per second from one scheduler over 160 simulated nodes.
+"""Placements and routed commands per second from one scheduler over 160 simulated
+nodes.
 
-    .venv/bin/python bench/schedule.py [--requests 20000] [--nodes 160]
+    .venv/bin/python bench/schedule.py [--requests 20000] [--nodes 160] [--execs 50000]
 
 Measures the scheduler's own work per CreateSandbox, as it runs in the scheduler
 process: check the request's proof, its freshness and that its id is new, decode and
@@ -9,6 +10,10 @@ build and serialise its Requested and Scheduled events and its node task. The I/
 around it (Kafka, Celery) is the same per request whatever the placement costs and is
 measured end to end by bench/e2e.py. For scale: DSec's peak is 5,000 creations/s per
 unit (160 nodes).
+
+The exec case then routes ``--execs`` Exec requests to the sandboxes placed: the same
+proof, freshness, replay and decoding checks, the owner's check, and the sealed node
+task. Goal: 10,000 commands/s in one process.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from app.dispatch import Dispatcher, Outbox
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.proof import KeyInfo, Purpose, Role, StaticKeys, headers
 from app.domain.records import Inbound
-from app.domain.requests import CreateSandbox, ReplyTo
+from app.domain.requests import CreateSandbox, Exec, ReplyTo
 
 
 def record(value: bytes, offset: int, key: bytes, signer: KeyInfo, purpose: Purpose) -> Inbound:
@@ -37,6 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--nodes", type=int, default=160)
+    parser.add_argument("--execs", type=int, default=50_000)
     args = parser.parse_args()
     keys = StaticKeys(os.urandom(32))
     tenants = [keys.add(f"k-tenant-{i}", Role.TENANT, f"t{i}") for i in range(50)]
@@ -72,7 +78,31 @@ def main() -> None:
     used = sorted(n.used_sandboxes for n in dispatcher.placement.nodes.values())
     print(f"{placed} of {args.requests} placed on {args.nodes} nodes in {elapsed:.2f}s")
     print(f"sandboxes per node: min {used[0]}, max {used[-1]}")
-    print(f"RESULT schedule placements/s={placed / elapsed:,.0f} nodes={args.nodes} goal=5,000")
+    execs = []
+    owned = list(dispatcher.placement.allocations.values())
+    for i in range(args.execs):
+        allocation = owned[i % len(owned)]
+        tenant = tenants[int(allocation.tenant[1:])]
+        command = Exec(
+            sandbox_id=allocation.sandbox_id, job_id="bench", command="python -m pytest -x",
+            reply_to=ReplyTo(topic=f"dsec.replies.{allocation.tenant}", partition=i % 16),
+        )  # fmt: skip
+        execs.append(
+            record(encode(command), args.requests + i, command.sandbox_id.encode(), tenant,
+                   Purpose.REQUEST)
+        )  # fmt: skip
+    started = time.perf_counter()
+    routed = 0
+    for request in execs:
+        out = Outbox()
+        dispatcher.handle(out, request)
+        routed += len(out.tasks)
+    exec_s = time.perf_counter() - started
+    print(f"{routed} of {args.execs} commands routed to their nodes in {exec_s:.2f}s")
+    print(
+        f"RESULT schedule placements/s={placed / elapsed:,.0f} commands/s={routed / exec_s:,.0f}"
+        f" nodes={args.nodes} goal=5,000/10,000"
+    )
 
 
 if __name__ == "__main__":

@@ -157,23 +157,30 @@ class Placement:
         live node could ever give one sandbox that much (waiting would not help)."""
         if sandbox_id in self.allocations:
             return self.allocations[sandbox_id]
-        alive = [n for n in self.nodes.values() if n.alive and n.confirmed]
-        if not alive:
-            return RejectReason.NO_NODES
-        able = [n for n in alive if n.allows(cpus, memory_mb, pids)]
-        if not able:
-            return RejectReason.INVALID
-        candidates = [n for n in able if n.fits(cpus, memory_mb)]
-        if not candidates:
-            return RejectReason.CAPACITY
-        best = min(
-            candidates,
-            key=lambda n: (
+        # One pass over the nodes (this runs for every create, over hundreds of nodes).
+        alive = able = False
+        best: NodeView | None = None
+        best_key: tuple[bool, float, str] | None = None
+        for n in self.nodes.values():
+            if not (n.alive and n.confirmed):
+                continue
+            alive = True
+            if n.max_sandbox is not None and not n.max_sandbox.allows(cpus, memory_mb, pids):
+                continue
+            able = True
+            if not n.fits(cpus, memory_mb):
+                continue
+            key = (
                 image not in n.images,
                 n.used_sandboxes / max(n.capacity_sandboxes, 1),
                 n.node_id,
-            ),
-        )
+            )
+            if best_key is None or key < best_key:
+                best, best_key = n, key
+        if best is None:
+            if not alive:
+                return RejectReason.NO_NODES
+            return RejectReason.CAPACITY if able else RejectReason.INVALID
         return self.assign(sandbox_id, best.node_id, cpus, memory_mb, tenant, job_id)
 
     def assign(
