@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -82,19 +83,27 @@ def down(
 def status(as_json: JsonOpt = False) -> None:
     """What runs, where, and how to reach it."""
     from app import stack
+    from app.supervisor import Restarts
 
     settings = get_settings()
     rows = []
+    now = time.time()
     for service in stack.services(settings, stack.known_node_ids(settings)):
         pid = service.pid(settings)
         alive = pid is not None or (service.ready is not None and service.ready())
+        restarts = Restarts.load(settings, service.name)
+        if alive:
+            state = "stale code" if service.stale(settings) else "running"
+        elif restarts.gave_up:
+            state = "failed (gave up)"
+        else:
+            state = "died" if service.pidfile(settings).exists() else "stopped"
         rows.append(
             {
                 "service": service.name,
-                "state": ("stale code" if service.stale(settings) else "running")
-                if alive
-                else "stopped",
+                "state": state,
                 "pid": pid,
+                "restarts": len(restarts.recent(now)),
                 "endpoint": service.endpoint,
                 "log": str(service.logfile(settings)),
             }
@@ -104,6 +113,7 @@ def status(as_json: JsonOpt = False) -> None:
             "service": "postgres",
             "state": "external",
             "pid": None,
+            "restarts": 0,
             "endpoint": redact(settings.database_url),
             "log": "",
         }
@@ -130,6 +140,15 @@ def run_scheduler() -> None:
 
     _logging()
     scheduler.main(get_settings())
+
+
+@run_cli.command("supervisor")
+def run_supervisor() -> None:
+    """Restart the embedded stack's services that die (with backoff and a limit)."""
+    from app import supervisor
+
+    _logging()
+    supervisor.run(get_settings())
 
 
 @run_cli.command("worker")

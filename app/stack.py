@@ -135,7 +135,14 @@ class Service:
         return pid if mark in cmdline or b"dsec" in cmdline else None
 
     def start(self, settings: Settings) -> bool:
-        """Start unless running this checkout's code; True if it was started now."""
+        """Start unless running this checkout's code; True if it was started now.
+        (Under a lock: `dsec up` and the supervisor may both try at once.)"""
+        from workers.file_lock import file_lock
+
+        with file_lock(settings.state_dir / "run" / f"{self.name}.lock"):
+            return self._start(settings)
+
+    def _start(self, settings: Settings) -> bool:
         if self.stale(settings):
             self.stop(settings)
         if self.pid(settings) is not None:
@@ -275,7 +282,13 @@ def services(settings: Settings, nodes: int | list[str] = 1) -> list[Service]:
             ready=lambda: port_open("127.0.0.1", settings.flower_port),
         )
     )
+    # Last up, first down: it must not start again what `dsec down` is stopping.
+    out.append(Service(SUPERVISOR, [py, "-m", "app.cli", "run", "supervisor"]))
     return out
+
+
+#: The service that restarts the others (app/supervisor.py).
+SUPERVISOR = "supervisor"
 
 
 #: The user Flower asks for (its password is <secrets_dir>/flower.password).

@@ -63,10 +63,12 @@ def test_sandboxes_spread_and_a_killed_node_is_declared_lost(
     victim = "node2" if any(b.node_id == "node2" for b in boxes) else sorted(on)[-1]
     doomed = [b for b in boxes if b.node_id == victim]
     survivors = [b for b in boxes if b.node_id != victim]
-    # When that node's worker dies without a word
+    # When that node's host dies without a word (its worker killed, and nothing on
+    # the host left to start it again: no pid file for the stack's supervisor)
     worker = _worker(settings, victim)
     pid = worker.pid(settings)
     assert pid is not None
+    worker.pidfile(settings).unlink()
     os.killpg(pid, signal.SIGKILL)
     try:
         # Then the scheduler declares it lost and its sandboxes end with node_lost
