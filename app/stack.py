@@ -137,14 +137,25 @@ class Service:
     def start(self, settings: Settings) -> bool:
         """Start unless running this checkout's code; True if it was started now.
         (Under a lock: `dsec up` and the supervisor may both try at once.)"""
+        with self._locked(settings):
+            return self._start(settings)
+
+    def restart_if_died(self, settings: Settings) -> bool:
+        """Start it again if it died: its pid file is there (nobody stopped it on
+        purpose) and its process is not. True if it was started."""
+        with self._locked(settings):
+            if not self.pidfile(settings).exists() or self.pid(settings) is not None:
+                return False
+            return self._start(settings)
+
+    def _locked(self, settings: Settings) -> contextlib.AbstractContextManager[None]:
         from workers.file_lock import file_lock
 
-        with file_lock(settings.state_dir / "run" / f"{self.name}.lock"):
-            return self._start(settings)
+        return file_lock(settings.state_dir / "run" / f"{self.name}.lock")
 
     def _start(self, settings: Settings) -> bool:
         if self.stale(settings):
-            self.stop(settings)
+            self._stop(settings)
         if self.pid(settings) is not None:
             return False
         for d in (self.pidfile(settings).parent, self.logfile(settings).parent):
@@ -166,9 +177,14 @@ class Service:
 
     def stop(self, settings: Settings, timeout_s: float = 10.0) -> bool:
         """Stop if running (SIGTERM, then SIGKILL); True if it was running."""
+        with self._locked(settings):
+            return self._stop(settings, timeout_s)
+
+    def _stop(self, settings: Settings, timeout_s: float = 10.0) -> bool:
         pid = self.pid(settings)
+        # The pid file goes first: without it the supervisor knows the end is wanted.
+        self.pidfile(settings).unlink(missing_ok=True)
         if pid is None:
-            self.pidfile(settings).unlink(missing_ok=True)
             return False
         os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
@@ -176,7 +192,6 @@ class Service:
             time.sleep(0.05)
         if _alive(pid):
             os.killpg(pid, signal.SIGKILL)
-        self.pidfile(settings).unlink(missing_ok=True)
         return True
 
 

@@ -102,8 +102,8 @@ def tend(settings: Settings, now: float | None = None) -> list[str]:
                 record.save(settings, service.name)
                 log.error("%s keeps dying: left down (`dsec up` starts it again)", service.name)
             continue
-        log.warning("%s died: starting it again", service.name)
-        if service.start(settings):
+        if service.restart_if_died(settings):
+            log.warning("%s died: started it again", service.name)
             record.times = [*record.recent(now), now]
             record.gave_up = False
             record.save(settings, service.name)
