@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -88,11 +89,19 @@ class Publisher:
     """Sends typed messages; thread-safe (one per process is enough)."""
 
     def __init__(self, settings: Settings, *, linger_ms: int = 0) -> None:
+        self._settings = settings
+        self._linger_ms = linger_ms
+        self._lock = threading.Lock()
+        self._producer = self._make()
+        self._tracked: set[str] = set()
+
+    def _make(self) -> KafkaProducer:
+        settings = self._settings
         try:
-            self._producer = KafkaProducer(
+            return KafkaProducer(
                 **client_options(settings),
                 acks="all",
-                linger_ms=linger_ms,
+                linger_ms=self._linger_ms,
                 # Replies may be large (an exec's output); consumers bound requests and
                 # events themselves, by max_message_bytes.
                 max_request_size=max(settings.max_message_bytes * 2, settings.max_reply_bytes),
@@ -100,7 +109,24 @@ class Publisher:
             )
         except KafkaError as exc:
             raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
-        self._tracked: set[str] = set()
+
+    def _dead(self) -> bool:
+        """The producer failed for good: kafka-python aborts every batch of an
+        idempotent producer whose producer id the broker lost (an embedded broker that
+        came back empty), without a word to send() or flush()."""
+        manager = getattr(self._producer, "_transaction_manager", None)
+        return manager is not None and manager.has_fatal_error()
+
+    def _failed(self, what: str, exc: KafkaError) -> ServiceUnavailable:
+        """A send or flush failed: the next one goes through a new producer. (An
+        idempotent producer whose broker came back empty is dead for good: the broker
+        no longer knows its producer id.) The caller hears of the failure."""
+        with self._lock:
+            old, self._producer = self._producer, self._make()
+            self._tracked = set()
+        with contextlib.suppress(Exception):
+            old.close(timeout=0)
+        return ServiceUnavailable(f"{what}: {exc} (a new producer takes over)")
 
     def _track(self, topic: str) -> None:
         """Make the producer's metadata follow ``topic`` for good.
@@ -129,6 +155,11 @@ class Publisher:
         """Send one message (with its proof in ``headers``); with ``wait`` block until
         the broker acknowledged it."""
         value = message if isinstance(message, bytes) else encode(message)
+        if self._dead():
+            # What it held is lost (the broker it was sent to is gone); what comes now
+            # goes through a new producer.
+            log.warning("Kafka producer failed for good: a new one takes over")
+            self._failed("publish", KafkaError("the producer failed for good"))
         self._track(topic)
         try:
             future = self._producer.send(
@@ -138,14 +169,16 @@ class Publisher:
             if wait:
                 future.get(timeout=30)
         except KafkaError as exc:
-            raise ServiceUnavailable(f"publish to {topic}: {exc}") from exc
+            raise self._failed(f"publish to {topic}", exc) from exc
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Block until every message sent so far is acknowledged."""
         try:
             self._producer.flush(timeout=timeout_s)
         except KafkaError as exc:
-            raise ServiceUnavailable(f"flush: {exc}") from exc
+            raise self._failed("flush", exc) from exc
+        if self._dead():  # its batches were aborted, not acknowledged
+            raise self._failed("flush", KafkaError("the producer failed for good"))
 
     def close(self) -> None:
         """Flush and close."""
@@ -211,6 +244,45 @@ def partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
     return [TopicPartition(topic, p) for p in sorted(ids)]
 
 
+class Incarnation:
+    """Tells a consumer when its topic was made anew: a broker that came back empty
+    (the embedded one keeps topics in memory) recreates topics under their names with
+    new ids and offsets from zero, and answers a fetch past the new end with nothing,
+    not an error, so a consumer would wait at its old position for good. Asked every
+    few seconds (one metadata request)."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, consumer: KafkaConsumer, topic: str) -> None:
+        self._consumer = consumer
+        self.topic = topic
+        self.topic_id = topic_id(consumer, topic)
+        self._checked_at = time.monotonic()
+
+    def changed(self) -> bool:
+        """True once per new incarnation (then :attr:`topic_id` names it)."""
+        if time.monotonic() - self._checked_at < self.EVERY_S:
+            return False
+        self._checked_at = time.monotonic()
+        cluster = self._consumer._client.cluster
+        cluster.request_update()  # its metadata, now
+        known = cluster.topic_id(self.topic)
+        if known is None:
+            return False  # no answer for the topic now: no evidence of a new one
+        found = known if isinstance(known, uuid.UUID) else uuid.UUID(str(known))
+        if found == self.topic_id:
+            return False
+        # An id learned for the first time (none at start) is no new incarnation.
+        first = self.topic_id == _nameless_id(self.topic)
+        self.topic_id = found
+        return not first
+
+
+def _nameless_id(topic: str) -> uuid.UUID:
+    """The id taken for a topic whose broker gives none."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"kafka-topic:{topic}")
+
+
 def topic_id(consumer: KafkaConsumer, topic: str) -> uuid.UUID:
     """The broker's id for this incarnation of ``topic``.
 
@@ -221,5 +293,5 @@ def topic_id(consumer: KafkaConsumer, topic: str) -> uuid.UUID:
     # kafka-python keeps topic ids from metadata responses on its cluster object.
     found = consumer._client.cluster.topic_id(topic)
     if found is None:
-        return uuid.uuid5(uuid.NAMESPACE_URL, f"kafka-topic:{topic}")
+        return _nameless_id(topic)
     return found if isinstance(found, uuid.UUID) else uuid.UUID(str(found))

@@ -44,7 +44,7 @@ class PositionedConsumer:
         self.partitions = (
             [tp for tp in all_parts if tp.partition in set(partitions)] if partitions else all_parts
         )
-        self.topic_id: uuid.UUID = bus.topic_id(self._consumer, topic)
+        self._incarnation = bus.Incarnation(self._consumer, topic)
         self._consumer.assign(self.partitions)
 
     def seek(self, stored: dict[int, StoredOffset]) -> list[str]:
@@ -76,11 +76,24 @@ class PositionedConsumer:
 
     def poll(self, timeout_ms: int = 200, max_records: int = 2000) -> list[ConsumerRecord]:
         """The next records across assigned partitions, in order within each."""
+        if self._incarnation.changed():
+            log.warning(
+                "%s: %s is a new incarnation of the topic (broker restarted empty?): "
+                "reading it from its beginning", self.name, self.topic,
+            )  # fmt: skip
+            for tp in self.partitions:
+                self._consumer.seek_to_beginning(tp)
         batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
         out: list[ConsumerRecord] = []
         for records in batches.values():
             out.extend(records)
         return out
+
+    @property
+    def topic_id(self) -> uuid.UUID:
+        """The broker's id of the topic's incarnation being read (owners store offsets
+        with it)."""
+        return self._incarnation.topic_id
 
     def position(self, partition: int) -> int:
         """The offset the next read of ``partition`` starts at."""

@@ -191,6 +191,8 @@ class Client:
         self._consumer.assign([tp])
         self._consumer.seek_to_end(tp)
         self._consumer.position(tp)  # resolve now: replies to our first request must count
+        self._replies = tp
+        self._incarnation = bus.Incarnation(self._consumer, topic)
         self._reply_to = ReplyTo(topic=topic, partition=self._partition)
         self._waiting: dict[uuid.UUID, Future[Reply]] = {}
         # The key each awaited request's replies are proven with.
@@ -211,6 +213,8 @@ class Client:
 
     def _read_replies(self) -> None:
         while not self._closed.is_set():
+            if self._incarnation.changed():  # the broker came back empty: a new topic
+                self._consumer.seek_to_beginning(self._replies)
             for records in self._consumer.poll(timeout_ms=100).values():
                 for record in records:
                     value = record.value or b""
