@@ -96,6 +96,8 @@ class Scheduler:
         # few records short, and old endings would be applied to the recovered state.
         for tp, end in bus.high_watermarks(settings, event_parts).items():
             self.events.seek(tp, end)
+        self._event_parts = event_parts
+        self._events_incarnation = bus.Incarnation(self.events, settings.topic_events)
 
     # --- state ------------------------------------------------------------------
 
@@ -216,6 +218,9 @@ class Scheduler:
                 self._tenants = tenants
 
     def _poll_events(self) -> list[ConsumerRecord]:
+        if self._events_incarnation.changed():  # the broker came back empty
+            log.warning("scheduler: the events topic is new: following it from its beginning")
+            self.events.seek_to_beginning(*self._event_parts)
         batches = self.events.poll(timeout_ms=0, max_records=2000)
         return [r for records in batches.values() for r in records]
 
