@@ -25,6 +25,7 @@ import uuid
 from datetime import timedelta
 
 from kafka import KafkaAdminClient
+from procstat import named, ticks
 from sqlalchemy import text
 
 from app import bus
@@ -76,37 +77,13 @@ def events_for(tenant: str, n: int) -> list[EventBase]:
     return out[:n]
 
 
-def _ticks(pid: int) -> int:
-    """utime + stime of a process, in clock ticks (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])
-
-
-def _named(prefix: str) -> list[int]:
-    """Pids of the processes whose command name starts with ``prefix``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/comm") as f:
-                    if f.read().startswith(prefix):
-                        pids.append(int(entry))
-            except OSError:
-                continue
-    return pids
-
-
 def cpu_seconds(projectors: list[int]) -> dict[str, float]:
     """CPU seconds used so far by the projectors, Postgres (all of it) and the broker."""
     hz = os.sysconf("SC_CLK_TCK")
     return {
-        "projector": sum(map(_ticks, projectors)) / hz,
-        "postgres": sum(map(_ticks, _named("postgres"))) / hz,
-        "broker": sum(map(_ticks, _named("tansu"))) / hz,
+        "projector": sum(map(ticks, projectors)) / hz,
+        "postgres": sum(map(ticks, named("postgres"))) / hz,
+        "broker": sum(map(ticks, named("tansu"))) / hz,
     }
 
 

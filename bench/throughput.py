@@ -21,8 +21,8 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
+from procstat import HZ, named, ticks
 from rich.console import Console
 from rich.table import Table
 
@@ -34,29 +34,6 @@ from workers.agent.client import AgentPool
 from workers.node_setup import set_up_node_user
 from workers.podman_driver import PodmanDriver, container_args
 from workers.sandbox_spec import SandboxSpec
-
-HZ = os.sysconf("SC_CLK_TCK")
-
-
-def _ticks(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])
-
-
-def _by_comm(prefix: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if Path(f"/proc/{entry}/comm").read_text().startswith(prefix):
-                    found.append(int(entry))
-            except OSError:
-                continue
-    return found
 
 
 def _pidfile(settings: Settings, name: str) -> list[int]:
@@ -74,16 +51,16 @@ def processes(settings: Settings) -> dict[str, list[int]]:
         "projector": _pidfile(settings, "projector"),
         "node worker": _pidfile(settings, f"worker-{settings.node_id}"),
         "flower": _pidfile(settings, "flower"),
-        "redis": _by_comm("redis-server"),
-        "postgres": _by_comm("postgres"),
-        "podman service": _by_comm("podman"),
-        "conmon": _by_comm("conmon"),
-        "broker": _by_comm("tansu"),
+        "redis": named("redis-server"),
+        "postgres": named("postgres"),
+        "podman service": named("podman"),
+        "conmon": named("conmon"),
+        "broker": named("tansu"),
     }
 
 
 def cpu(groups: dict[str, list[int]]) -> dict[str, float]:
-    return {name: sum(map(_ticks, pids)) / HZ for name, pids in groups.items()}
+    return {name: sum(map(ticks, pids)) / HZ for name, pids in groups.items()}
 
 
 def run(n: int, in_flight: int, call: Callable[[int], object]) -> tuple[float, list[float]]:
@@ -126,7 +103,7 @@ def main() -> None:
         agent_bin_dir=settings.state_dir / "agent", run_dir=run_dir,
     )  # fmt: skip
     container = None
-    raw_groups = {"podman + conmon": _by_comm("podman") + _by_comm("conmon")}
+    raw_groups = {"podman + conmon": named("podman") + named("conmon")}
     try:
         # Without the sandbox label the node leaves it alone (it is nobody's sandbox).
         options = container_args(spec)
@@ -137,9 +114,9 @@ def main() -> None:
         raw_before = cpu(raw_groups)
         podman_wall, _ = run(args.podman, 8, lambda _: container.exec_run(["true"]))
         raw_after = cpu(raw_groups)
-        agent_cpu = _ticks(os.getpid())
+        agent_cpu = ticks(os.getpid())
         agent_wall, _ = run(args.commands, 1, lambda _: conn.exec(["true"], timeout_s=10))
-        agent_ms = (_ticks(os.getpid()) - agent_cpu) / HZ / args.commands * 1000
+        agent_ms = (ticks(os.getpid()) - agent_cpu) / HZ / args.commands * 1000
     finally:
         pool.close()
         if container is not None:
