@@ -40,6 +40,11 @@ def client_options(settings: Settings) -> dict[str, Any]:
     options: dict[str, Any] = {
         "bootstrap_servers": _servers(settings),
         "security_protocol": settings.kafka_security_protocol,
+        # Topics are made by the platform with their partitions and settings
+        # (ensure_topics), never by a client's metadata request: a broker that came
+        # back empty otherwise got dsec.events back with its default of 4 partitions
+        # from the first producer that asked.
+        "allow_auto_create_topics": False,
     }
     if settings.kafka_sasl_mechanism:
         password = (
@@ -69,7 +74,9 @@ def ensure_topics(settings: Settings, tenants: Iterable[str] = ()) -> None:
     for tenant in tenants:
         wanted[settings.replies_topic(tenant)] = settings.reply_partitions
     try:
-        admin = KafkaAdminClient(**client_options(settings), request_timeout_ms=10_000)
+        options = client_options(settings)
+        options.pop("allow_auto_create_topics")  # not an admin client's setting
+        admin = KafkaAdminClient(**options, request_timeout_ms=10_000)
     except KafkaError as exc:
         raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
     try:
