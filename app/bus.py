@@ -124,15 +124,20 @@ class Publisher:
         manager = getattr(self._producer, "_transaction_manager", None)
         return manager is not None and manager.has_fatal_error()
 
-    def _failed(self, what: str, exc: KafkaError) -> ServiceUnavailable:
-        """A send or flush failed: the next one goes through a new producer. (An
-        idempotent producer whose broker came back empty is dead for good: the broker
-        no longer knows its producer id.) The caller hears of the failure."""
+    def _renew(self) -> None:
+        """Put a new producer in place of this one. (An idempotent producer whose
+        broker came back empty is dead for good: the broker no longer knows its
+        producer id.)"""
         with self._lock:
             old, self._producer = self._producer, self._make()
             self._tracked = set()
         with contextlib.suppress(Exception):
             old.close(timeout=0)
+
+    def _failed(self, what: str, exc: KafkaError) -> ServiceUnavailable:
+        """A send or flush failed: the next one goes through a new producer, and the
+        caller hears of the failure."""
+        self._renew()
         return ServiceUnavailable(f"{what}: {exc} (a new producer takes over)")
 
     def _track(self, topic: str) -> None:
@@ -166,7 +171,7 @@ class Publisher:
             # What it held is lost (the broker it was sent to is gone); what comes now
             # goes through a new producer.
             log.warning("Kafka producer failed for good: a new one takes over")
-            self._failed("publish", KafkaError("the producer failed for good"))
+            self._renew()
         self._track(topic)
         try:
             future = self._producer.send(
@@ -271,12 +276,10 @@ class Incarnation:
         if time.monotonic() - self._checked_at < self.EVERY_S:
             return False
         self._checked_at = time.monotonic()
-        cluster = self._consumer._client.cluster
-        cluster.request_update()  # its metadata, now
-        known = cluster.topic_id(self.topic)
-        if known is None:
+        self._consumer._client.cluster.request_update()  # its metadata, now
+        found = _known_id(self._consumer, self.topic)
+        if found is None:
             return False  # no answer for the topic now: no evidence of a new one
-        found = known if isinstance(known, uuid.UUID) else uuid.UUID(str(known))
         if found == self.topic_id:
             return False
         # An id learned for the first time (none at start) is no new incarnation.
@@ -297,8 +300,13 @@ def topic_id(consumer: KafkaConsumer, topic: str) -> uuid.UUID:
     topics under the same names with new ids and offsets from zero; the id is how a
     consumer holding offsets in Postgres tells the two apart.
     """
+    return _known_id(consumer, topic) or _nameless_id(topic)
+
+
+def _known_id(consumer: KafkaConsumer, topic: str) -> uuid.UUID | None:
+    """The id the consumer's metadata holds for ``topic``, if any."""
     # kafka-python keeps topic ids from metadata responses on its cluster object.
     found = consumer._client.cluster.topic_id(topic)
     if found is None:
-        return _nameless_id(topic)
+        return None
     return found if isinstance(found, uuid.UUID) else uuid.UUID(str(found))

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -796,9 +796,3 @@ def expires_at(labels: dict[str, str]) -> datetime | None:
         return datetime.fromisoformat(raw)
     except ValueError:
         return None
-
-
-def expired(labels: dict[str, str], now: datetime | None = None) -> bool:
-    """The sandbox's TTL label says it should be gone."""
-    deadline = expires_at(labels)
-    return deadline is not None and deadline <= (now or datetime.now(UTC))

@@ -30,12 +30,13 @@ import os
 import shutil
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from app.domain.base import StopReason
 from app.domain.events import NodeHeartbeat, NodePayload, NodeRegistered
 from workers.deadlines import Due
-from workers.handlers import LABEL_JOB, LABEL_TENANT, Node, expired, expires_at
+from workers.handlers import LABEL_JOB, LABEL_TENANT, Node, expires_at
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +56,24 @@ def _pid_max() -> int:
         return 32_768
 
 
+def _usable_memory_mb(node: Node) -> int:
+    """The host's memory less what the node keeps for itself."""
+    return max(0, _host_memory_mb() - node.settings.node_memory_reserve_mb)
+
+
 def _capacity(node: Node) -> tuple[float, int]:
     """What the node promises in all: its host times the configured overcommit."""
     s = node.settings
     cpus = s.node_capacity_cpus or float(os.cpu_count() or 1) * s.node_cpu_overcommit
-    usable = max(0, _host_memory_mb() - s.node_memory_reserve_mb)
-    memory = s.node_capacity_memory_mb or usable * s.node_memory_overcommit
+    memory = s.node_capacity_memory_mb or _usable_memory_mb(node) * s.node_memory_overcommit
     return cpus, int(memory)
 
 
 def _sandbox_max(node: Node) -> tuple[float, int, int]:
     """The most one sandbox may have: the host's cores, its memory less the reserve,
     a share of its pid_max (a limit beyond them is one the host could not keep)."""
-    s = node.settings
-    memory = max(0, _host_memory_mb() - s.node_memory_reserve_mb)
-    return float(os.cpu_count() or 1), memory, int(_pid_max() * s.node_pids_share)
+    share = node.settings.node_pids_share
+    return float(os.cpu_count() or 1), _usable_memory_mb(node), int(_pid_max() * share)
 
 
 def held(node: Node) -> list[str]:
@@ -124,11 +128,12 @@ def reconcile(node: Node) -> list[str]:
         labels = node.warm.labels_of(box) if node.warm is not None else box.labels
         tenant = labels.get(LABEL_TENANT, "unknown")
         job = labels.get(LABEL_JOB, "default")
-        if box.running and expired(labels):
+        deadline = expires_at(labels)
+        if box.running and deadline is not None and deadline <= datetime.now(UTC):
             # Missed by the deadlines thread (the worker was down): billed to the deadline.
             node.stop(
                 box.sandbox_id, tenant, job, StopReason.TTL, "time to live reached",
-                ended_at=expires_at(labels),
+                ended_at=deadline,
             )  # fmt: skip
         elif box.running and box.oom_killed:
             node.stop(box.sandbox_id, tenant, job, StopReason.OOM, "out of memory (OOM kill)")
@@ -148,7 +153,6 @@ def reconcile(node: Node) -> list[str]:
                 # After a worker restart: listen again, the agent calls back.
                 env = node.warm.env_of(box) if node.warm is not None else {}
                 node.agents.register(box.sandbox_id, node.run_dir(box.sandbox_id), env)
-            deadline = expires_at(labels)
             if deadline is not None and not node.deadlines.is_watched(box.sandbox_id):
                 node.deadlines.watch(Due(deadline, box.sandbox_id, tenant, job))
     # A warm container being made is nobody's transition but the pool's own.

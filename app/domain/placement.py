@@ -165,7 +165,7 @@ class Placement:
             if not (n.alive and n.confirmed):
                 continue
             alive = True
-            if n.max_sandbox is not None and not n.max_sandbox.allows(cpus, memory_mb, pids):
+            if not n.allows(cpus, memory_mb, pids):
                 continue
             able = True
             if not n.fits(cpus, memory_mb):
