@@ -505,9 +505,8 @@ class Dispatcher:
                 self.placement.release(allocation.sandbox_id)
             if reason != RejectReason.INVALID and time.monotonic() < pending.deadline_s:
                 return False
-            detail = _why(
-                reason, members[0], len(members), pending.group, self.placement.largest_sandbox()
-            )
+            largest = self.placement.largest_sandbox() if reason == RejectReason.INVALID else None
+            detail = _why(reason, members[0], len(members), pending.group, largest)
             for m in members:
                 self._refuse(out, Admitted(m, pending.sender), reason, detail)
             return True

@@ -36,11 +36,11 @@ from app.taskqueue import make_celery
 
 log = logging.getLogger(__name__)
 
-# Sandboxes whose last freeze-or-thaw in the log is a freeze.
 #: States of a sandbox that lived and ended (a rejected create never lived: its id
 #: may be asked for again).
 ENDED = (SandboxState.STOPPED, SandboxState.FAILED)
 
+# Sandboxes whose last freeze-or-thaw in the log is a freeze.
 _FROZEN_NOW = text(
     """
     SELECT sandbox_id FROM (
