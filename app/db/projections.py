@@ -20,8 +20,16 @@ from typing import Any
 from sqlalchemy import Connection, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
-from app.db import staging
-from app.db.tables import commands, nodes, projection_version, sandboxes, usage
+from app.db import billing, staging
+from app.db.tables import (
+    commands,
+    lives,
+    nodes,
+    projection_version,
+    sandboxes,
+    usage,
+    usage_daily,
+)
 from app.domain.events import (
     CommandCompleted,
     Event,
@@ -37,12 +45,14 @@ from app.domain.events import (
 )
 from app.domain.sandbox_state import TERMINAL, SandboxState, advance, rank
 
-PROJECTION_TABLES = (sandboxes, nodes, commands, usage)
+PROJECTION_TABLES = (sandboxes, nodes, commands, usage, lives, usage_daily)
+#: The projections that hold history the log may no longer hold (see :func:`rebuild`).
+BILLING_TABLES = (lives, usage_daily)
 
 #: The version of the rules below. Raise it with any change to what a projection
 #: holds for a given log: a projector that finds another version recorded rebuilds
 #: every projection from the log before it folds anything new (:func:`ensure_current`).
-VERSION = 2
+VERSION = 3
 _VERSION_ROW = "projections"
 
 #: The sandbox columns that lifecycle events set, with their Postgres types.
@@ -311,14 +321,19 @@ def _rows(rows: list[dict[str, Any]]) -> str:
     return json.dumps(rows, default=str)
 
 
-def apply_batch(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
+def apply_batch(
+    conn: Connection, items: Sequence[tuple[Event, int]], with_billing: bool = True
+) -> None:
     """Fold a batch of (event, position), ascending, into every projection but ``commands``.
 
     Those rows come from the log's rows themselves: :func:`app.db.log.append` inserts
-    them with the events, :func:`rebuild` from the log.
+    them with the events, :func:`rebuild` from the log. ``with_billing=False`` leaves
+    ``lives`` and ``usage_daily`` alone (a rebuild after archival).
     """
     if not items:
         return
+    if with_billing:
+        billing.apply(conn, items)
     folded = fold(items)
     lifecycle, counts = [], []
     for sid, f in sorted(folded.sandboxes.items()):
@@ -370,10 +385,12 @@ def _upsert_node(conn: Connection, node_id: str, row: dict[str, Any]) -> None:
         conn.execute(nodes.update().where(nodes.c.node_id == node_id).values(**row))
 
 
-def clear(conn: Connection) -> None:
-    """Empty every projection (before a rebuild)."""
+def clear(conn: Connection, with_billing: bool = True) -> None:
+    """Empty every projection (before a rebuild); ``with_billing=False`` keeps
+    ``lives`` and ``usage_daily``."""
     for table in PROJECTION_TABLES:
-        conn.execute(table.delete())
+        if with_billing or table not in BILLING_TABLES:
+            conn.execute(table.delete())
 
 
 def snapshot(conn: Connection) -> list[tuple[object, ...]]:
@@ -450,12 +467,18 @@ def rebuild(conn: Connection, chunk: int = 5000) -> int:
     The rules' :data:`VERSION` is recorded with the result. Runs in the caller's
     transaction, which first locks the projection tables so a
     live projector waits instead of interleaving its batch with the rebuild.
+
+    Once days of the log were archived (``dsec log archive``), the log no longer holds
+    the lives and bills of those days: ``lives`` and ``usage_daily`` are then kept as
+    they are, not rebuilt, and ``dsec bill --verify`` checks them against the days
+    the log still holds.
     """
     from app.codec import decode_event
     from app.db.tables import events
 
     lock(conn)
-    clear(conn)
+    with_billing = not billing.archived(conn)
+    clear(conn, with_billing)
     total, after = 0, 0
     while True:
         rows = conn.execute(
@@ -478,7 +501,7 @@ def rebuild(conn: Connection, chunk: int = 5000) -> int:
                 "payload": r.payload,
             }  # fmt: skip
             items.append((decode_event(json.dumps(body).encode(), max_bytes=1 << 30), r.position))
-        apply_batch(conn, items)
+        apply_batch(conn, items, with_billing)
         conn.execute(_REBUILD_COMMANDS, {"after": after, "last": rows[-1].position})
         total += len(rows)
         after = rows[-1].position

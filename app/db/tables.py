@@ -6,6 +6,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    Date,
     DateTime,
     Float,
     Integer,
@@ -186,4 +187,55 @@ handled_requests = Table(
     Column("partition", Integer, nullable=False),
     Column("offset", BigInteger, nullable=False),
     Column("handled_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+)
+
+#: Projection: one row per sandbox with the raw ``sandbox_lives_from_log`` view's
+#: rules (the first Requested, Started and Stopped win); ``sandbox_lives`` reads it.
+lives = Table(
+    "lives",
+    metadata,
+    Column("sandbox_id", Text, primary_key=True),
+    Column("tenant", Text, nullable=False),
+    Column("job_id", Text, nullable=False),
+    Column("node_id", Text),
+    Column("actor", Text),
+    Column("image", Text),
+    Column("cpus", Numeric),
+    Column("memory_mb", Integer),
+    Column("started_at", DateTime(timezone=True)),
+    Column("ended_at", DateTime(timezone=True)),
+    Column("end_reason", Text),
+    Column("end_detail", Text),
+    Column("last_position", BigInteger, nullable=False),
+)
+
+#: Projection: per tenant, job and UTC day, the exact sums of the ended lives' day
+#: pieces and the day's commands; ``billing_daily`` adds the running lives.
+usage_daily = Table(
+    "usage_daily",
+    metadata,
+    Column("tenant", Text, primary_key=True),
+    Column("job_id", Text, primary_key=True),
+    Column("day", Date, primary_key=True),
+    Column("sandboxes", BigInteger, nullable=False, server_default=text("0")),
+    Column("sandbox_seconds", Numeric, nullable=False, server_default=text("0")),
+    Column("core_seconds", Numeric),
+    Column("gb_seconds", Numeric),
+    Column("commands", BigInteger, nullable=False, server_default=text("0")),
+)
+
+#: Days of the log moved out by ``dsec log archive``, and where they went.
+log_archives = Table(
+    "log_archives",
+    metadata,
+    Column("day", Date, primary_key=True),
+    Column("partition", Text, nullable=False),
+    Column("events", BigInteger, nullable=False),
+    Column("first_position", BigInteger),
+    Column("last_position", BigInteger),
+    Column("file", Text, nullable=False),
+    Column("sha256", Text, nullable=False),
+    Column("archived_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("archived_by", Text, nullable=False, server_default=text("current_user")),
+    Column("restored_at", DateTime(timezone=True)),
 )

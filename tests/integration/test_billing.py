@@ -1,8 +1,14 @@
 """The audit and billing views against figures computed by hand.
 
-Events are appended straight into ``events`` as the service role, inside a transaction
-that is rolled back at the end of each test: the append-only log keeps nothing, and a
-fresh tenant per test keeps other data out of the figures. Only Postgres is needed.
+Events are appended straight into ``events`` as the service role and folded into the
+projections by the projector's own code, inside a transaction that is rolled back at
+the end of each test: the append-only log keeps nothing, and a fresh tenant per test
+keeps other data out of the figures. Only Postgres is needed.
+
+``billing_daily`` and ``sandbox_lives`` read the rollups; after every test the same
+figures are read from the raw log's views (``*_from_log``) and must agree to the
+millisecond, on every case here: midnight, skew, running sandboxes, reused and
+refused ids.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from sqlalchemy import Connection, text
 from typer.testing import CliRunner
 
 from app import reports
+from app.db import billing, projections
 from app.db.log import SourcedEvent, append
 from app.domain.base import FailReason, RejectReason, StopReason
 from app.domain.events import (
@@ -65,8 +72,16 @@ class Log:
         self.offset = 0
 
     def add(self, event: Event) -> None:
-        append(self.conn, [SourcedEvent(event, "test.billing", self.topic_id, 0, self.offset)])
-        self.offset += 1
+        self.add_batch([event])
+
+    def add_batch(self, batch: Sequence[Event]) -> None:
+        """Append and project ``batch`` as the projector does one batch."""
+        sourced = []
+        for event in batch:
+            sourced.append(SourcedEvent(event, "test.billing", self.topic_id, 0, self.offset))
+            self.offset += 1
+        appended = append(self.conn, sourced)
+        projections.apply_batch(self.conn, [(item.event, pos) for item, pos in appended])
 
     def env(self, sandbox_id: str, job_id: str, when: datetime, node: str | None = None) -> Any:
         return {
@@ -170,6 +185,22 @@ def figures(rows: list[dict[str, Any]]) -> dict[tuple[str, date], tuple[Any, ...
 def lives(conn: Connection, tenant: str) -> list[dict[str, Any]]:
     query = text("SELECT * FROM sandbox_lives WHERE tenant = :t ORDER BY started_at")
     return [dict(r._mapping) for r in conn.execute(query, {"t": tenant})]
+
+
+@pytest.fixture(autouse=True)
+def rollups_agree_with_the_log(conn: Connection) -> Iterator[None]:
+    """After each test: the rollups and the raw log's views give the same figures."""
+    yield
+    today = datetime.now(UTC).date()
+    assert billing.differences(conn, DAY - timedelta(days=3), today + timedelta(days=1)) == []
+    for fast, raw in (("sandbox_lives", "sandbox_lives_from_log"),):
+        only = conn.execute(
+            text(
+                f"(SELECT * FROM {fast} EXCEPT ALL SELECT * FROM {raw}) UNION ALL "
+                f"(SELECT * FROM {raw} EXCEPT ALL SELECT * FROM {fast})"
+            )
+        ).all()
+        assert only == []
 
 
 # --- billing ---------------------------------------------------------------------
@@ -291,6 +322,133 @@ def test_filters_by_tenant_job_and_days(conn: Connection) -> None:
     one_day = reports.bill(conn, tenant=log.tenant, day_from=NEXT_DAY, day_to=NEXT_DAY)
     assert [(r["job_id"], r["day"]) for r in one_day] == [("job-b", NEXT_DAY)]
     assert reports.bill(conn, tenant=log.tenant, day_to=DAY - timedelta(days=1)) == []
+
+
+def test_clock_skewed_life_counts_zero_seconds(conn: Connection) -> None:
+    # Given a sandbox whose stop was stamped (by another clock) before its start
+    log = Log(conn)
+    log.life("job-a", at(DAY, 10), at(DAY, 9, 59))
+    # Then it is one sandbox of zero seconds on its start day
+    assert figures(reports.bill(conn, tenant=log.tenant)) == {("job-a", DAY): (1, 0, 0, 0, 0)}
+
+
+def test_a_life_of_three_days_is_cut_at_each_midnight(conn: Connection) -> None:
+    log = Log(conn)
+    log.life("job-a", at(DAY, 12), at(DAY + timedelta(days=2), 6), cpus=1, memory_mb=1024)
+    assert figures(reports.bill(conn, tenant=log.tenant)) == {
+        ("job-a", DAY): (1, 43200, 43200, 43200, 0),
+        ("job-a", NEXT_DAY): (1, 86400, 86400, 86400, 0),
+        ("job-a", DAY + timedelta(days=2)): (1, 21600, 21600, 21600, 0),
+    }
+
+
+def test_a_reused_sandbox_id_bills_its_first_life_only(conn: Connection) -> None:
+    # Given a sandbox that lived 10:00-11:00
+    log = Log(conn)
+    sb = log.life("job-a", at(DAY, 10), at(DAY, 11), cpus=1)
+    # When its id is requested, started and stopped again (a replay, a second party)
+    log.requested(sb, "job-a", at(DAY, 12), cpus=8, memory_mb=8192)
+    log.add(
+        SandboxStarted(
+            **log.env(sb, "job-a", at(DAY, 12), "node-x"),
+            payload=StartedPayload(request_id=uuid.uuid4(), container_id="beef" * 16),
+        )
+    )
+    log.add(SandboxStopped(**log.env(sb, "job-a", at(DAY, 18)), payload=StoppedPayload(reason=StopReason.DESTROYED)))
+    # Then the first request, start and stop are the life that is billed
+    assert figures(reports.bill(conn, tenant=log.tenant)) == {
+        ("job-a", DAY): (1, 3600, 3600, 3600, 0)
+    }
+    (life,) = lives(conn, log.tenant)
+    assert (life["node_id"], life["cpus"], life["ended_at"]) == ("node-t", 1, at(DAY, 11))
+
+
+def test_a_refused_reuse_of_a_running_id_changes_nothing(conn: Connection) -> None:
+    # Given a running sandbox, and a second create with its id refused as a duplicate
+    log = Log(conn)
+    now = datetime.now(UTC)
+    sb = log.life("job-a", now - timedelta(hours=1), None, cpus=1, memory_mb=1024)
+    log.add(
+        SandboxRejected(
+            **log.env(sb, "job-a", now - timedelta(minutes=30)),
+            payload=RejectedPayload(
+                request_id=uuid.uuid4(),
+                request_type="CreateSandbox",
+                reason=RejectReason.DUPLICATE,
+                detail="sandbox id in use",
+            ),
+        )
+    )
+    # Then it is still one running life (the autouse check compares with the log)
+    (life,) = lives(conn, log.tenant)
+    assert life["ended_at"] is None
+
+
+def test_a_start_logged_after_the_stop_is_a_life_of_zero_seconds(conn: Connection) -> None:
+    # Given a sandbox declared lost before its node's Started reached the log
+    log = Log(conn)
+    log.requested("sb-late", "job-a", at(DAY, 9))
+    log.add(
+        SandboxStopped(
+            **log.env("sb-late", "job-a", at(DAY, 9, 5)),
+            payload=StoppedPayload(reason=StopReason.NODE_LOST),
+        )
+    )
+    assert reports.bill(conn, tenant=log.tenant) == []
+    log.add(
+        SandboxStarted(
+            **log.env("sb-late", "job-a", at(DAY, 9, 6), "node-t"),
+            payload=StartedPayload(request_id=uuid.uuid4(), container_id="c0ffee" * 10),
+        )
+    )
+    # Then, like the raw view, it is one sandbox of zero seconds
+    assert figures(reports.bill(conn, tenant=log.tenant)) == {("job-a", DAY): (1, 0, 0, 0, 0)}
+
+
+def _life_events(log: Log, job: str, start: datetime, end: datetime, n: int) -> list[Event]:
+    sb = f"sb-{uuid.uuid4().hex[:12]}"
+    rid = uuid.uuid4()
+    payload = RequestedPayload(
+        request_id=rid, actor="alice", image="dsec/busybox:latest", cpus=0.25 * n,
+        memory_mb=300 + n, disk_mb=512, ttl_s=86400, network=False,
+    )  # fmt: skip
+    started = StartedPayload(request_id=rid, container_id="c0ffee" * 10)
+    return [
+        SandboxRequested(**log.env(sb, job, start), payload=payload),
+        SandboxStarted(**log.env(sb, job, start, "node-t"), payload=started),
+        SandboxStopped(**log.env(sb, job, end), payload=StoppedPayload(reason=StopReason.DESTROYED)),
+    ]
+
+
+def test_the_rollup_does_not_depend_on_batching_and_a_rebuild_gives_the_same(
+    conn: Connection,
+) -> None:
+    # Given the same lives appended one event per batch by one tenant, and all in one
+    # batch by another (lives across midnight, odd cpus and memory, microseconds)
+    singly, batched = Log(conn), Log(conn)
+    events: dict[str, list[Event]] = {singly.tenant: [], batched.tenant: []}
+    for n in range(1, 8):
+        start = at(DAY, 20 + n % 4, 7 * n) + timedelta(microseconds=123457 * n)
+        end = start + timedelta(hours=n, microseconds=999999)
+        for log in (singly, batched):
+            events[log.tenant] += _life_events(log, f"job-{n % 2}", start, end, n)
+    for event in events[singly.tenant]:
+        singly.add(event)
+    batched.add_batch(events[batched.tenant])
+
+    # Then both tenants' rollup rows are the same, digit for digit
+    def rollup(tenant: str) -> list[tuple[Any, ...]]:
+        query = text(
+            "SELECT job_id, day, sandboxes, sandbox_seconds, core_seconds, gb_seconds"
+            " FROM usage_daily WHERE tenant = :t ORDER BY job_id, day"
+        )
+        return [tuple(r) for r in conn.execute(query, {"t": tenant})]
+
+    assert rollup(singly.tenant) == rollup(batched.tenant) != []
+    # And a rebuild from the log folds the same rows again
+    before = projections.snapshot(conn)
+    projections.rebuild(conn)
+    assert projections.snapshot(conn) == before
 
 
 # --- audit -----------------------------------------------------------------------
