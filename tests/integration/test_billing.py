@@ -354,7 +354,11 @@ def test_a_reused_sandbox_id_bills_its_first_life_only(conn: Connection) -> None
             payload=StartedPayload(request_id=uuid.uuid4(), container_id="beef" * 16),
         )
     )
-    log.add(SandboxStopped(**log.env(sb, "job-a", at(DAY, 18)), payload=StoppedPayload(reason=StopReason.DESTROYED)))
+    log.add(
+        SandboxStopped(
+            **log.env(sb, "job-a", at(DAY, 18)), payload=StoppedPayload(reason=StopReason.DESTROYED)
+        )
+    )
     # Then the first request, start and stop are the life that is billed
     assert figures(reports.bill(conn, tenant=log.tenant)) == {
         ("job-a", DAY): (1, 3600, 3600, 3600, 0)
@@ -416,7 +420,9 @@ def _life_events(log: Log, job: str, start: datetime, end: datetime, n: int) -> 
     return [
         SandboxRequested(**log.env(sb, job, start), payload=payload),
         SandboxStarted(**log.env(sb, job, start, "node-t"), payload=started),
-        SandboxStopped(**log.env(sb, job, end), payload=StoppedPayload(reason=StopReason.DESTROYED)),
+        SandboxStopped(
+            **log.env(sb, job, end), payload=StoppedPayload(reason=StopReason.DESTROYED)
+        ),
     ]
 
 
