@@ -6,13 +6,14 @@ import json
 import logging
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from app.cli_log import log_cli
 from app.cli_tenant import node_cli, tenant_cli
 from app.config import get_settings, redact
 from app.image_cli import image_cli
@@ -29,6 +30,7 @@ deadletters_cli = typer.Typer(
 cli.add_typer(deadletters_cli, name="deadletters")
 cli.add_typer(tenant_cli, name="tenant")
 cli.add_typer(node_cli, name="node")
+cli.add_typer(log_cli, name="log")
 console = Console()
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -421,6 +423,14 @@ def bill(
     day_to: Annotated[str, typer.Option("--to", help="Last UTC day, included.")] = "",
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
     as_json: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Compare the rollups with the raw log's views for the days (default: 7d"
+            " to today); print the rows that differ, exit 1 if any.",
+        ),
+    ] = False,
 ) -> None:
     """Usage per tenant, job and UTC day: sandboxes, sandbox/core/GB-seconds, commands."""
     from app import reports
@@ -432,11 +442,33 @@ def bill(
         last = reports.parse_day(day_to) if day_to else None
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if verify:
+        _verify_bill(first or reports.parse_day("7d"), last or reports.parse_day("today"), output)
+        return
     with transaction(get_settings().database_url) as conn:
         rows = reports.bill(
             conn, tenant=tenant or None, job_id=job or None, day_from=first, day_to=last
         )
     reports.render(rows, output, "bill (UTC days)", console, reports.BILL_COLUMNS)
+
+
+def _verify_bill(first: date, last: date, output: Any) -> None:
+    from app import reports
+    from app.db import billing
+    from app.db.engine import transaction
+
+    with transaction(get_settings().database_url) as conn:
+        rows = billing.differences(conn, first, last)
+        archived = billing.archived_between(conn, first, last)
+    if archived:
+        console.print(
+            f"note: {len(archived)} day(s) of the period are archived ({archived[0]} ..."
+            f" {archived[-1]}): the raw log no longer holds them, the rollups do"
+        )
+    if rows:
+        reports.render(rows, output, "rollup vs raw log: rows that differ", console)
+        raise typer.Exit(1)
+    console.print(f"bill {first} .. {last}: the rollups and the raw log agree")
 
 
 # --- driving sandboxes, watching nodes, benchmarks (logic in app/cli_*.py) ---------

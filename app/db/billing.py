@@ -216,6 +216,15 @@ def archived(conn: Connection) -> bool:
     return bool(conn.execute(text("SELECT EXISTS (SELECT FROM log_archives)")).scalar())
 
 
+def archived_between(conn: Connection, day_from: date, day_to: date) -> list[date]:
+    """The archived days of the log within ``[day_from, day_to]`` (not restored)."""
+    query = text(
+        "SELECT day FROM log_archives WHERE day BETWEEN :lo AND :hi AND restored_at IS NULL"
+        " ORDER BY day"
+    )
+    return list(conn.execute(query, {"lo": day_from, "hi": day_to}).scalars())
+
+
 #: The bill both ways for a period, full outer joined on (tenant, job, day): the rows
 #: where the rollup and the raw log's view disagree in any column.
 _DIFFERENCES = text(
@@ -252,8 +261,11 @@ def differences(conn: Connection, day_from: date, day_to: date) -> list[dict[str
 #: bulk-loaded log (the billing benchmark) and as a second derivation to compare with.
 ROLLUP_FROM_LIVES = f"""
 WITH pieces AS (
-    {_PIECES.format(relation="(SELECT * FROM lives WHERE started_at IS NOT NULL"
-                             " AND ended_at IS NOT NULL)")}
+    {
+    _PIECES.format(
+        relation="(SELECT * FROM lives WHERE started_at IS NOT NULL AND ended_at IS NOT NULL)"
+    )
+}
     UNION ALL
     SELECT tenant, job_id, (occurred_at AT TIME ZONE 'UTC')::date, 0, 0, NULL, NULL, 1
       FROM events WHERE type = 'CommandCompleted'
