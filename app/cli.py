@@ -443,7 +443,13 @@ def bill(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if verify:
-        _verify_bill(first or reports.parse_day("7d"), last or reports.parse_day("today"), output)
+        _verify_bill(
+            first or reports.parse_day("7d"),
+            last or reports.parse_day("today"),
+            tenant or None,
+            job or None,
+            output,
+        )
         return
     with transaction(get_settings().database_url) as conn:
         rows = reports.bill(
@@ -452,13 +458,13 @@ def bill(
     reports.render(rows, output, "bill (UTC days)", console, reports.BILL_COLUMNS)
 
 
-def _verify_bill(first: date, last: date, output: Any) -> None:
+def _verify_bill(first: date, last: date, tenant: str | None, job: str | None, output: Any) -> None:
     from app import reports
     from app.db import billing
     from app.db.engine import transaction
 
     with transaction(get_settings().database_url) as conn:
-        rows = billing.differences(conn, first, last)
+        rows = billing.differences(conn, first, last, tenant, job)
         archived = billing.archived_between(conn, first, last)
     if archived:
         console.print(

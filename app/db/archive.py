@@ -24,8 +24,8 @@ from pathlib import Path
 
 import psycopg
 from psycopg import sql
-from sqlalchemy.engine import make_url
 
+from app.db.engine import libpq_url
 from app.errors import DsecError
 
 _COLUMNS = (
@@ -89,7 +89,7 @@ def archive(admin_url: str, older_than_days: int, directory: Path, today: date) 
     cutoff = today - timedelta(days=older_than_days)
     directory.mkdir(parents=True, exist_ok=True)
     done: list[Archived] = []
-    with psycopg.connect(_libpq(admin_url), autocommit=True) as conn, conn.cursor() as cur:
+    with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn, conn.cursor() as cur:
         for part in sorted(p for p in _attached(cur) if _day_of(p) < cutoff):
             with conn.transaction():
                 cur.execute(sql.SQL("ALTER TABLE events DETACH PARTITION {}").format(
@@ -165,7 +165,7 @@ def restore(admin_url: str, path: Path) -> Archived:
         raise ArchiveError(
             f"{path.name}: not an archive of the log (events_pYYYYMMDD.csv.gz)"
         ) from None
-    with psycopg.connect(_libpq(admin_url), autocommit=True) as conn, conn.cursor() as cur:
+    with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn, conn.cursor() as cur:
         cur.execute("SELECT events, sha256 FROM log_archives WHERE day = %s", (day,))
         record = cur.fetchone()
         if record is None:
@@ -210,14 +210,9 @@ def restore(admin_url: str, path: Path) -> Archived:
 
 def archived_days(admin_url: str) -> Iterator[tuple[object, ...]]:
     """Every recorded archive: day, events, file, sha256, when, by whom, restored when."""
-    with psycopg.connect(_libpq(admin_url)) as conn, conn.cursor() as cur:
+    with psycopg.connect(libpq_url(admin_url)) as conn, conn.cursor() as cur:
         cur.execute(
             "SELECT day, events, first_position, last_position, file, sha256, archived_at,"
             " archived_by, restored_at FROM log_archives ORDER BY day"
         )
         yield from cur.fetchall()
-
-
-def _libpq(url: str) -> str:
-    """A SQLAlchemy URL as libpq takes it."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)

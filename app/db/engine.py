@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from app.errors import LogTamperRefused, ServiceUnavailable, StorageRefused
@@ -16,6 +17,11 @@ from app.errors import LogTamperRefused, ServiceUnavailable, StorageRefused
 def engine_for(url: str) -> Engine:
     """One pooled engine per URL per process."""
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+
+def libpq_url(url: str) -> str:
+    """A SQLAlchemy URL as libpq (psycopg.connect, psql) takes it."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 @contextmanager
