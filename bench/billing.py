@@ -37,9 +37,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
@@ -153,7 +153,7 @@ def load(url: str, lives: int, days: int, commands: float, seed: int) -> Loaded:
     def emit_until(limit: float) -> None:
         nonlocal position
         while pending and pending[0][0] <= limit:
-            at, _, rest = heapq.heappop(pending)
+            _, _, rest = heapq.heappop(pending)
             position += 1
             writer.add(0, f"{position}\t{rest}")
 
@@ -190,8 +190,8 @@ def load(url: str, lives: int, days: int, commands: float, seed: int) -> Loaded:
             f'"network":false,"labels":{labels}}}'
         )
         event(start - 0.03, "SandboxRequested", sid, "\\N", tenant, job, requested)
-        event(start, "SandboxStarted", sid, node, tenant, job,
-              f'{{"request_id":"{request_id}","container_id":"{sid[3:]:0>64}","warm":true}}')  # fmt: skip
+        begun = f'{{"request_id":"{request_id}","container_id":"{sid[3:]:0>64}","warm":true}}'
+        event(start, "SandboxStarted", sid, node, tenant, job, begun)
         end = start + _duration(rng)
         ran = int(commands) + (rng.random() < commands % 1)
         last = min(end, now)
@@ -209,7 +209,7 @@ def load(url: str, lives: int, days: int, commands: float, seed: int) -> Loaded:
             intruder = rng.choice(TENANTS)
             event(start + 1, "SandboxRejected", sid, "\\N", tenant, job,
                   f'{{"request_id":null,"request_type":"Exec","reason":"forbidden",'
-                  f'"detail":"{sid} belongs to another tenant","actor":"{intruder}/k0"}}')  # fmt: skip
+                  f'"detail":"{sid} is not yours","actor":"{intruder}/k0"}}')  # fmt: skip
         running = end > now
         reason = "destroyed"
         x = rng.random()
@@ -224,8 +224,9 @@ def load(url: str, lives: int, days: int, commands: float, seed: int) -> Loaded:
                   f'"last_state":null}}')  # fmt: skip
         ended = "\\N" if running else _ts(end)
         why = "\\N" if running else reason
+        detail = why if running else ""
         writer.add(1, f"{sid}\t{tenant}\t{job}\t{node}\t{actor}\tdsec/python:3.12\t{cpus}\t"
-                      f"{memory}\t{_ts(start)}\t{ended}\t{why}\t{why if running else ''}\t0\n")  # fmt: skip
+                      f"{memory}\t{_ts(start)}\t{ended}\t{why}\t{detail}\t0\n")  # fmt: skip
         state = "running" if running else "stopped"
         writer.add(2, f"{sid}\t{tenant}\t{job}\t{actor}\tdsec/python:3.12\t{node}\t{state}\t"
                       f"{cpus}\t{memory}\t1024\t86400\tf\t{labels}\t{_ts(start - 0.03)}\t"
