@@ -409,8 +409,14 @@ def audit(
             limit=limit,
             denied=denied,
         )
+        archived = None if rows else reports.archived_before(conn)
     title = "refused senders" if denied else "audit trail"
     reports.render(rows, output, title, console, reports.AUDIT_COLUMNS)
+    if archived is not None:
+        Console(stderr=True).print(
+            f"note: the log's days up to {archived} are archived; `dsec log ls` lists them"
+            " and `dsec log restore FILE` brings a day's audit trail back"
+        )
 
 
 @cli.command()
