@@ -64,6 +64,26 @@ def client_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
+def _admin(settings: Settings) -> KafkaAdminClient:
+    try:
+        options = client_options(settings)
+        options.pop("allow_auto_create_topics")  # not an admin client's setting
+        return KafkaAdminClient(**options, request_timeout_ms=10_000)
+    except KafkaError as exc:
+        raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+
+
+def drop_topics(settings: Settings) -> None:
+    """Delete every topic of the settings' prefix (a benchmark's or a test's own)."""
+    admin = _admin(settings)
+    try:
+        mine = [t for t in admin.list_topics() if t.startswith(f"{settings.topic_prefix}.")]
+        if mine:
+            admin.delete_topics(mine)
+    finally:
+        admin.close()
+
+
 def ensure_topics(settings: Settings, tenants: Iterable[str] = ()) -> None:
     """Create the platform's topics, and each tenant's replies topic, if missing."""
     wanted = {
@@ -73,12 +93,7 @@ def ensure_topics(settings: Settings, tenants: Iterable[str] = ()) -> None:
     }
     for tenant in tenants:
         wanted[settings.replies_topic(tenant)] = settings.reply_partitions
-    try:
-        options = client_options(settings)
-        options.pop("allow_auto_create_topics")  # not an admin client's setting
-        admin = KafkaAdminClient(**options, request_timeout_ms=10_000)
-    except KafkaError as exc:
-        raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+    admin = _admin(settings)
     try:
         existing = set(admin.list_topics())
         for name, partitions in wanted.items():

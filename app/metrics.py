@@ -19,6 +19,12 @@ FORGED = Counter(
 TASKS = Counter("dsec_node_tasks_total", "Node tasks run", ["task", "outcome"])
 COMMANDS_IN_FLIGHT = Gauge("dsec_node_commands_in_flight", "Commands running on the node now")
 
+WAITING = Gauge(
+    "dsec_waiting_for_service",
+    "1 while a process waits for a backing service to come back",
+    ["process", "service"],
+)
+
 
 def serve(port: int) -> None:
     """Expose /metrics on ``port`` (0: do not serve)."""

@@ -39,6 +39,7 @@ from app.domain.records import Record
 from app.domain.trust import EVENT_SENDERS, event_refusal
 from app.errors import StorageRefused
 from app.keyring import Keyring
+from app.waiting import Stopped, until_available
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +128,7 @@ class Projector:
         self.keys = Keyring.from_settings(settings)
         self._stop = threading.Event()
         staging.stage_on_connect(engine_for(settings.database_url))
-        with transaction(settings.database_url) as conn:
-            event_log.ensure_partitions(conn)
-            stored = event_log.load_offsets(conn, name, settings.topic_events)
+        stored = until_available(self._prepare_log, name, "postgres", self._stop)
         with transaction(settings.database_url) as conn:
             # Before folding anything new: projections built by other rules are rebuilt.
             folded = projections.ensure_current(conn)
@@ -140,6 +139,19 @@ class Projector:
             )  # fmt: skip
         self.warnings = self.consumer.seek(stored)
         self._partitions_checked = time.monotonic()
+
+    def _prepare_log(self) -> dict[int, event_log.StoredOffset]:
+        """Tomorrow's partitions made; where this projector stands, as stored."""
+        with transaction(self.settings.database_url) as conn:
+            event_log.ensure_partitions(conn)
+            return self._stored_offsets(conn)
+
+    def _stored_offsets(self, conn: Connection) -> dict[int, event_log.StoredOffset]:
+        return event_log.load_offsets(conn, self.name, self.settings.topic_events)
+
+    def _reread_offsets(self) -> dict[int, event_log.StoredOffset]:
+        with transaction(self.settings.database_url) as conn:
+            return self._stored_offsets(conn)
 
     def handle(self, records: list[ConsumerRecord]) -> BatchOutcome:
         """Decode, dead-letter, append and project one batch in one transaction."""
@@ -294,9 +306,14 @@ class Projector:
                     # Parts still committing decide the stored offsets: let them settle.
                     for lane in lanes:
                         lane.settle()
-                    time.sleep(1.0)
-                    with transaction(self.settings.database_url) as conn:
-                        stored = event_log.load_offsets(conn, self.name, self.settings.topic_events)
+                    # Postgres gone (restarting, refusing): wait for it here, with
+                    # backoff, rather than die and leave the wait to a supervisor.
+                    try:
+                        stored = until_available(
+                            self._reread_offsets, self.name, "postgres", self._stop, first_s=1.0
+                        )
+                    except Stopped:
+                        break
                     self.consumer.seek(stored)
             for lane in lanes:
                 lane.settle()

@@ -24,7 +24,6 @@ import time
 import uuid
 from datetime import timedelta
 
-from kafka import KafkaAdminClient
 from procstat import named, ticks
 from sqlalchemy import text
 
@@ -167,7 +166,8 @@ def main() -> None:
     try:
         measure(args, settings)
     finally:
-        drop_topics(settings)
+        # The embedded broker keeps every message in memory: the run's topics go.
+        bus.drop_topics(settings)
 
 
 def analyze(admin_url: str) -> None:
@@ -181,17 +181,6 @@ def analyze(admin_url: str) -> None:
     with engine_for(admin_url).connect() as conn:
         conn.execute(text("ANALYZE"))
         conn.commit()
-
-
-def drop_topics(settings: Settings) -> None:
-    """Delete the run's topics: the embedded broker keeps every message in memory."""
-    admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap.split(","))
-    try:
-        mine = [t for t in admin.list_topics() if t.startswith(f"{settings.topic_prefix}.")]
-        if mine:
-            admin.delete_topics(mine)
-    finally:
-        admin.close()
 
 
 def measure(args: argparse.Namespace, settings: Settings) -> None:
