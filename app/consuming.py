@@ -89,6 +89,15 @@ class PositionedConsumer:
             out.extend(records)
         return out
 
+    def rewind(self, records: Sequence[ConsumerRecord]) -> None:
+        """Read ``records`` again: each partition back to the first of them (they were
+        polled but not handled)."""
+        first: dict[int, int] = {}
+        for record in records:
+            first[record.partition] = min(first.get(record.partition, record.offset), record.offset)
+        for partition, offset in first.items():
+            self._consumer.seek(TopicPartition(self.topic, partition), offset)
+
     @property
     def topic_id(self) -> uuid.UUID:
         """The broker's id of the topic's incarnation being read (owners store offsets

@@ -33,6 +33,7 @@ from app.domain.proof import SCHEDULER_KEY_ID, Purpose, headers
 from app.domain.sandbox_state import LIVE, SandboxState
 from app.keyring import Keyring
 from app.taskqueue import make_celery
+from app.waiting import UNAVAILABLE, until_available
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,9 @@ class Scheduler:
         self.publisher = bus.Publisher(settings)
         self.celery = make_celery(settings)
         self._stopping = threading.Event()
-        self._recover()
+        until_available(self._recover, NAME, "postgres", self._stopping)
         self.requests = PositionedConsumer(settings, settings.topic_requests, NAME)
-        with transaction(settings.database_url) as conn:
-            stored = event_log.load_offsets(conn, NAME, settings.topic_requests)
-        self.requests.seek(stored)
+        self.requests.seek(until_available(self._stored_offsets, NAME, "postgres", self._stopping))
         self.events = bus.make_consumer(
             settings, fetch_max_wait_ms=settings.background_fetch_max_wait_ms
         )
@@ -98,6 +97,10 @@ class Scheduler:
             self.events.seek(tp, end)
         self._event_parts = event_parts
         self._events_incarnation = bus.Incarnation(self.events, settings.topic_events)
+
+    def _stored_offsets(self) -> dict[int, event_log.StoredOffset]:
+        with transaction(self.settings.database_url) as conn:
+            return event_log.load_offsets(conn, NAME, self.settings.topic_requests)
 
     # --- state ------------------------------------------------------------------
 
@@ -159,7 +162,13 @@ class Scheduler:
         self.dispatcher.check_leases(out)
         self.dispatcher.retry_pending(out)
         records = self.requests.poll(timeout_ms=50, max_records=500)
-        self._learn_ended(records)
+        try:
+            self._learn_ended(records)
+        except Exception:
+            # Nothing of the batch was handled: read it again next time (Postgres
+            # gone must delay these requests, never drop them).
+            self.requests.rewind(records)
+            raise
         offsets: dict[int, int] = {}
         for record in records:
             self.dispatcher.handle(out, record)
@@ -234,9 +243,12 @@ class Scheduler:
         while not self._stopping.is_set():
             try:
                 self.run_once()
+            except UNAVAILABLE as exc:
+                log.warning("scheduler: batch waits for a backing service: %s", exc)
+                self._stopping.wait(1.0)
             except Exception:
                 log.exception("scheduler: batch failed")
-                time.sleep(1.0)
+                self._stopping.wait(1.0)
         self.requests.close()
         self.events.close()
         self.publisher.close()

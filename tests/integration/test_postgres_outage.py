@@ -1,9 +1,9 @@
-"""Postgres goes away under a running projector and comes back: nothing skipped,
-nothing doubled, nothing reordered, and no one had to restart anything.
+"""Postgres goes away under a running projector and scheduler and comes back: nothing
+skipped, doubled or reordered, every request answered, and no one restarted anything.
 
 The test starts a Postgres cluster of its own on a spare port (the machine's must not
-be crashed) and a projector of its own on topics of its own; the events are proven
-with the scheduler's key, as bench/ingest.py proves them.
+be crashed) and the services on topics of their own; the events are proven with the
+scheduler's key, as bench/ingest.py proves them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,15 +25,17 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from app import bus
+from app import bus, tenants
 from app.codec import encode
 from app.config import Settings
 from app.db.engine import engine_for
 from app.db.setup import migrate
-from app.domain.base import utcnow
+from app.domain.base import RejectReason, utcnow
 from app.domain.events import RequestedPayload, SandboxRequested
 from app.domain.proof import Purpose, headers
+from app.errors import SandboxRejected
 from app.keyring import Keyring
+from app.sdk import Client
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration
@@ -222,3 +225,54 @@ def test_the_projector_waits_out_a_postgres_crash_and_loses_nothing(
             projector.wait(timeout=20)
         except subprocess.TimeoutExpired:
             projector.kill()
+
+
+def test_the_scheduler_answers_every_request_across_a_postgres_crash(
+    cluster: Cluster, outage_settings: Settings, tmp_path: Path
+) -> None:
+    settings = outage_settings
+    tenant = f"pgt{uuid.uuid4().hex[:6]}"
+    tenants.local(settings, tenant)  # its credential, in this cluster's database
+    env = {
+        **os.environ,
+        "DSEC_DATABASE_URL": settings.database_url,
+        "DSEC_ADMIN_DATABASE_URL": settings.admin_database_url,
+        "DSEC_TOPIC_PREFIX": settings.topic_prefix,
+        "DSEC_METRICS_PORT": str(_free_port()),
+    }
+    log_path = tmp_path / "scheduler.log"
+    with open(log_path, "wb") as out:
+        scheduler = subprocess.Popen(
+            [str(REPO / ".venv" / "bin" / "dsec"), "run", "scheduler"],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        with Client(settings, tenant=tenant, job_id="outage", timeout_s=120) as client:
+            # Given a scheduler that answers (no node here: a create is refused at once)
+            with pytest.raises(SandboxRejected) as before:
+                client.create(queue_s=0)
+            assert before.value.reason == RejectReason.NO_NODES
+
+            # When Postgres crashes and creates arrive meanwhile
+            cluster.crash()
+            with ThreadPoolExecutor(8) as pool:
+                answers = [pool.submit(client.create, queue_s=0) for _ in range(8)]
+                time.sleep(4)
+                assert scheduler.poll() is None, log_path.read_text()[-3000:]
+                # And Postgres comes back
+                cluster.start()
+                # Then every one of them is answered, none lost to the outage
+                for answer in answers:
+                    with pytest.raises(SandboxRejected) as refused:
+                        answer.result(timeout=120)
+                    assert refused.value.reason == RejectReason.NO_NODES
+        assert scheduler.poll() is None
+        assert "waiting for postgres" in log_path.read_text().lower() or (
+            "waits for a backing service" in log_path.read_text()
+        )
+    finally:
+        scheduler.send_signal(signal.SIGTERM)
+        try:
+            scheduler.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            scheduler.kill()
