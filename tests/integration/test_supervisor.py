@@ -29,7 +29,7 @@ def _status(name: str) -> dict[str, Any]:
     return next(row for row in json.loads(out.output) if row["service"] == name)
 
 
-@pytest.mark.parametrize("name", ["projector", "worker-node0"])
+@pytest.mark.parametrize("name", ["projector", "worker-node0", "redis", "scheduler"])
 def test_a_killed_service_comes_back_by_itself(stack: Settings, client: Any, name: str) -> None:
     service = _service(stack, name)
     before = service.pid(stack)
