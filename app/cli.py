@@ -581,9 +581,38 @@ def bench(
     _table("benchmarks (dsec bench NAME [ARGS...])", rows, as_json)
 
 
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import version
+
+        print(f"dsec {version('dsec')}")
+        raise typer.Exit()
+
+
+@cli.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """dsec: elastic sandboxes for agent training."""
+
+
 def main() -> None:
-    """Entry point of the ``dsec`` console script."""
-    cli()
+    """Entry point of the ``dsec`` console script.
+
+    An expected failure (Postgres or the broker down, a refused request, bad settings)
+    is one line on stderr and exit status 2, not a traceback; a bug still shows one.
+    """
+    from app.errors import DsecError
+
+    try:
+        cli()
+    except DsecError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"dsec: {type(exc).__name__}: {first}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ Everything runs against the real stack; each test works in its own tenant.
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -140,3 +144,22 @@ def test_bench_without_a_name_lists_the_benchmarks(stack: Settings) -> None:
     shown = dsec("bench")
     assert shown.exit_code == 0, shown.output
     assert "schedule" in shown.stdout
+
+
+def test_an_expected_failure_is_one_line_not_a_traceback() -> None:
+    # Given a database that is not there (nothing listens on the port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DSEC_DATABASE_URL": f"postgresql+psycopg://dsec_app@127.0.0.1:{port}/x"}
+    dsec_bin = str(Path(sys.executable).with_name("dsec"))
+    # When an operator asks for the bill
+    done = subprocess.run([dsec_bin, "bill"], env=env, capture_output=True, text=True)
+    # Then it says what is wrong in one line, with a status that scripts can test
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "╭" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("dsec: ServiceUnavailable: Postgres") and str(port) in line
+    # And the version is one line too
+    version = subprocess.run([dsec_bin, "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("dsec 0.")
