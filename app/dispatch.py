@@ -23,6 +23,7 @@ from app.codec import DeadLetterReason, DecodeError, decode_event, encode
 from app.config import Settings
 from app.domain.base import RejectReason, StopReason, derived_id, new_id, utcnow
 from app.domain.events import (
+    CommandCompleted,
     LastState,
     NodeHeartbeat,
     NodeLost,
@@ -266,12 +267,15 @@ class Dispatcher:
                 view.queue = self.settings.node_queue(event.node_id)
                 self.placement.upsert_node(view)
                 if p.sandboxes is not None:
-                    self._reconcile(out, event.node_id, set(p.sandboxes))
+                    self._reconcile(out, event.node_id, set(p.sandboxes), event.occurred_at)
             case NodeLost():
                 assert event.node_id is not None
                 self.placement.mark_lost(event.node_id)
             case SandboxStarted() if self._placed_here(sender, event.sandbox_id):
                 self.awaiting_start.pop(event.sandbox_id or "", None)
+                self._alive(event.node_id, event.sandbox_id, event.occurred_at)
+            case CommandCompleted() if self._placed_here(sender, event.sandbox_id):
+                self._alive(event.node_id, event.sandbox_id, event.occurred_at)
             case SandboxStopped(payload=p) if self._placed_here(sender, event.sandbox_id):
                 self._forget(event.sandbox_id or "", p.reason.value)
             case SandboxFailed(payload=p) if (
@@ -280,6 +284,12 @@ class Dispatcher:
                 self._forget(event.sandbox_id or "", p.reason.value)
             case _:
                 pass
+
+    def _alive(self, node_id: str | None, sandbox_id: str | None, at: datetime) -> None:
+        """The node spoke for the sandbox as of ``at`` (its clock, the one its start is
+        billed by): if it vanishes later, its bill ends no earlier than this."""
+        if node_id is not None and sandbox_id is not None:
+            self.ledgers.setdefault(node_id, NodeLedger()).saw(sandbox_id, at)
 
     def _placed_here(self, sender: Principal, sandbox_id: str | None) -> bool:
         """A node speaks only for the sandboxes placed on it (the scheduler for all)."""
@@ -314,8 +324,15 @@ class Dispatcher:
         while len(self.ended) > ENDED_MEMORY:
             self.ended.popitem(last=False)
 
-    def _stop(self, out: Outbox, allocation: Allocation, reason: StopReason, detail: str) -> None:
-        """End a sandbox the node cannot speak for any more."""
+    def _stop(
+        self,
+        out: Outbox,
+        allocation: Allocation,
+        reason: StopReason,
+        detail: str,
+        at: datetime | None = None,
+    ) -> None:
+        """End a sandbox the node cannot speak for any more, as of ``at`` (default now)."""
         node = self.placement.nodes.get(allocation.node_id)
         lease = self.leases.get(self.lease_of.get(allocation.sandbox_id, ("", "")))
         last_state = LastState(
@@ -331,6 +348,7 @@ class Dispatcher:
             node_id=allocation.node_id,
             tenant=allocation.tenant,
             job_id=allocation.job_id,
+            occurred_at=at or utcnow(),
             payload=StoppedPayload(reason=reason, detail=detail, last_state=last_state),
         )
         out.events.append((event.key, encode(event)))
@@ -343,15 +361,21 @@ class Dispatcher:
             )
             self._reply(out, waiting.sender, waiting.reply_to, reply)
 
-    def _reconcile(self, out: Outbox, node_id: str, reported: set[str]) -> None:
+    def _reconcile(self, out: Outbox, node_id: str, reported: set[str], at: datetime) -> None:
         ledger = self.ledgers.setdefault(node_id, NodeLedger())
         placed = self.placement.placed_on(node_id)
-        verdict = ledger.observe(placed, reported, self.awaiting_start.keys() & placed)
+        verdict = ledger.observe(placed, reported, self.awaiting_start.keys() & placed, at)
         for sandbox_id in sorted(verdict.vanished):
             allocation = self.placement.allocations.get(sandbox_id)
             if allocation is not None:
-                detail = f"container vanished from {node_id}"
-                self._stop(out, allocation, StopReason.FAILED, detail)
+                # Its end is stamped when the node last listed it, not when two
+                # heartbeats later the scheduler was sure: a node that rebooted does
+                # not bill its tenants for the time it was down.
+                seen = ledger.seen_at.get(sandbox_id)
+                detail = f"container vanished from {node_id}" + (
+                    f" (last listed {seen:%Y-%m-%dT%H:%M:%S}Z)" if seen is not None else ""
+                )
+                self._stop(out, allocation, StopReason.FAILED, detail, at=seen)
         node = self.placement.nodes.get(node_id)
         for sandbox_id in sorted(verdict.orphans):
             if node is None:
@@ -373,9 +397,14 @@ class Dispatcher:
             log.warning("scheduler: node %s lost: %s", node.node_id, detail)
             lost = NodeLost(node_id=node.node_id, payload=NodeLostPayload(detail=detail))
             out.events.append((lost.key, encode(lost)))
+            ledger = self.ledgers.get(node.node_id, NodeLedger())
             for sandbox_id in self.placement.mark_lost(node.node_id):
                 allocation = self.placement.allocations[sandbox_id]
-                self._stop(out, allocation, StopReason.NODE_LOST, f"{node.node_id}: {detail}")
+                # Known alive until the node last spoke for it: billed until then.
+                seen = ledger.seen_at.get(sandbox_id) or self.heard_at.get(node.node_id)
+                self._stop(
+                    out, allocation, StopReason.NODE_LOST, f"{node.node_id}: {detail}", at=seen
+                )
 
     # --- what goes out ------------------------------------------------------------
 

@@ -44,3 +44,21 @@ def test_a_create_still_queued_on_the_node_is_not_vanished() -> None:
     # Then it is neither vanished nor, once reported while starting, an orphan
     assert verdict.vanished == frozenset()
     assert ledger.observe({"a", "q"}, {"a", "q"}, starting={"q"}).orphans == frozenset()
+
+
+def test_a_vanished_sandbox_is_known_alive_until_its_last_listing() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    t0 = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
+    ledger = NodeLedger()
+    # Given a node listing "a" and "b", then (rebooted) listing nothing
+    ledger.observe({"a", "b"}, {"a", "b"}, at=t0)
+    ledger.observe({"a", "b"}, {"a"}, at=t0 + timedelta(seconds=5))
+    ledger.observe({"a", "b"}, set(), at=t0 + timedelta(seconds=60))
+    verdict = ledger.observe({"a", "b"}, set(), at=t0 + timedelta(seconds=65))
+    # Then both vanished, each last seen when the node last listed it
+    assert verdict.vanished == {"a", "b"}
+    assert ledger.seen_at == {"a": t0 + timedelta(seconds=5), "b": t0}
+    # And an ended sandbox is forgotten with it
+    ledger.observe({"a"}, set(), at=t0 + timedelta(seconds=70))
+    assert set(ledger.seen_at) == {"a"}
