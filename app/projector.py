@@ -39,7 +39,7 @@ from app.domain.records import Record
 from app.domain.trust import EVENT_SENDERS, event_refusal
 from app.errors import StorageRefused
 from app.keyring import Keyring
-from app.waiting import Stopped, until_available
+from app.waiting import UNAVAILABLE, Stopped, until_available
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,8 @@ class Projector:
         self.publisher = Publisher(settings)
         self.keys = Keyring.from_settings(settings)
         self._stop = threading.Event()
+        #: Batches committed so far (tells failures in a row from isolated ones).
+        self._committed = 0
         staging.stage_on_connect(engine_for(settings.database_url))
         stored = until_available(self._prepare_log, name, "postgres", self._stop)
         with transaction(settings.database_url) as conn:
@@ -208,6 +210,7 @@ class Projector:
             appended = self._commit_singly(good, outcome, batch.records)
         outcome.appended = len(appended)
         outcome.duplicates = len(good) - len(appended)
+        self._committed += 1
         metrics.EVENTS_APPENDED.inc(outcome.appended)
         metrics.EVENTS_DUPLICATE.inc(outcome.duplicates)
         return outcome
@@ -285,6 +288,7 @@ class Projector:
         sys.setswitchinterval(GIL_SWITCH_S)
         count = self.settings.projector_lanes
         lanes = [Lane(f"{self.name}-lane{n}", self.commit) for n in range(count)]
+        failures, committed_then = 0, -1
         try:
             while not self._stop.is_set():
                 try:
@@ -298,11 +302,19 @@ class Projector:
                         for lane, part in zip(lanes, parts, strict=True):
                             if part is not None:
                                 lane.submit(part)
-                except Exception:
-                    # A database outage must not kill the projector: nothing after each
-                    # partition's last committed batch was committed, so it is read
-                    # again after the seek below.
-                    log.exception("%s: batch failed; retrying from stored offsets", self.name)
+                except Exception as exc:
+                    # A database outage (down, full, refusing) must not kill the
+                    # projector: nothing after each partition's last committed batch was
+                    # committed, so it is read again after the seek below; repeated
+                    # failures back off, up to 10 s apart.
+                    # In a row: no batch committed since the last failure.
+                    failures = failures + 1 if self._committed == committed_then else 1
+                    committed_then = self._committed
+                    if isinstance(exc, UNAVAILABLE):
+                        first = (str(exc).strip().splitlines() or [""])[0]
+                        log.warning("%s: waiting for postgres: %s", self.name, first)
+                    else:
+                        log.exception("%s: batch failed; retrying from stored offsets", self.name)
                     # Parts still committing decide the stored offsets: let them settle.
                     for lane in lanes:
                         lane.settle()
@@ -315,6 +327,8 @@ class Projector:
                     except Stopped:
                         break
                     self.consumer.seek(stored)
+                    if self._stop.wait(min(0.5 * 2 ** min(failures, 5), 10.0)):
+                        break
             for lane in lanes:
                 lane.settle()
         finally:
@@ -369,6 +383,8 @@ class Lane:
                 self._inflight.popleft().result()
             except LaneBroken:
                 pass
+            except UNAVAILABLE as exc:
+                log.warning("batch not committed (%s); it is read again", type(exc).__name__)
             except Exception:
                 log.exception("batch failed; it is read again from stored offsets")
         self._broken = False

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -54,18 +55,22 @@ def _free_port() -> int:
 class Cluster:
     """A throwaway Postgres cluster run by the postgres system user."""
 
-    data: Path
+    home: Path
     port: int
 
-    def ctl(self, *args: str) -> None:
+    @property
+    def data(self) -> Path:
+        return self.home / "data"
+
+    def ctl(self, *args: str, check: bool = True) -> None:
         subprocess.run(
             ["runuser", "-u", "postgres", "--", str(PG_BIN / "pg_ctl"), "-D", str(self.data),
-             "-l", str(self.data / "server.log"), *args],
-            check=True, capture_output=True, timeout=60,
+             "-l", str(self.home / "server.log"), *args],
+            check=check, capture_output=True, timeout=60,
         )  # fmt: skip
 
     def start(self) -> None:
-        opts = f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 -c fsync=on"
+        opts = f"-p {self.port} -k {self.home / 'run'} -c listen_addresses=127.0.0.1 -c fsync=on"
         self.ctl("-o", opts, "-w", "start")
 
     def crash(self) -> None:
@@ -73,35 +78,44 @@ class Cluster:
         self.ctl("-m", "immediate", "stop")
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+@contextmanager
+def own_cluster(data_mb: int | None = None) -> Iterator[Cluster]:
+    """A cluster of the test's own; with ``data_mb``, its data directory (not its WAL)
+    is a filesystem of that size, to be filled."""
     # Not under pytest's temporary directory: the postgres user cannot enter root's.
     home = Path(tempfile.mkdtemp(prefix="dsec-pg-outage-"))
     os.chmod(home, 0o755)
-    data = home / "data"
-    data.mkdir()
-    shutil.chown(data, "postgres", "postgres")
+    found = Cluster(home, _free_port())
+    found.data.mkdir()
+    if data_mb is not None:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={data_mb}m,mode=0700", "tmpfs",
+             str(found.data)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    (home / "wal").mkdir()
+    (home / "run").mkdir()
+    (home / "server.log").touch()
+    for path in (found.data, home / "wal", home / "run", home / "server.log"):
+        shutil.chown(path, "postgres", "postgres")
     subprocess.run(
-        ["runuser", "-u", "postgres", "--", str(PG_BIN / "initdb"), "-D", str(data),
-         "--auth=trust", "-U", "postgres"],
+        ["runuser", "-u", "postgres", "--", str(PG_BIN / "initdb"), "-D", str(found.data),
+         "--waldir", str(home / "wal"), "--auth=trust", "-U", "postgres"],
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
-    found = Cluster(data, _free_port())
     found.start()
     try:
         yield found
     finally:
-        subprocess.run(
-            ["runuser", "-u", "postgres", "--", str(PG_BIN / "pg_ctl"), "-D", str(data),
-             "-m", "immediate", "stop"],
-            capture_output=True, timeout=60,
-        )  # fmt: skip
+        found.ctl("-m", "immediate", "stop", check=False)
+        if data_mb is not None:
+            subprocess.run(["umount", str(found.data)], capture_output=True)
         shutil.rmtree(home, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def outage_settings(cluster: Cluster, stack: Settings) -> Iterator[Settings]:
-    """The stack's settings with this cluster as the database and topics of their own."""
+@contextmanager
+def settings_for(cluster: Cluster, stack: Settings) -> Iterator[Settings]:
+    """The stack's settings with ``cluster`` as the database and topics of their own."""
     base = f"127.0.0.1:{cluster.port}"
     su = create_engine(
         f"postgresql+psycopg://postgres@{base}/postgres", isolation_level="AUTOCOMMIT"
@@ -125,10 +139,49 @@ def outage_settings(cluster: Cluster, stack: Settings) -> Iterator[Settings]:
     finally:
         bus.drop_topics(settings)
         engine_for(settings.database_url).dispose()
+        engine_for(settings.admin_database_url).dispose()
 
 
-def publish(settings: Settings, tenant: str, first: int, count: int) -> None:
-    """``count`` SandboxRequested events, proven with the scheduler's key."""
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with own_cluster() as found:
+        yield found
+
+
+@pytest.fixture(scope="module")
+def outage_settings(cluster: Cluster, stack: Settings) -> Iterator[Settings]:
+    with settings_for(cluster, stack) as settings:
+        yield settings
+
+
+@contextmanager
+def service(settings: Settings, name: str, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``dsec run <name>`` on ``settings``'s database and topics, stopped at the end."""
+    env = {
+        **os.environ,
+        "DSEC_DATABASE_URL": settings.database_url,
+        "DSEC_ADMIN_DATABASE_URL": settings.admin_database_url,
+        "DSEC_TOPIC_PREFIX": settings.topic_prefix,
+        "DSEC_METRICS_PORT": str(_free_port()),
+    }
+    with open(log_path, "wb") as out:
+        process = subprocess.Popen(
+            [str(REPO / ".venv" / "bin" / "dsec"), "run", name],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def publish(settings: Settings, tenant: str, first: int, count: int, labels: int = 0) -> None:
+    """``count`` SandboxRequested events (``labels`` of 60 bytes each), proven with the
+    scheduler's key."""
     signer = Keyring.from_settings(settings).scheduler
     publisher = bus.Publisher(settings)
     at = utcnow() - timedelta(seconds=5)
@@ -138,6 +191,7 @@ def publish(settings: Settings, tenant: str, first: int, count: int) -> None:
             payload=RequestedPayload(
                 request_id=uuid.uuid4(), actor="outage", image="img", cpus=1, memory_mb=64,
                 disk_mb=64, ttl_s=60, network=False,
+                labels={f"k{i}": uuid.uuid4().hex + "x" * 16 for i in range(labels)},
             ),
         )  # fmt: skip
         value = encode(event)
@@ -155,25 +209,42 @@ def logged(settings: Settings, tenant: str) -> int:
         )  # fmt: skip
 
 
+def assert_once_and_in_order(settings: Settings, tenant: str, count: int) -> None:
+    """``count`` events of ``tenant`` in the log, each once, each partition's in offset
+    order with none skipped, and the projector's stored positions just after them."""
+    with engine_for(settings.database_url).connect() as conn:
+        rows = conn.execute(
+            text(
+                'SELECT partition, "offset", event_id FROM events WHERE tenant = :t'
+                " ORDER BY partition, position"
+            ),
+            {"t": tenant},
+        ).all()
+        stored = dict(
+            conn.execute(
+                text(
+                    "SELECT partition, next_offset FROM consumer_offsets"
+                    " WHERE consumer = 'projector' AND topic = :topic"
+                ),
+                {"topic": settings.topic_events},
+            ).all()
+        )
+    assert len({r.event_id for r in rows}) == len(rows) == count
+    by_partition: dict[int, list[int]] = {}
+    for r in rows:
+        by_partition.setdefault(r.partition, []).append(r.offset)
+    for partition, offsets in by_partition.items():
+        assert offsets == list(range(len(offsets))), partition
+        assert stored[partition] == len(offsets)
+
+
 def test_the_projector_waits_out_a_postgres_crash_and_loses_nothing(
     cluster: Cluster, outage_settings: Settings, tmp_path: Path
 ) -> None:
     settings = outage_settings
     tenant = f"pg{uuid.uuid4().hex[:6]}"
-    env = {
-        **os.environ,
-        "DSEC_DATABASE_URL": settings.database_url,
-        "DSEC_ADMIN_DATABASE_URL": settings.admin_database_url,
-        "DSEC_TOPIC_PREFIX": settings.topic_prefix,
-        "DSEC_METRICS_PORT": "0",
-    }
     log_path = tmp_path / "projector.log"
-    with open(log_path, "wb") as out:
-        projector = subprocess.Popen(
-            [str(REPO / ".venv" / "bin" / "dsec"), "run", "projector"],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
+    with service(settings, "projector", log_path) as projector:
         # Given a projector appending events
         publish(settings, tenant, 0, 300)
         wait_for(lambda: logged(settings, tenant) == 300, 60, "the first 300 events in the log")
@@ -193,38 +264,8 @@ def test_the_projector_waits_out_a_postgres_crash_and_loses_nothing(
 
         # Then every event is in the log once, each partition in its offsets' order
         wait_for(lambda: logged(settings, tenant) == 600, 120, "all 600 events in the log")
-        with engine_for(settings.database_url).connect() as conn:
-            rows = conn.execute(
-                text(
-                    'SELECT partition, "offset", event_id FROM events WHERE tenant = :t'
-                    " ORDER BY partition, position"
-                ),
-                {"t": tenant},
-            ).all()
-            stored = dict(
-                conn.execute(
-                    text(
-                        "SELECT partition, next_offset FROM consumer_offsets"
-                        " WHERE consumer = 'projector' AND topic = :topic"
-                    ),
-                    {"topic": settings.topic_events},
-                ).all()
-            )
-        assert len({r.event_id for r in rows}) == len(rows) == 600
-        by_partition: dict[int, list[int]] = {}
-        for r in rows:
-            by_partition.setdefault(r.partition, []).append(r.offset)
-        for partition, offsets in by_partition.items():
-            # appended in offset order, none skipped, and the stored position after them
-            assert offsets == list(range(len(offsets))), partition
-            assert stored[partition] == len(offsets)
+        assert_once_and_in_order(settings, tenant, 600)
         assert projector.poll() is None
-    finally:
-        projector.send_signal(signal.SIGTERM)
-        try:
-            projector.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            projector.kill()
 
 
 def test_the_scheduler_answers_every_request_across_a_postgres_crash(
@@ -233,46 +274,56 @@ def test_the_scheduler_answers_every_request_across_a_postgres_crash(
     settings = outage_settings
     tenant = f"pgt{uuid.uuid4().hex[:6]}"
     tenants.local(settings, tenant)  # its credential, in this cluster's database
-    env = {
-        **os.environ,
-        "DSEC_DATABASE_URL": settings.database_url,
-        "DSEC_ADMIN_DATABASE_URL": settings.admin_database_url,
-        "DSEC_TOPIC_PREFIX": settings.topic_prefix,
-        "DSEC_METRICS_PORT": str(_free_port()),
-    }
     log_path = tmp_path / "scheduler.log"
-    with open(log_path, "wb") as out:
-        scheduler = subprocess.Popen(
-            [str(REPO / ".venv" / "bin" / "dsec"), "run", "scheduler"],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        with Client(settings, tenant=tenant, job_id="outage", timeout_s=120) as client:
-            # Given a scheduler that answers (no node here: a create is refused at once)
-            with pytest.raises(SandboxRejected) as before:
-                client.create(queue_s=0)
-            assert before.value.reason == RejectReason.NO_NODES
+    with (
+        service(settings, "scheduler", log_path) as scheduler,
+        Client(settings, tenant=tenant, job_id="outage", timeout_s=120) as client,
+    ):
+        # Given a scheduler that answers (no node here: a create is refused at once)
+        with pytest.raises(SandboxRejected) as before:
+            client.create(queue_s=0)
+        assert before.value.reason == RejectReason.NO_NODES
 
-            # When Postgres crashes and creates arrive meanwhile
-            cluster.crash()
-            with ThreadPoolExecutor(8) as pool:
-                answers = [pool.submit(client.create, queue_s=0) for _ in range(8)]
-                time.sleep(4)
-                assert scheduler.poll() is None, log_path.read_text()[-3000:]
-                # And Postgres comes back
-                cluster.start()
-                # Then every one of them is answered, none lost to the outage
-                for answer in answers:
-                    with pytest.raises(SandboxRejected) as refused:
-                        answer.result(timeout=120)
-                    assert refused.value.reason == RejectReason.NO_NODES
+        # When Postgres crashes and creates arrive meanwhile
+        cluster.crash()
+        with ThreadPoolExecutor(8) as pool:
+            answers = [pool.submit(client.create, queue_s=0) for _ in range(8)]
+            time.sleep(4)
+            assert scheduler.poll() is None, log_path.read_text()[-3000:]
+            # And Postgres comes back
+            cluster.start()
+            # Then every one of them is answered, none lost to the outage
+            for answer in answers:
+                with pytest.raises(SandboxRejected) as refused:
+                    answer.result(timeout=120)
+                assert refused.value.reason == RejectReason.NO_NODES
         assert scheduler.poll() is None
-        assert "waiting for postgres" in log_path.read_text().lower() or (
-            "waits for a backing service" in log_path.read_text()
-        )
-    finally:
-        scheduler.send_signal(signal.SIGTERM)
-        try:
-            scheduler.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            scheduler.kill()
+        said = log_path.read_text()
+        assert "waiting for postgres" in said or "waits for a backing service" in said
+
+
+def test_a_full_disk_under_postgres_makes_the_projector_wait_not_skip(
+    stack: Settings, tmp_path: Path
+) -> None:
+    with own_cluster(data_mb=160) as full, settings_for(full, stack) as settings:
+        tenant = f"pgf{uuid.uuid4().hex[:6]}"
+        # Given a database whose disk has ~3 MB left
+        free = os.statvfs(full.data)
+        filler = full.data / "filler"
+        with open(filler, "wb") as f:
+            f.write(b"\0" * max(0, free.f_bavail * free.f_frsize - 3 * 2**20))
+        log_path = tmp_path / "projector.log"
+        with service(settings, "projector", log_path) as projector:
+            # When more events come than the disk can hold
+            publish(settings, tenant, 0, 4000, labels=8)
+            wait_for(lambda: "No space left on device" in log_path.read_text(), 120, "a full disk")
+            stuck = logged(settings, tenant)
+            time.sleep(3)
+            # Then the projector waits: nothing is dead-lettered or skipped meanwhile
+            assert projector.poll() is None, log_path.read_text()[-3000:]
+            assert stuck < 4000 and logged(settings, tenant) == stuck
+            assert "unstorable" not in log_path.read_text().lower()
+            # When room is made, everything arrives, once and in order
+            filler.unlink()
+            wait_for(lambda: logged(settings, tenant) == 4000, 180, "all 4000 events")
+            assert_once_and_in_order(settings, tenant, 4000)
