@@ -121,6 +121,14 @@ class Settings(BaseSettings):
             " of its own; the sandboxes' own limits are what bound their work)."
         ),
     )
+    node_min_free_mb: int = Field(
+        512,
+        ge=0,
+        description=(
+            "A node refuses creates (reason no_space) while its state disk (its home:"
+            " container layers, run directories) has less free than this."
+        ),
+    )
     node_cpu_overcommit: float = Field(
         8.0,
         gt=0,

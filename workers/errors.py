@@ -17,3 +17,7 @@ class PodmanUnavailable(NodeError, ConnectionError):
 
 class SandboxCreateFailed(NodeError):
     """Podman refused to create or start a sandbox container."""
+
+
+class NoSpace(SandboxCreateFailed, OSError):
+    """The node's disk is too full to hold another sandbox."""

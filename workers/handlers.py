@@ -73,7 +73,7 @@ from workers.agent.protocol import ExecResult as AgentExecResult
 from workers.agent.protocol import Output as AgentOutput
 from workers.commands import Commands
 from workers.deadlines import Deadlines, Due
-from workers.errors import ImageNotFound, NodeError, SandboxCreateFailed
+from workers.errors import ImageNotFound, NodeError, NoSpace, SandboxCreateFailed
 from workers.events_out import Outlet
 from workers.podman_driver import PodmanDriver
 from workers.sandbox_spec import AGENT_BIN_MOUNT, AGENT_SOCKET_NAME, SandboxSpec
@@ -115,9 +115,22 @@ def _audit_head(data: bytes) -> str:
     return data[:AUDIT_HEAD].decode(errors="replace").replace("\x00", "\ufffd")
 
 
+def room_shortage(path: Path, min_free_mb: int) -> str | None:
+    """Why the filesystem of ``path`` (or of its nearest existing parent) is too full
+    to keep ``min_free_mb`` free, or None."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    free_mb = shutil.disk_usage(path).free // 2**20
+    if free_mb >= min_free_mb:
+        return None
+    return f"{path} has {free_mb} MiB free, below the {min_free_mb} MiB kept free"
+
+
 def _reason_for(exc: Exception) -> FailReason:
     if isinstance(exc, EgressDisabled):
         return FailReason.REFUSED
+    if isinstance(exc, NoSpace) or "no space left on device" in str(exc).lower():
+        return FailReason.NO_SPACE
     if isinstance(exc, ImageNotFound):
         return FailReason.IMAGE_NOT_FOUND
     if isinstance(exc, AgentTimeout):
@@ -275,6 +288,14 @@ class Node:
 
     # --- lifecycle --------------------------------------------------------------
 
+    def check_room(self) -> None:
+        """Raise :class:`NoSpace` while the node's disk has less free than
+        ``node_min_free_mb``: a create refused with that reason beats one that fills
+        the disk and breaks the sandboxes already there."""
+        short = room_shortage(self.sandbox_root.parent, self.settings.node_min_free_mb)
+        if short is not None:
+            raise NoSpace(f"node {self.node_id}: {short} (DSEC_NODE_MIN_FREE_MB)")
+
     def spec_for(self, request: CreateSandbox) -> SandboxSpec:
         """The container a create asks for, with the node's mounts and labels."""
         expires = utcnow() + timedelta(seconds=request.ttl_s)
@@ -314,6 +335,7 @@ class Node:
                 raise EgressDisabled(
                     f"node {self.node_id} gives no sandbox network (DSEC_ALLOW_EGRESS=false)"
                 )
+            self.check_room()
             # A claim hands a pre-started container over; None: start one cold.
             claimed = self.warm.claim(spec) if self.warm is not None else None
             if claimed is None:

@@ -80,6 +80,7 @@ class FailReason(StrEnum):
     REFUSED = "refused"
     INTERNAL = "internal"
     INCOMPATIBLE = "incompatible"
+    NO_SPACE = "no_space"
 
 
 def fields_by_tag(union: Any, field: str) -> dict[str, frozenset[str]]:
