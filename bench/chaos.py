@@ -1,0 +1,231 @@
+"""Chaos: a trainer-like workload while random parts of the stack are SIGKILLed and
+brought back by the supervisor alone.
+
+    .venv/bin/python bench/chaos.py --minutes 10 --every 30
+    .venv/bin/python bench/chaos.py --minutes 3 --every 20 --targets projector,scheduler
+
+``--trainers`` threads each loop: create a sandbox, run ``--commands`` commands in it,
+destroy it. Every ``--every`` seconds one of ``--targets`` (services of the embedded
+stack) is killed with SIGKILL, process group and all; nobody types `dsec up`. Each
+command appends to a counter file in its sandbox and prints the count, so a command
+that ran twice shows on the node's side (a count that skips) as well as in the log.
+
+At the end, after ``--settle`` seconds, the log is read back and it prints:
+commands answered and failed (an error or a timeout: the trainer heard nothing or a
+reason), lost (answered, but not in the log), doubled (ran twice: in the log twice or
+a count that skipped), sandboxes leaked (created and not ended in the log), and the
+p50/p99 latency of commands overall and in the 30 s after each kill. The last line is
+``RESULT chaos ... lost=L doubled=D leaked=K``. Goal: all three 0 over 10 minutes with
+a kill every 30 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import text
+
+from app import stack as stack_mod
+from app import tenants
+from app.config import Settings, get_settings
+from app.db.engine import transaction
+from app.errors import DsecError
+from app.sdk import Client
+
+console = Console()
+TARGETS = ("projector", "scheduler", "worker-node0", "redis", "flower")
+
+
+@dataclass
+class Tally:
+    """What the trainers saw, shared by their threads."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    answered: dict[str, str] = field(default_factory=dict)  # token -> sandbox
+    failed: Counter[str] = field(default_factory=Counter)
+    latencies: list[tuple[float, float]] = field(default_factory=list)  # (sent at, seconds)
+    created: set[str] = field(default_factory=set)
+    skipped_counts: int = 0
+
+
+def trainer(client: Client, commands: int, stop: threading.Event, tally: Tally) -> None:
+    """Create, run ``commands`` commands, destroy; until stopped."""
+    while not stop.is_set():
+        try:
+            box = client.create(timeout_s=90, ttl_s=900)
+        except DsecError as exc:
+            with tally.lock:
+                tally.failed[f"create: {type(exc).__name__}"] += 1
+            continue
+        with tally.lock:
+            tally.created.add(box.id)
+        ran = 0
+        for _ in range(commands):
+            token = uuid.uuid4().hex
+            sent = time.monotonic()
+            try:
+                result = box.exec(
+                    f"echo {token} >/dev/null; echo x >> /tmp/ran; wc -l < /tmp/ran",
+                    timeout_s=60,
+                )
+            except DsecError as exc:
+                with tally.lock:
+                    tally.failed[f"exec: {type(exc).__name__}"] += 1
+                continue
+            took = time.monotonic() - sent
+            ran += 1
+            with tally.lock:
+                tally.answered[token] = box.id
+                tally.latencies.append((sent, took))
+                # A count beyond the commands answered means one of them ran twice.
+                if int(result.stdout.strip() or 0) > ran:
+                    tally.skipped_counts += 1
+        try:
+            box.close()
+        except DsecError as exc:
+            with tally.lock:
+                tally.failed[f"destroy: {type(exc).__name__}"] += 1
+
+
+def kill_one(settings: Settings, targets: list[str], rng: random.Random) -> tuple[str, int] | None:
+    """SIGKILL one target's process group; (name, pid) or None if it was not running."""
+    services = {s.name: s for s in stack_mod.services(settings, stack_mod.known_node_ids(settings))}
+    name = rng.choice(targets)
+    pid = services[name].pid(settings) if name in services else None
+    if pid is None:
+        return None
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    return name, pid
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--every", type=float, default=30.0, help="Seconds between kills.")
+    parser.add_argument("--trainers", type=int, default=6)
+    parser.add_argument("--commands", type=int, default=5, help="Per sandbox.")
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--settle", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=11)
+    args = parser.parse_args()
+
+    settings = get_settings()
+    rng = random.Random(args.seed)
+    targets = [t for t in args.targets.split(",") if t]
+    tenants.local(settings, "chaos")
+    job = f"chaos-{uuid.uuid4().hex[:6]}"
+    tally = Tally()
+    stop = threading.Event()
+    kills: list[tuple[float, str]] = []
+    with Client(settings, tenant="chaos", job_id=job, timeout_s=90) as client:
+        threads = [
+            threading.Thread(target=trainer, args=(client, args.commands, stop, tally))
+            for _ in range(args.trainers)
+        ]
+        for thread in threads:
+            thread.start()
+        started = time.monotonic()
+        end = started + args.minutes * 60
+        next_kill = started + args.every
+        while time.monotonic() < end:
+            time.sleep(min(1.0, max(0.0, end - time.monotonic())))
+            if time.monotonic() >= next_kill:
+                next_kill += args.every
+                killed = kill_one(settings, targets, rng)
+                if killed is not None:
+                    kills.append((time.monotonic(), killed[0]))
+                    console.print(
+                        f"  {time.monotonic() - started:5.0f}s  killed {killed[0]} (pid"
+                        f" {killed[1]}); {len(tally.answered)} commands answered so far"
+                    )
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=300)
+    console.print(f"settling {args.settle:.0f}s ...")
+    time.sleep(args.settle)
+
+    with transaction(settings.database_url) as conn:
+        logged = Counter(
+            token
+            for (command,) in conn.execute(
+                text(
+                    "SELECT payload->>'command' FROM events WHERE tenant = 'chaos'"
+                    " AND job_id = :j AND type = 'CommandCompleted'"
+                ),
+                {"j": job},
+            )
+            for token in [command.split()[1] if command and command.startswith("echo ") else ""]
+            if token
+        )
+        ended = set(
+            conn.execute(
+                text(
+                    "SELECT DISTINCT sandbox_id FROM events WHERE tenant = 'chaos' AND job_id = :j"
+                    " AND type IN ('SandboxStopped', 'SandboxFailed')"
+                ),
+                {"j": job},
+            ).scalars()
+        )
+    lost = [t for t in tally.answered if logged[t] == 0]
+    doubled = [t for t, n in logged.items() if n > 1]
+    leaked = sorted(tally.created - ended)
+
+    def in_recovery(sent: float) -> bool:
+        return any(0 <= sent - at <= 30 for at, _ in kills)
+
+    all_lat = [took for _, took in tally.latencies]
+    rec_lat = [took for sent, took in tally.latencies if in_recovery(sent)]
+    table = Table(title=f"chaos: {args.minutes:g} min, a kill every {args.every:g} s")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for name, value in (
+        ("kills", f"{len(kills)} ({', '.join(sorted(Counter(n for _, n in kills)))})"),
+        ("sandboxes created", str(len(tally.created))),
+        ("commands answered", str(len(tally.answered))),
+        ("failed (reason or timeout)", str(sum(tally.failed.values()))),
+        ("lost (answered, not in the log)", str(len(lost))),
+        ("doubled (in the log twice)", str(len(doubled))),
+        ("doubled (a count that skipped)", str(tally.skipped_counts)),
+        ("sandboxes leaked (no end in the log)", str(len(leaked))),
+        ("p50 / p99 command latency, s",
+         f"{percentile(all_lat, 0.5):.3f} / {percentile(all_lat, 0.99):.3f}"),
+        ("p99 within 30 s of a kill, s", f"{percentile(rec_lat, 0.99):.3f}"),
+    ):  # fmt: skip
+        table.add_row(name, value)
+    console.print(table)
+    for kind, n in sorted(tally.failed.items()):
+        console.print(f"  failed: {kind} x{n}")
+    if leaked:
+        console.print(f"  leaked: {', '.join(leaked[:10])}")
+    print(
+        f"RESULT chaos minutes={args.minutes:g} kills={len(kills)} answered={len(tally.answered)}"
+        f" failed={sum(tally.failed.values())} lost={len(lost)}"
+        f" doubled={len(doubled) + tally.skipped_counts} leaked={len(leaked)}"
+        f" p99_s={percentile(all_lat, 0.99):.3f} p99_recovery_s={percentile(rec_lat, 0.99):.3f}"
+        f" median_s={statistics.median(all_lat) if all_lat else float('nan'):.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
