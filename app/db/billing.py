@@ -83,6 +83,9 @@ def fold(items: Sequence[tuple[Event, int]]) -> BillingFold:
         if kind not in (_REQUESTED, _STARTED, _STOPPED) or event.sandbox_id is None:
             continue
         life = out.lives.setdefault(event.sandbox_id, LifeFold(event.tenant, event.job_id))
+        # The last lifecycle event of the sandbox, used or not: a position that moved
+        # only with changes would depend on how the events were batched.
+        life.last_position = position
         match event:
             case SandboxRequested(payload=p) if life.image is None:
                 life.actor, life.image = p.actor, p.image
@@ -93,9 +96,6 @@ def fold(items: Sequence[tuple[Event, int]]) -> BillingFold:
             case SandboxStopped(payload=p) if life.ended_at is None:
                 life.ended_at, life.end_reason = event.occurred_at, p.reason.value
                 life.end_detail = p.detail
-            case _:
-                continue
-        life.last_position = position
     return out
 
 

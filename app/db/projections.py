@@ -52,7 +52,7 @@ BILLING_TABLES = (lives, usage_daily)
 #: The version of the rules below. Raise it with any change to what a projection
 #: holds for a given log: a projector that finds another version recorded rebuilds
 #: every projection from the log before it folds anything new (:func:`ensure_current`).
-VERSION = 3
+VERSION = 4
 _VERSION_ROW = "projections"
 
 #: The sandbox columns that lifecycle events set, with their Postgres types.

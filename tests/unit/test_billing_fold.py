@@ -70,7 +70,7 @@ def test_the_first_request_start_and_stop_make_the_life() -> None:
         "node-a",
     )
     assert (life.started_at, life.ended_at) == (T0 + timedelta(seconds=1), T0 + timedelta(hours=1))
-    assert (life.end_reason, life.last_position) == ("oom", 5)
+    assert (life.end_reason, life.last_position) == ("oom", 6)  # the last lifecycle event
 
 
 def test_the_tenant_of_a_life_is_its_start_s() -> None:
