@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.config import Settings, get_settings
-from app.db.billing import ROLLUP_FROM_LIVES
+from app.db.billing import ROLLUP_FROM_LIVES, RUNNING_FROM_LIVES
 from app.db.engine import libpq_url
 from app.db.setup import drop_database, ensure_database, migrate
 
@@ -240,7 +240,8 @@ def load(url: str, lives: int, days: int, commands: float, seed: int) -> Loaded:
 
 
 def build_rollups(url: str) -> float:
-    """usage_daily from lives and the log's commands, usage from the lives; seconds."""
+    """usage_daily and running_usage from lives and the log's commands, usage from the
+    lives; seconds."""
     started = time.monotonic()
     with psycopg.connect(url) as conn:
         conn.execute(
@@ -248,6 +249,7 @@ def build_rollups(url: str) -> float:
             " (SELECT max(position) FROM events))"
         )
         conn.execute(ROLLUP_FROM_LIVES)  # type: ignore[arg-type]
+        conn.execute(RUNNING_FROM_LIVES)  # type: ignore[arg-type]
         conn.execute(
             """
             INSERT INTO usage (tenant, job_id, sandboxes_started, sandboxes_ended, commands,
@@ -368,10 +370,11 @@ def main() -> None:
     tag = f"lives={args.lives} days={args.days} commands={args.commands} seed={args.seed}"
     if args.reuse:
         with psycopg.connect(owner) as conn:
-            found = conn.execute(
+            row = conn.execute(
                 "SELECT shobj_description(oid, 'pg_database') FROM pg_database"
                 " WHERE datname = current_database()"
-            ).scalar()
+            ).fetchone()
+            found = row[0] if row else None
         if found != tag:
             sys.exit(f"--reuse: the database holds {found!r}, not {tag!r}; run without --reuse")
     else:

@@ -1,22 +1,26 @@
-"""The billing projections: ``lives`` and the ``usage_daily`` rollup, and their check.
+"""The billing projections: ``lives``, ``usage_daily`` and ``running_usage``, and
+their check.
 
-``billing_daily`` and ``sandbox_lives`` (migration 0009) read these instead of the
-whole log, so a bill costs what the period asked for, not what the platform's history
-holds. Their rules are the raw views' (``billing_daily_from_log``,
-``sandbox_lives_from_log``), restated as a fold:
+``billing_daily`` and ``sandbox_lives`` (migrations 0009, 0011) read these instead of
+the whole log, so a bill costs what the period asked for, not what the platform's
+history holds nor how many sandboxes run. Their rules are the raw views'
+(``billing_daily_from_log``, ``sandbox_lives_from_log``), restated as a fold:
 
 - a sandbox's first ``SandboxRequested`` gives its actor, image, cpus and memory, its
   first ``SandboxStarted`` its tenant, job, node and start, its first
   ``SandboxStopped`` its end: later ones (a replay, a second party ending it) change
   nothing, however the events were batched;
 - when a life has both a start and an end for the first time, it is cut into UTC
-  day pieces by ``dsec_utc_day_pieces`` (the view's own function, with the view's own
-  expressions) and the pieces are added to ``usage_daily``; lives still running are
-  cut at query time by the view;
+  day pieces by ``dsec_utc_day_pieces`` (the view's own function and expressions) and
+  the pieces are added to ``usage_daily``;
+- while it has a start and no end, it counts in ``running_usage`` (per tenant, job,
+  UTC start day and shape: the lives and the sum of their starts), which the view
+  cuts into days at query time, one row per group;
 - commands are counted per (tenant, job, UTC day of ``occurred_at``).
 
-Sums are numerics and never rounded here, so the rollup plus the running lives add up
-to the raw view's figures to the last digit; :func:`differences` checks it.
+Sums are numerics and never rounded here (GB-seconds are kept as MiB-seconds and
+divided once by the view), so the projections give the raw view's figures to the
+last digit; :func:`differences` checks it.
 """
 
 from __future__ import annotations
@@ -112,7 +116,7 @@ _COLS = ", ".join(name for name, _ in _LIFE_COLUMNS)
 #: ended_at), with the raw view's expressions.
 _PIECES = """
     SELECT e.tenant, e.job_id, p.day, 1 AS sandboxes, p.seconds,
-           p.seconds * e.cpus AS core, p.seconds * e.memory_mb / 1024 AS gb, 0 AS commands
+           p.seconds * e.cpus AS core, p.seconds * e.memory_mb AS mb, 0 AS commands
       FROM {relation} e
       CROSS JOIN LATERAL dsec_utc_day_pieces(
           e.started_at AT TIME ZONE 'UTC',
@@ -123,8 +127,8 @@ _PIECES = """
 #: SQL's sum() does.
 _ADD_TO_ROLLUP = """
 INSERT INTO usage_daily AS u
-       (tenant, job_id, day, sandboxes, sandbox_seconds, core_seconds, gb_seconds, commands)
-SELECT tenant, job_id, day, sum(sandboxes), sum(seconds), sum(core), sum(gb), sum(commands)
+       (tenant, job_id, day, sandboxes, sandbox_seconds, core_seconds, mb_seconds, commands)
+SELECT tenant, job_id, day, sum(sandboxes), sum(seconds), sum(core), sum(mb), sum(commands)
   FROM pieces
  GROUP BY tenant, job_id, day
  ORDER BY tenant, job_id, day
@@ -133,7 +137,7 @@ ON CONFLICT (tenant, job_id, day) DO UPDATE SET
     sandbox_seconds = u.sandbox_seconds + excluded.sandbox_seconds,
     core_seconds = coalesce(u.core_seconds + excluded.core_seconds,
                             u.core_seconds, excluded.core_seconds),
-    gb_seconds = coalesce(u.gb_seconds + excluded.gb_seconds, u.gb_seconds, excluded.gb_seconds),
+    mb_seconds = coalesce(u.mb_seconds + excluded.mb_seconds, u.mb_seconds, excluded.mb_seconds),
     commands = u.commands + excluded.commands
 """
 
@@ -143,10 +147,12 @@ ON CONFLICT (tenant, job_id, day) DO UPDATE SET
 _UPSERT = text(
     f"""
     WITH staged AS (DELETE FROM life_stage RETURNING *),
-    was_ended AS (
-        SELECT sandbox_id FROM lives
+    was AS (
+        SELECT sandbox_id, tenant, job_id, cpus, memory_mb, started_at, ended_at FROM lives
          WHERE sandbox_id IN (SELECT sandbox_id FROM staged)
-           AND started_at IS NOT NULL AND ended_at IS NOT NULL
+    ),
+    was_ended AS (
+        SELECT sandbox_id FROM was WHERE started_at IS NOT NULL AND ended_at IS NOT NULL
     ),
     up AS (
         INSERT INTO lives AS l ({_COLS})
@@ -171,6 +177,31 @@ _UPSERT = text(
             last_position = greatest(l.last_position, excluded.last_position)
         RETURNING sandbox_id, tenant, job_id, cpus, memory_mb, started_at, ended_at
     ),
+    -- A life counts in running_usage while it has a start and no end, under the key
+    -- it had then: +1 as it is now, -1 as it was (a change of key while running, a
+    -- request logged after the start, moves it).
+    running_delta AS (
+        SELECT tenant, job_id, (started_at AT TIME ZONE 'UTC')::date AS since, cpus,
+               memory_mb, 1 AS n, extract(epoch FROM started_at) AS epoch
+          FROM up WHERE started_at IS NOT NULL AND ended_at IS NULL
+        UNION ALL
+        SELECT tenant, job_id, (started_at AT TIME ZONE 'UTC')::date, cpus, memory_mb, -1,
+               -extract(epoch FROM started_at)
+          FROM was WHERE started_at IS NOT NULL AND ended_at IS NULL
+    ),
+    running_moved AS (
+        INSERT INTO running_usage AS r
+               (tenant, job_id, since, cpus, memory_mb, lives, started_epoch)
+        SELECT tenant, job_id, since, cpus, memory_mb, sum(n), sum(epoch)
+          FROM running_delta
+         GROUP BY tenant, job_id, since, cpus, memory_mb
+        HAVING sum(n) <> 0 OR sum(epoch) <> 0
+         ORDER BY tenant, job_id, since, cpus, memory_mb
+        ON CONFLICT ON CONSTRAINT running_usage_key DO UPDATE SET
+            lives = r.lives + excluded.lives,
+            started_epoch = r.started_epoch + excluded.started_epoch
+        RETURNING 1
+    ),
     ended AS (
         SELECT * FROM up
          WHERE started_at IS NOT NULL AND ended_at IS NOT NULL
@@ -186,6 +217,11 @@ _UPSERT = text(
     {_ADD_TO_ROLLUP}
     """
 )
+
+
+# Groups whose lives all ended (a partial index finds them; the table stays the size
+# of what runs now).
+_DROP_EMPTY = text("DELETE FROM running_usage WHERE lives = 0")
 
 
 def apply(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
@@ -208,6 +244,8 @@ def apply(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
         for (t, j, d), n in sorted(folded.commands.items())
     ]
     conn.execute(_UPSERT, {"commands": json.dumps(commands)})
+    if folded.lives:
+        conn.execute(_DROP_EMPTY)
 
 
 def archived(conn: Connection) -> bool:
@@ -271,8 +309,15 @@ def differences(
     return [dict(r._mapping) for r in rows]
 
 
-#: Fill ``usage_daily`` from ``lives`` and the log's commands in one pass: for a
-#: bulk-loaded log (the billing benchmark) and as a second derivation to compare with.
+#: Fill ``usage_daily`` and ``running_usage`` from ``lives`` and the log's commands in
+#: one pass each: for a bulk-loaded log (the billing benchmark).
+RUNNING_FROM_LIVES = """
+INSERT INTO running_usage (tenant, job_id, since, cpus, memory_mb, lives, started_epoch)
+SELECT tenant, job_id, (started_at AT TIME ZONE 'UTC')::date, cpus, memory_mb, count(*),
+       sum(extract(epoch FROM started_at))
+  FROM lives WHERE started_at IS NOT NULL AND ended_at IS NULL
+ GROUP BY 1, 2, 3, 4, 5
+"""
 ROLLUP_FROM_LIVES = f"""
 WITH pieces AS (
     {

@@ -26,6 +26,7 @@ from app.db.tables import (
     lives,
     nodes,
     projection_version,
+    running_usage,
     sandboxes,
     usage,
     usage_daily,
@@ -45,14 +46,14 @@ from app.domain.events import (
 )
 from app.domain.sandbox_state import TERMINAL, SandboxState, advance, rank
 
-PROJECTION_TABLES = (sandboxes, nodes, commands, usage, lives, usage_daily)
+PROJECTION_TABLES = (sandboxes, nodes, commands, usage, lives, usage_daily, running_usage)
 #: The projections that hold history the log may no longer hold (see :func:`rebuild`).
-BILLING_TABLES = (lives, usage_daily)
+BILLING_TABLES = (lives, usage_daily, running_usage)
 
 #: The version of the rules below. Raise it with any change to what a projection
 #: holds for a given log: a projector that finds another version recorded rebuilds
 #: every projection from the log before it folds anything new (:func:`ensure_current`).
-VERSION = 4
+VERSION = 5
 _VERSION_ROW = "projections"
 
 #: The sandbox columns that lifecycle events set, with their Postgres types.

@@ -220,8 +220,24 @@ usage_daily = Table(
     Column("sandboxes", BigInteger, nullable=False, server_default=text("0")),
     Column("sandbox_seconds", Numeric, nullable=False, server_default=text("0")),
     Column("core_seconds", Numeric),
-    Column("gb_seconds", Numeric),
+    #: MiB-seconds (``billing_daily`` divides the sum by 1024 once).
+    Column("mb_seconds", Numeric),
     Column("commands", BigInteger, nullable=False, server_default=text("0")),
+)
+
+#: Projection: the lives running now, per tenant, job, UTC start day and shape, with
+#: the sum of their start times; ``billing_daily`` cuts them into days per row. (The
+#: key is a UNIQUE NULLS NOT DISTINCT constraint in the database.)
+running_usage = Table(
+    "running_usage",
+    metadata,
+    Column("tenant", Text, primary_key=True),
+    Column("job_id", Text, primary_key=True),
+    Column("since", Date, primary_key=True),
+    Column("cpus", Numeric, primary_key=True, nullable=True),
+    Column("memory_mb", Integer, primary_key=True, nullable=True),
+    Column("lives", BigInteger, nullable=False),
+    Column("started_epoch", Numeric, nullable=False),
 )
 
 #: Days of the log moved out by ``dsec log archive``, and where they went.

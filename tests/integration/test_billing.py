@@ -409,6 +409,37 @@ def test_a_start_logged_after_the_stop_is_a_life_of_zero_seconds(conn: Connectio
     assert figures(reports.bill(conn, tenant=log.tenant)) == {("job-a", DAY): (1, 0, 0, 0, 0)}
 
 
+def test_running_lives_of_many_shapes_and_days_are_billed_as_the_log_says(
+    conn: Connection,
+) -> None:
+    # Given lives running since minutes, hours and days, of several shapes, and one
+    # whose start a skewed clock put in the future (the autouse check compares every
+    # figure with the raw log's view, to the last digit)
+    log = Log(conn)
+    now = datetime.now(UTC)
+    shapes = [(0.2, 1, 512), (1.5, 1, 512), (1.7, 1, 512), (30, 2, 1024), (55, 0.5, 333)]
+    running = [
+        log.life("job-a", now - timedelta(hours=h, microseconds=1234), None, cpus=c, memory_mb=m)
+        for h, c, m in shapes
+    ]
+    running.append(log.life("job-b", now + timedelta(minutes=5), None, cpus=4, memory_mb=4096))
+    rows = reports.bill(conn, tenant=log.tenant)
+    billed = float(sum(r["sandbox_seconds"] for r in rows))
+    assert billed == pytest.approx(sum(h for h, _, _ in shapes) * 3600, abs=60)
+    # When they all end, nothing of them is left running
+    for sb in running:
+        log.add(
+            SandboxStopped(
+                **log.env(sb, "job-a" if sb != running[-1] else "job-b", now),
+                payload=StoppedPayload(reason=StopReason.DESTROYED),
+            )
+        )
+    left = conn.execute(
+        text("SELECT count(*) FROM running_usage WHERE tenant = :t"), {"t": log.tenant}
+    ).scalar()
+    assert left == 0
+
+
 def _life_events(log: Log, job: str, start: datetime, end: datetime, n: int) -> list[Event]:
     sb = f"sb-{uuid.uuid4().hex[:12]}"
     rid = uuid.uuid4()
@@ -445,7 +476,7 @@ def test_the_rollup_does_not_depend_on_batching_and_a_rebuild_gives_the_same(
     # Then both tenants' rollup rows are the same, digit for digit
     def rollup(tenant: str) -> list[tuple[Any, ...]]:
         query = text(
-            "SELECT job_id, day, sandboxes, sandbox_seconds, core_seconds, gb_seconds"
+            "SELECT job_id, day, sandboxes, sandbox_seconds, core_seconds, mb_seconds"
             " FROM usage_daily WHERE tenant = :t ORDER BY job_id, day"
         )
         return [tuple(r) for r in conn.execute(query, {"t": tenant})]
