@@ -6,6 +6,7 @@ nothing is skipped silently.
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -153,3 +154,10 @@ def wait_for(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "con
 def scalar(conn: Connection, sql: str, **params: Any) -> Any:
     """One value from SQL."""
     return conn.execute(text(sql), params).scalar()
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a service a test starts itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -20,7 +19,7 @@ from typer.testing import CliRunner, Result
 
 from app.cli import cli
 from app.config import Settings
-from tests.conftest import scalar, wait_for
+from tests.conftest import free_port, scalar, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -148,9 +147,7 @@ def test_bench_without_a_name_lists_the_benchmarks(stack: Settings) -> None:
 
 def test_an_expected_failure_is_one_line_not_a_traceback() -> None:
     # Given a database that is not there (nothing listens on the port)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "DSEC_DATABASE_URL": f"postgresql+psycopg://dsec_app@127.0.0.1:{port}/x"}
     dsec_bin = str(Path(sys.executable).with_name("dsec"))
     # When an operator asks for the bill

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -37,18 +36,12 @@ from app.domain.proof import Purpose, headers
 from app.errors import SandboxRejected
 from app.keyring import Keyring
 from app.sdk import Client
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
 
 pytestmark = pytest.mark.integration
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -85,7 +78,7 @@ def own_cluster(data_mb: int | None = None) -> Iterator[Cluster]:
     # Not under pytest's temporary directory: the postgres user cannot enter root's.
     home = Path(tempfile.mkdtemp(prefix="dsec-pg-outage-"))
     os.chmod(home, 0o755)
-    found = Cluster(home, _free_port())
+    found = Cluster(home, free_port())
     found.data.mkdir()
     if data_mb is not None:
         subprocess.run(
@@ -162,7 +155,7 @@ def service(settings: Settings, name: str, log_path: Path) -> Iterator[subproces
         "DSEC_DATABASE_URL": settings.database_url,
         "DSEC_ADMIN_DATABASE_URL": settings.admin_database_url,
         "DSEC_TOPIC_PREFIX": settings.topic_prefix,
-        "DSEC_METRICS_PORT": str(_free_port()),
+        "DSEC_METRICS_PORT": str(free_port()),
     }
     with open(log_path, "wb") as out:
         process = subprocess.Popen(

@@ -11,7 +11,6 @@ again by every service is tested with the stack's own in test_supervisor.py.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -23,15 +22,9 @@ import redis
 from app.config import Settings
 from app.stack import write_redis_conf
 from app.taskqueue import make_celery
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -39,7 +32,7 @@ def own_redis(settings: Settings, tmp_path: Path) -> Iterator[tuple[Settings, Pa
     ours = settings.model_copy(
         update={
             "state_dir": tmp_path,
-            "celery_broker_url": f"redis://127.0.0.1:{_free_port()}/0",
+            "celery_broker_url": f"redis://127.0.0.1:{free_port()}/0",
         }
     )
     (tmp_path / "logs").mkdir()
