@@ -392,6 +392,7 @@ def audit(
 ) -> None:
     """Who did what to which sandbox, when, from which node (oldest first)."""
     from app import reports
+    from app.db import billing
     from app.db.engine import transaction
 
     try:
@@ -409,7 +410,7 @@ def audit(
             limit=limit,
             denied=denied,
         )
-        archived = None if rows else reports.archived_before(conn)
+        archived = None if rows else billing.last_archived_day(conn)
     title = "refused senders" if denied else "audit trail"
     reports.render(rows, output, title, console, reports.AUDIT_COLUMNS)
     if archived is not None:

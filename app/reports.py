@@ -29,7 +29,6 @@ from sqlalchemy import (
     Select,
     Text,
     column,
-    func,
     select,
     table,
 )
@@ -129,17 +128,6 @@ def bill(
     if day_to is not None:
         query = query.where(t.c.day <= day_to)
     return _rows(conn, query)
-
-
-def archived_before(conn: Connection) -> date | None:
-    """The last archived (and not restored) day of the log, if any: an audit that
-    finds nothing may be asking about a day that left Postgres."""
-    found = conn.execute(
-        select(func.max(column("day", Date)))
-        .select_from(table("log_archives", column("day"), column("restored_at")))
-        .where(column("restored_at").is_(None))
-    ).scalar()
-    return found if isinstance(found, date) else None
 
 
 # --- parsing of CLI arguments ----------------------------------------------------

@@ -49,11 +49,6 @@ class Archived:
     sha256: str
 
 
-def partition_name(day: date) -> str:
-    """The log's partition of one UTC day."""
-    return f"events_p{day:%Y%m%d}"
-
-
 def _day_of(partition: str) -> date:
     digits = partition.removeprefix("events_p")
     return date(int(digits[:4]), int(digits[4:6]), int(digits[6:8]))

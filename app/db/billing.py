@@ -32,9 +32,10 @@ from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, exists, func, select, text
 
 from app.db import staging
+from app.db.tables import log_archives
 from app.domain.events import (
     CommandCompleted,
     Event,
@@ -225,7 +226,8 @@ _DROP_EMPTY = text("DELETE FROM running_usage WHERE lives = 0")
 
 
 def apply(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
-    """Fold a batch of (event, position), ascending, into ``lives`` and ``usage_daily``."""
+    """Fold a batch of (event, position), ascending, into ``lives``, ``usage_daily`` and
+    ``running_usage``."""
     folded = fold(items)
     if not folded.lives and not folded.commands:
         return
@@ -251,16 +253,23 @@ def apply(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
 def archived(conn: Connection) -> bool:
     """Whether days of the log were archived: then the log alone no longer holds the
     whole history these projections fold, and a rebuild keeps them as they are."""
-    return bool(conn.execute(text("SELECT EXISTS (SELECT FROM log_archives)")).scalar())
+    return bool(conn.execute(select(exists().select_from(log_archives))).scalar())
+
+
+_OUT = log_archives.c.restored_at.is_(None)
 
 
 def archived_between(conn: Connection, day_from: date, day_to: date) -> list[date]:
     """The archived days of the log within ``[day_from, day_to]`` (not restored)."""
-    query = text(
-        "SELECT day FROM log_archives WHERE day BETWEEN :lo AND :hi AND restored_at IS NULL"
-        " ORDER BY day"
-    )
-    return list(conn.execute(query, {"lo": day_from, "hi": day_to}).scalars())
+    days = log_archives.c.day
+    query = select(days).where(days.between(day_from, day_to), _OUT).order_by(days)
+    return list(conn.execute(query).scalars())
+
+
+def last_archived_day(conn: Connection) -> date | None:
+    """The last archived (and not restored) day of the log, if any: an audit that
+    finds nothing may be asking about a day that left Postgres."""
+    return conn.execute(select(func.max(log_archives.c.day)).where(_OUT)).scalar()
 
 
 #: The bill both ways for a period, full outer joined on (tenant, job, day): the rows

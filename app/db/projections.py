@@ -329,7 +329,7 @@ def apply_batch(
 
     Those rows come from the log's rows themselves: :func:`app.db.log.append` inserts
     them with the events, :func:`rebuild` from the log. ``with_billing=False`` leaves
-    ``lives`` and ``usage_daily`` alone (a rebuild after archival).
+    the :data:`BILLING_TABLES` alone (a rebuild after archival).
     """
     if not items:
         return
@@ -387,8 +387,8 @@ def _upsert_node(conn: Connection, node_id: str, row: dict[str, Any]) -> None:
 
 
 def clear(conn: Connection, with_billing: bool = True) -> None:
-    """Empty every projection (before a rebuild); ``with_billing=False`` keeps
-    ``lives`` and ``usage_daily``."""
+    """Empty every projection (before a rebuild); ``with_billing=False`` keeps the
+    :data:`BILLING_TABLES`."""
     for table in PROJECTION_TABLES:
         if with_billing or table not in BILLING_TABLES:
             conn.execute(table.delete())
@@ -470,7 +470,7 @@ def rebuild(conn: Connection, chunk: int = 5000) -> int:
     live projector waits instead of interleaving its batch with the rebuild.
 
     Once days of the log were archived (``dsec log archive``), the log no longer holds
-    the lives and bills of those days: ``lives`` and ``usage_daily`` are then kept as
+    the lives and bills of those days: the :data:`BILLING_TABLES` are then kept as
     they are, not rebuilt, and ``dsec bill --verify`` checks them against the days
     the log still holds.
     """

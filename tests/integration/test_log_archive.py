@@ -83,7 +83,7 @@ def test_archived_days_keep_their_bill_and_restore_their_audit(
         assert reports.audit(conn, sandbox_id=inside) == []
         assert billing.archived_between(conn, OLD, TODAY) == [d.day for d in done]
         # (an audit that finds nothing says which days left: `dsec audit` prints it)
-        assert reports.archived_before(conn) == OLD + timedelta(days=1)
+        assert billing.last_archived_day(conn) == OLD + timedelta(days=1)
 
     # And a rebuild of the projections keeps the bills the log no longer holds
     with engine.begin() as conn:
@@ -109,7 +109,7 @@ def test_archived_days_keep_their_bill_and_restore_their_audit(
         assert len(reports.audit(conn, sandbox_id=inside)) == 5
         assert billing.differences(conn, OLD, OLD + timedelta(days=1)) == []
         assert billing.archived_between(conn, OLD, TODAY) == []
-        assert reports.archived_before(conn) is None
+        assert billing.last_archived_day(conn) is None
     owner = engine_for(scratch.admin_database_url)
     for statement in ("DELETE FROM {}", "TRUNCATE {}"):
         with owner.begin() as conn, pytest.raises(DBAPIError, match="append-only"):
