@@ -606,13 +606,12 @@ def main() -> None:
     An expected failure (Postgres or the broker down, a refused request, bad settings)
     is one line on stderr and exit status 2, not a traceback; a bug still shows one.
     """
-    from app.errors import DsecError
+    from app.errors import DsecError, first_line
 
     try:
         cli()
     except DsecError as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"dsec: {type(exc).__name__}: {first}", file=sys.stderr)
+        print(f"dsec: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
         sys.exit(2)
 
 

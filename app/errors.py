@@ -7,6 +7,12 @@ that calls the driver; each class also inherits the matching builtin where one f
 from __future__ import annotations
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception in one line, for a log line or a terminal: its message's first
+    line (drivers add hints and SQL below it), or its class name if it has none."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 class DsecError(Exception):
     """Base of every dsec error."""
 

@@ -37,7 +37,7 @@ from app.domain.events import Event
 from app.domain.proof import KeyInfo, KeyLookup, ProofError, Purpose, Role, verify
 from app.domain.records import Record
 from app.domain.trust import EVENT_SENDERS, event_refusal
-from app.errors import StorageRefused
+from app.errors import StorageRefused, first_line
 from app.keyring import Keyring
 from app.waiting import UNAVAILABLE, Stopped, until_available
 
@@ -311,8 +311,7 @@ class Projector:
                     failures = failures + 1 if self._committed == committed_then else 1
                     committed_then = self._committed
                     if isinstance(exc, UNAVAILABLE):
-                        first = (str(exc).strip().splitlines() or [""])[0]
-                        log.warning("%s: waiting for postgres: %s", self.name, first)
+                        log.warning("%s: waiting for postgres: %s", self.name, first_line(exc))
                     else:
                         log.exception("%s: batch failed; retrying from stored offsets", self.name)
                     # Parts still committing decide the stored offsets: let them settle.

@@ -16,7 +16,7 @@ from typing import TypeVar
 from sqlalchemy.exc import OperationalError
 
 from app import metrics
-from app.errors import ServiceUnavailable
+from app.errors import ServiceUnavailable, first_line
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -57,10 +57,10 @@ def until_available(
                 gauge.set(1)
                 now = time.monotonic()
                 if now >= next_log:
-                    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                     log.warning(
-                        "%s: waiting for %s (%.0fs so far): %s", who, service, now - since, reason
-                    )
+                        "%s: waiting for %s (%.0fs so far): %s",
+                        who, service, now - since, first_line(exc),
+                    )  # fmt: skip
                     next_log = now + LOG_EVERY_S
                 if stop.wait(delay):
                     raise Stopped(f"{who}: stopped while waiting for {service}") from exc
