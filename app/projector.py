@@ -146,14 +146,12 @@ class Projector:
         """Tomorrow's partitions made; where this projector stands, as stored."""
         with transaction(self.settings.database_url) as conn:
             event_log.ensure_partitions(conn)
-            return self._stored_offsets(conn)
-
-    def _stored_offsets(self, conn: Connection) -> dict[int, event_log.StoredOffset]:
-        return event_log.load_offsets(conn, self.name, self.settings.topic_events)
+            return event_log.load_offsets(conn, self.name, self.settings.topic_events)
 
     def _reread_offsets(self) -> dict[int, event_log.StoredOffset]:
-        with transaction(self.settings.database_url) as conn:
-            return self._stored_offsets(conn)
+        return event_log.read_offsets(
+            self.settings.database_url, self.name, self.settings.topic_events
+        )
 
     def handle(self, records: list[ConsumerRecord]) -> BatchOutcome:
         """Decode, dead-letter, append and project one batch in one transaction."""

@@ -99,8 +99,9 @@ class Scheduler:
         self._events_incarnation = bus.Incarnation(self.events, settings.topic_events)
 
     def _stored_offsets(self) -> dict[int, event_log.StoredOffset]:
-        with transaction(self.settings.database_url) as conn:
-            return event_log.load_offsets(conn, NAME, self.settings.topic_requests)
+        return event_log.read_offsets(
+            self.settings.database_url, NAME, self.settings.topic_requests
+        )
 
     # --- state ------------------------------------------------------------------
 

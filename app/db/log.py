@@ -11,6 +11,7 @@ from sqlalchemy import Connection, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from app.db import staging
+from app.db.engine import transaction
 from app.db.projections import commands_from
 from app.db.tables import consumer_offsets
 from app.domain.events import Event
@@ -152,6 +153,12 @@ def load_offsets(conn: Connection, consumer: str, topic: str) -> dict[int, Store
         ).where(consumer_offsets.c.consumer == consumer, consumer_offsets.c.topic == topic)
     )
     return {row.partition: StoredOffset(row.topic_id, row.next_offset) for row in rows}
+
+
+def read_offsets(url: str, consumer: str, topic: str) -> dict[int, StoredOffset]:
+    """:func:`load_offsets` in a transaction of its own (a consumer re-positioning)."""
+    with transaction(url) as conn:
+        return load_offsets(conn, consumer, topic)
 
 
 def save_offsets(
