@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from workers.agent.build import ensure_agent_dir, is_static_elf
-from workers.agent.client import AgentConnection, AgentListener, AgentPool
+from workers.agent.client import IDLE_KEPT, AgentConnection, AgentListener, AgentPool
 from workers.agent.errors import AgentBuildError, AgentRefused, AgentUnavailable
 from workers.agent.protocol import Output
 
@@ -113,7 +113,7 @@ def test_streaming_exec_sends_output_while_the_command_runs(agent: Agent) -> Non
         cwd=str(agent.work),
         on_output=lambda out: got.append((time.monotonic() - started, out)),
     )
-    assert agent.conn.hello.version == 2
+    assert agent.conn.hello.version == 3
     assert [out for _, out in got] == [
         Output(1, b"one\n"),
         Output(2, b"two\n"),
@@ -327,7 +327,7 @@ def test_malformed_unknown_and_oversized_frames(
         try:
             sock, _ = server.accept()
             sock.settimeout(5)
-            assert _recv_frame(sock)[:5] == bytes.fromhex("1000000002")  # HELLO, version 2
+            assert _recv_frame(sock)[:5] == bytes.fromhex("1000000003")  # HELLO, version 3
             # Malformed EXEC and unknown op: an error reply, the connection stays usable
             sock.sendall(bytes.fromhex("0000000502ffffffff"))
             assert _recv_frame(sock)[0] == 1
@@ -462,6 +462,94 @@ def test_pool_waits_for_reconnect_and_serialises_threads(
         finally:
             proc.terminate()
             proc.wait(timeout=5)
+
+
+def test_pool_runs_requests_of_one_sandbox_at_once(
+    agent_bin: Path, run_dir: Path, tmp_path: Path
+) -> None:
+    # A reader that blocks until a second command writes: it can only end if the two
+    # run at once, each on a connection (and in a handler process) of its own.
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with AgentPool() as pool:
+        pool.register("sbx-3", run_dir)
+        proc = _start_agent(agent_bin, run_dir / "agent.sock", tmp_path)
+        try:
+            got: list[bytes] = []
+
+            def read() -> None:
+                with pool.using("sbx-3", wait_s=5) as conn:
+                    got.append(
+                        conn.exec(["cat", str(fifo)], cwd=str(tmp_path), timeout_s=20).stdout
+                    )
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            with pool.using("sbx-3", wait_s=5) as conn:
+                writer = conn.exec(
+                    ["sh", "-c", f"echo hello > {fifo}"], cwd=str(tmp_path), timeout_s=20
+                )
+            reader.join(timeout=30)
+            assert writer.exit_code == 0 and got == [b"hello\n"]
+
+            # Many at once: each request waits for its own, not behind the others.
+            many = 20
+            barrier_dir = tmp_path / "barrier"
+            barrier_dir.mkdir()
+            script = (
+                f"touch {barrier_dir}/$0; "
+                f"while [ $(ls {barrier_dir} | wc -l) -lt {many} ]; do sleep 0.02; done"
+            )
+            codes: list[int] = []
+
+            def member(i: int) -> None:
+                with pool.using("sbx-3", wait_s=10) as conn:
+                    result = conn.exec(
+                        ["sh", "-c", script, str(i)], cwd=str(tmp_path), timeout_s=30
+                    )
+                    codes.append(0 if result.ok else result.exit_code)
+
+            threads = [threading.Thread(target=member, args=(i,)) for i in range(many)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            assert codes == [0] * many
+            # After the burst the host keeps a few idle connections, not one per command.
+            assert pool.connections("sbx-3") <= IDLE_KEPT + 1
+        finally:
+            proc.terminate()
+            proc.wait(timeout=5)
+
+
+def test_a_killed_handler_fails_its_request_only(agent: Agent) -> None:
+    # The code in a sandbox may kill the process serving a request (same uid): that
+    # request fails, the agent and its other connections carry on.
+    marker = agent.work / "handler.pid"
+
+    def kill_handler() -> None:
+        deadline = time.monotonic() + 5
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_handler)
+    killer.start()
+    with pytest.raises(AgentUnavailable):
+        _sh(agent, f"echo $PPID > {marker}.tmp; mv {marker}.tmp {marker}; exec sleep 30")
+    killer.join()
+    assert agent.proc.poll() is None
+    conn = agent.listener.accept(timeout_s=5)  # the spare it opened meanwhile
+    assert conn.exec(["echo", "still here"], cwd=str(agent.work)).stdout == b"still here\n"
+    conn.close()
+
+
+def test_signal_all_is_refused_outside_a_sandbox(agent: Agent) -> None:
+    # Outside a pid namespace, kill(-1) would reach every process of the user.
+    with pytest.raises(AgentRefused) as refused:
+        agent.conn.signal_all(signal.SIGSTOP)
+    assert refused.value.errno == errno.EPERM
+    agent.conn.ping()
 
 
 def test_pool_times_out_without_agent_and_drops_bad_handshakes(run_dir: Path) -> None:

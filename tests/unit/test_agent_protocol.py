@@ -27,6 +27,7 @@ from workers.agent.protocol import (
     ReadFileResult,
     Request,
     Response,
+    SignalAllRequest,
     WriteFileRequest,
     WriteFileResult,
     decode_hello,
@@ -164,9 +165,16 @@ def test_op_of_matches_the_encoded_op_byte() -> None:
         ExecRequest(("true",), stream=True),
         WriteFileRequest("/a", b""),
         ReadFileRequest("/a", 1),
+        SignalAllRequest(19),
     ]
     for request in requests:
         assert encode_request(request)[HEADER_LEN] == op_of(request)
+        assert decode_request(encode_request(request)[HEADER_LEN:]) == request
+
+
+def test_signal_all_wire_layout_and_its_empty_answer() -> None:
+    assert encode_request(SignalAllRequest(19)) == bytes.fromhex("00000005" "06" "00000013")
+    assert decode_response(Op.SIGNAL_ALL, b"\x00") == Pong()
 
 
 def test_exec_wire_layout_is_what_the_c_agent_parses() -> None:

@@ -23,7 +23,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from workers.agent.protocol import (
     ReadFileResult,
     Request,
     Response,
+    SignalAllRequest,
     WriteFileRequest,
     WriteFileResult,
     decode_hello,
@@ -67,6 +68,15 @@ log = logging.getLogger(__name__)
 EXEC_MARGIN_S = 5.0
 #: Socket timeout for PING and file transfers (at most 64 MiB each).
 IO_TIMEOUT_S = 30.0
+#: Connections a sandbox's agent may hold (its own cap, MAX_CONNS in dsec_agent.c):
+#: requests beyond this many at once queue on a busy connection.
+MAX_AGENT_CONNECTIONS = 256
+#: How long a request waits for the agent's next spare connection when all of a
+#: sandbox's are busy, before it queues behind one of them.
+SPARE_WAIT_S = 2.0
+#: Idle connections a sandbox keeps after a burst; the host closes the rest (the host,
+#: not the agent: only the sender knows that no request is on its way on them).
+IDLE_KEPT = 4
 _HELLO_FRAME_LEN = HEADER_LEN + HELLO_PAYLOAD_LEN
 _UCRED = struct.Struct("3i")
 _DEAD_EVENTS = select.POLLHUP | select.POLLERR | select.POLLRDHUP | select.POLLNVAL
@@ -111,8 +121,9 @@ def _check_hello(raw: bytes | bytearray) -> Hello:
 
 
 class AgentConnection:
-    """One connected agent. Thread-safe: a lock keeps one request in flight, which is
-    all the agent serves. Any socket failure closes the connection (the agent then
+    """One connection to an agent. Thread-safe: a lock keeps one request in flight,
+    which is all a connection carries (an agent of protocol 3 holds several, one
+    request each). Any socket failure closes the connection (the agent then
     reconnects); an agent-side refusal (:class:`AgentRefused`) leaves it usable."""
 
     def __init__(
@@ -145,6 +156,13 @@ class AgentConnection:
         #: Environment every command gets under its own ``env``: a claimed warm sandbox's
         #: environment from its create request (its container's is fixed at create).
         self.default_env: Mapping[str, str] = {}
+        #: Callers holding it through :meth:`AgentPool.using` (guarded by the pool).
+        self.users = 0
+
+    @property
+    def concurrent(self) -> bool:
+        """The agent serves requests on several connections at once (protocol 3)."""
+        return self.hello.version >= 3
 
     @property
     def closed(self) -> bool:
@@ -213,6 +231,11 @@ class AgentConnection:
                 if data:
                     on_output(Output(stream, data))
         return result
+
+    def signal_all(self, signo: int) -> None:
+        """Send ``signo`` (SIGSTOP, SIGCONT or SIGKILL) to every process of the sandbox
+        but the agent's own (protocol 3)."""
+        self.request(SignalAllRequest(signo), self.io_timeout_s)
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
         """Create or truncate ``path`` (absolute, no ``..``, no symlinks; parents are
@@ -393,7 +416,7 @@ class AgentListener:
 class _Slot:
     sandbox_id: str
     listener: AgentListener
-    conn: AgentConnection | None = None
+    conns: list[AgentConnection] = field(default_factory=list)
     env: Mapping[str, str] = field(default_factory=dict)
     pending: set[_Pending] = field(default_factory=set)
 
@@ -410,11 +433,11 @@ class AgentPool:
     """The agents of all sandboxes of one worker process, usable from many threads.
 
     One background thread accepts on every listener (``selectors``) and completes the
-    HELLO handshakes without blocking; callers get the live connection with
-    :meth:`connection`. Per sandbox there is one connection and hence, through its
-    lock, one request in flight. The newest valid connection of a sandbox replaces the
-    older one (the agent only reconnects after losing its connection, so an older one
-    is dead or stale).
+    HELLO handshakes without blocking; callers hold a live connection with
+    :meth:`using`. An agent of protocol 3 keeps one spare connection beside those
+    serving requests, so each request gets a connection of its own and the sandbox
+    runs them at once; an older agent has one connection, and its newest valid
+    connection replaces the one before (it only reconnects after losing it).
     """
 
     def __init__(
@@ -487,8 +510,8 @@ class AgentPool:
             slot.sandbox_id = new
             slot.listener.path = Path(run_dir) / slot.listener.path.name
             slot.env = dict(env or {})
-            if slot.conn is not None:
-                slot.conn.default_env = slot.env
+            for conn in slot.conns:
+                conn.default_env = slot.env
             self._slots[new] = slot
             self._cond.notify_all()
 
@@ -506,10 +529,38 @@ class AgentPool:
             self._drop(slot)
 
     def connection(self, sandbox_id: str, wait_s: float) -> AgentConnection:
-        """The live connection of ``sandbox_id``, waiting up to ``wait_s`` for the agent
-        to (re)connect. Raises :class:`AgentUnavailable` if it does not, or if the
-        sandbox is not registered."""
-        deadline = time.monotonic() + wait_s
+        """A live connection of ``sandbox_id`` (an idle one if there is), waiting up to
+        ``wait_s`` for the agent to (re)connect. Raises :class:`AgentUnavailable` if it
+        does not, or if the sandbox is not registered. Prefer :meth:`using`, which
+        keeps other callers off the connection while it is held."""
+        return self._pick(sandbox_id, wait_s, hold=False)
+
+    @contextlib.contextmanager
+    def using(self, sandbox_id: str, wait_s: float) -> Iterator[AgentConnection]:
+        """Hold a connection of ``sandbox_id`` for one or more requests: an idle one,
+        the agent's next spare if all are busy, and only when neither comes within
+        :data:`SPARE_WAIT_S` (or the agent speaks an older protocol) one that is
+        busy, whose requests then run one after another. Errors as :meth:`connection`."""
+        conn = self._pick(sandbox_id, wait_s, hold=True)
+        surplus = False
+        try:
+            yield conn
+        finally:
+            with self._cond:
+                conn.users -= 1
+                slot = self._slots.get(sandbox_id)
+                if conn.concurrent and conn.users == 0 and slot is not None:
+                    idle = sum(1 for c in slot.conns if c.users == 0)
+                    surplus = idle > IDLE_KEPT and conn in slot.conns
+                    if surplus:
+                        slot.conns.remove(conn)
+                self._cond.notify_all()
+            if surplus:
+                conn.close()
+
+    def _pick(self, sandbox_id: str, wait_s: float, *, hold: bool) -> AgentConnection:
+        start = time.monotonic()
+        deadline = start + wait_s
         dead: list[AgentConnection] = []
         try:
             with self._cond:
@@ -517,21 +568,43 @@ class AgentPool:
                     slot = self._slots.get(sandbox_id)
                     if slot is None:
                         raise AgentUnavailable(f"sandbox {sandbox_id} has no agent listener")
-                    conn = slot.conn
-                    if conn is not None:
-                        if conn.is_alive():
-                            return conn
-                        slot.conn = None
-                        dead.append(conn)
-                    remaining = deadline - time.monotonic()
+                    alive: list[AgentConnection] = []
+                    for conn in slot.conns:
+                        (alive if conn.is_alive() else dead).append(conn)
+                    slot.conns = alive
+                    now = time.monotonic()
+                    chosen = next((conn for conn in alive if conn.users == 0), None)
+                    if (
+                        chosen is None
+                        and alive
+                        and (
+                            not alive[-1].concurrent
+                            or len(alive) >= MAX_AGENT_CONNECTIONS
+                            or now >= start + SPARE_WAIT_S
+                        )
+                    ):
+                        chosen = min(alive, key=lambda conn: conn.users)
+                    if chosen is not None:
+                        if hold:
+                            chosen.users += 1
+                        return chosen
+                    remaining = deadline - now
                     if remaining <= 0:
                         raise AgentUnavailable(
                             f"agent of sandbox {sandbox_id} not connected after {wait_s} s"
                         )
+                    if alive:  # all busy: the agent is connecting its next spare
+                        remaining = min(remaining, start + SPARE_WAIT_S - now)
                     self._cond.wait(remaining)
         finally:
             for conn in dead:  # outside the pool lock: close() may wait for a request
                 conn.close()
+
+    def connections(self, sandbox_id: str) -> int:
+        """Connections the pool holds to ``sandbox_id``'s agent now."""
+        with self._cond:
+            slot = self._slots.get(sandbox_id)
+            return len(slot.conns) if slot else 0
 
     def is_registered(self, sandbox_id: str) -> bool:
         """True if the pool listens for ``sandbox_id``'s agent."""
@@ -542,8 +615,8 @@ class AgentPool:
         """True if ``sandbox_id`` has a live connection right now."""
         with self._cond:
             slot = self._slots.get(sandbox_id)
-            conn = slot.conn if slot else None
-        return conn is not None and conn.is_alive()
+            conns = list(slot.conns) if slot else []
+        return any(conn.is_alive() for conn in conns)
 
     def close(self) -> None:
         """Unregister everything and stop the background thread."""
@@ -563,8 +636,8 @@ class AgentPool:
     # -------------------------------------------------------- loop plumbing
 
     def _drop(self, slot: _Slot) -> None:
-        conn, slot.conn = slot.conn, None
-        if conn is not None:
+        conns, slot.conns = slot.conns, []
+        for conn in conns:
             conn.close()
 
         def remove() -> None:
@@ -678,14 +751,20 @@ class AgentPool:
             log.warning("sandbox %s: agent connection rejected by verify()", slot.sandbox_id)
             conn.close()
             return
-        old: AgentConnection | None
+        old: list[AgentConnection]
         with self._cond:
             if self._slots.get(slot.sandbox_id) is not slot:
-                old = conn  # unregistered meanwhile
+                old = [conn]  # unregistered meanwhile
+            elif len(slot.conns) >= MAX_AGENT_CONNECTIONS:
+                old = [conn]  # more than the agent's own cap: not a well-behaved agent
             else:
                 # Under the lock: rename() may be changing the slot's env right now.
                 conn.default_env = slot.env
-                old, slot.conn = slot.conn, conn
+                if conn.concurrent:
+                    old = [c for c in slot.conns if not c.concurrent]
+                    slot.conns = [c for c in slot.conns if c.concurrent] + [conn]
+                else:  # an older agent holds one connection: the new one replaces it
+                    old, slot.conns = slot.conns, [conn]
                 self._cond.notify_all()
-        if old is not None:
-            old.close()
+        for stale in old:
+            stale.close()

@@ -10,12 +10,20 @@
  * node worker may restart). So the host never opens a path the sandbox can write
  * and never follows a sandbox-made symlink.
  *
- * Wire protocol (version 2: version 1 + EXEC_STREAM); all integers big-endian.
+ * Connections (version 3). The agent keeps several connections to the host and one
+ * of them idle at all times (it connects another as soon as a request arrives on the
+ * last idle one, up to MAX_CONNS). Each request is served by a handler process forked
+ * for it, so requests on different connections run at once; a connection carries one
+ * request at a time. A handler that exits with anything but success closes its
+ * connection. Versions 1-2 had one connection and served it in PID 1.
+ *
+ * Wire protocol (version 3 = version 2 with several connections; version 2: version
+ * 1 + EXEC_STREAM); all integers big-endian.
  *   frame  = u32 length, then `length` bytes of payload
  *   bytes  = u32 length, then the bytes          (strings: UTF-8, no NUL bytes)
  *   list   = u32 count, then the items
  * On connect the agent sends   HELLO  = u8 0x10, u32 version, u32 pid
- * Requests (host -> agent), one at a time, payload = u8 op + fields:
+ * Requests (host -> agent), one at a time per connection, payload = u8 op + fields:
  *   0x01 PING
  *   0x02 EXEC        list<bytes> argv, list<bytes> env ("K=V"), bytes cwd ("" =
  *                    /workspace), u32 timeout_ms (0 = none), u32 max_output_bytes
@@ -24,9 +32,13 @@
  *   0x04 READ_FILE   bytes path, u32 max_bytes (clamped to 64 MiB)
  *   0x05 EXEC_STREAM as EXEC; while the command runs the agent also sends OUTPUT
  *                    frames, then the same final response as EXEC
+ *   0x06 SIGNAL_ALL  u32 signo (SIGSTOP, SIGCONT or SIGKILL): kill(-1, signo) from the
+ *                    request's handler, so every process of the sandbox but PID 1 and
+ *                    that handler gets it (other requests' handlers too: a frozen
+ *                    sandbox's commands and their handlers stop together)
  * Responses (agent -> host), payload = u8 status + body:
  *   status 1 (error, any op): u32 errno (0 if not an OS error), bytes message
- *   status 0 PING:       (empty)
+ *   status 0 PING, SIGNAL_ALL: (empty)
  *   status 0 EXEC:       i32 exit_code (-N if killed by signal N), u8 flags (bit0
  *                        timed_out, bit1 stdout_truncated, bit2 stderr_truncated),
  *                        u64 duration_ns, bytes stdout, bytes stderr
@@ -84,7 +96,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTO_VERSION 2u
+#define PROTO_VERSION 3u
 #define MAX_FRAME (64u << 20)
 #define MAX_OUTPUT (64u << 20)
 #define DEFAULT_SOCKET "/.dsec/run/agent.sock"
@@ -97,6 +109,7 @@
 #define STREAM_CHUNK (32u << 10)
 #define RETRY_MIN_MS 50
 #define RETRY_MAX_MS 200
+#define MAX_CONNS 256
 
 enum {
     OP_PING = 0x01,
@@ -104,6 +117,7 @@ enum {
     OP_WRITE_FILE = 0x03,
     OP_READ_FILE = 0x04,
     OP_EXEC_STREAM = 0x05,
+    OP_SIGNAL_ALL = 0x06,
     OP_HELLO = 0x10
 };
 enum { STATUS_OK = 0, STATUS_ERROR = 1, STATUS_OUTPUT = 2 };
@@ -115,6 +129,17 @@ static int g_sigfd = -1;
 static pid_t g_leader;
 static int g_leader_done;
 static int g_leader_status;
+/* PID 1's connections to the host: handler is the pid serving a request on it. */
+struct conn {
+    int fd;
+    pid_t handler;
+};
+static struct conn g_conns[MAX_CONNS];
+static int g_nconns;
+/* Set in a handler process (it serves one request, then exits). */
+static int g_handler;
+
+static void handler_ended(pid_t pid, int status);
 
 /* ---------------------------------------------------------------- utilities */
 
@@ -170,6 +195,8 @@ static void reap_children(void)
         if (g_leader > 0 && pid == g_leader) {
             g_leader_done = 1;
             g_leader_status = st;
+        } else if (!g_handler) {
+            handler_ended(pid, st);
         }
     }
 }
@@ -192,7 +219,7 @@ static void handle_signals(void)
     if (term) {
         if (g_leader > 0 && !g_leader_done)
             kill(-g_leader, SIGKILL);
-        _exit(0);
+        _exit(g_handler ? 1 : 0);
     }
 }
 
@@ -992,27 +1019,35 @@ static int do_read_file(int sock, struct reader *r)
 
 /* ------------------------------------------------------------- connection */
 
-static int connect_host(const char *path)
+/* One attempt to connect; -1 if the host is not listening (or its backlog is full). */
+static int try_connect(const char *path)
 {
     struct sockaddr_un addr;
     memset(&addr, 0, sizeof addr);
     addr.sun_family = AF_UNIX;
     snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path);
+    /* Non-blocking so a full backlog is EAGAIN (retry later), not a hang. */
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0)
+        return fd;
+    if (fd >= 0)
+        close(fd);
+    return -1;
+}
+
+static int connect_host(const char *path)
+{
     int delay = RETRY_MIN_MS;
     for (;;) {
-        /* Non-blocking so a full backlog is EAGAIN (retry later), not a hang. */
-        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-        if (fd >= 0) {
-            if (connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0)
-                return fd;
-            close(fd);
-        }
+        int fd = try_connect(path);
+        if (fd >= 0)
+            return fd;
         wait_fd(-1, 0, delay); /* sleeps, still reaping and honouring SIGTERM */
         delay = delay * 3 / 2 > RETRY_MAX_MS ? RETRY_MAX_MS : delay * 3 / 2;
     }
 }
 
-static void serve(int sock)
+static int send_hello(int sock)
 {
     uint8_t hello[4 + 1 + 4 + 4];
     put_u32(hello, 9);
@@ -1020,49 +1055,164 @@ static void serve(int sock)
     put_u32(hello + 5, PROTO_VERSION);
     put_u32(hello + 9, (uint32_t)getpid());
     struct iovec iov[1] = {{hello, sizeof hello}};
-    if (write_iov(sock, iov, 1) < 0)
-        return;
-    for (;;) {
-        uint8_t hdr[4];
-        if (read_full(sock, hdr, sizeof hdr) < 0)
-            return;
-        uint32_t len = get_u32(hdr);
-        if (len == 0 || len > MAX_FRAME) {
-            send_error(sock, EMSGSIZE, "request frame of %u bytes refused (limit %u)", len, MAX_FRAME);
-            return;
-        }
-        uint8_t *buf = malloc(len);
-        if (!buf) {
-            send_error(sock, ENOMEM, "no memory for a %u-byte request", len);
-            return;
-        }
-        if (read_full(sock, buf, len) < 0) {
-            free(buf);
-            return;
-        }
-        struct reader r = {buf + 1, len - 1, 0};
-        int rc;
-        switch (buf[0]) {
-        case OP_PING:
-            rc = r.n ? send_error(sock, EINVAL, "malformed PING request")
-                     : send_response(sock, 0, NULL, 0);
-            break;
-        case OP_EXEC:
-        case OP_EXEC_STREAM:
-            rc = do_exec(sock, &r, buf[0] == OP_EXEC_STREAM);
-            break;
-        case OP_WRITE_FILE:
-            rc = do_write_file(sock, &r);
-            break;
-        case OP_READ_FILE:
-            rc = do_read_file(sock, &r);
-            break;
-        default:
-            rc = send_error(sock, EINVAL, "unknown op 0x%02x", buf[0]);
-        }
+    return write_iov(sock, iov, 1);
+}
+
+/* Reads and answers one request; -1 when the connection is no longer usable. */
+static int serve_one(int sock)
+{
+    uint8_t hdr[4];
+    if (read_full(sock, hdr, sizeof hdr) < 0)
+        return -1;
+    uint32_t len = get_u32(hdr);
+    if (len == 0 || len > MAX_FRAME) {
+        send_error(sock, EMSGSIZE, "request frame of %u bytes refused (limit %u)", len, MAX_FRAME);
+        return -1;
+    }
+    uint8_t *buf = malloc(len);
+    if (!buf) {
+        send_error(sock, ENOMEM, "no memory for a %u-byte request", len);
+        return -1;
+    }
+    if (read_full(sock, buf, len) < 0) {
         free(buf);
-        if (rc < 0)
-            return;
+        return -1;
+    }
+    struct reader r = {buf + 1, len - 1, 0};
+    int rc;
+    switch (buf[0]) {
+    case OP_PING:
+        rc = r.n ? send_error(sock, EINVAL, "malformed PING request")
+                 : send_response(sock, 0, NULL, 0);
+        break;
+    case OP_EXEC:
+    case OP_EXEC_STREAM:
+        rc = do_exec(sock, &r, buf[0] == OP_EXEC_STREAM);
+        break;
+    case OP_WRITE_FILE:
+        rc = do_write_file(sock, &r);
+        break;
+    case OP_READ_FILE:
+        rc = do_read_file(sock, &r);
+        break;
+    case OP_SIGNAL_ALL: {
+        uint32_t signo = rd_u32(&r);
+        if (r.bad || r.n != 0 || (signo != SIGSTOP && signo != SIGCONT && signo != SIGKILL))
+            rc = send_error(sock, EINVAL, "SIGNAL_ALL takes SIGSTOP, SIGCONT or SIGKILL");
+        else if (getppid() != 1) /* outside a pid namespace -1 is every process of the uid */
+            rc = send_error(sock, EPERM, "SIGNAL_ALL only inside a sandbox (agent as PID 1)");
+        else if (kill(-1, (int)signo) < 0 && errno != ESRCH)
+            rc = send_error(sock, errno, "kill: %s", strerror(errno));
+        else
+            rc = send_response(sock, 0, NULL, 0);
+        break;
+    }
+    default:
+        rc = send_error(sock, EINVAL, "unknown op 0x%02x", buf[0]);
+    }
+    free(buf);
+    return rc;
+}
+
+/* ------------------------------------------------------------ connections */
+
+/* PID 1 keeps the connections; each request is served by a handler process forked
+ * for it, so requests on different connections run at once (a server in the
+ * background and its client). A handler inherits the agent's non-dumpable state and
+ * holds only its own connection. */
+static void drop_conn(int i)
+{
+    close_fd(&g_conns[i].fd);
+    g_conns[i].handler = 0;
+}
+
+static void compact_conns(void)
+{
+    int j = 0;
+    for (int i = 0; i < g_nconns; i++)
+        if (g_conns[i].fd >= 0)
+            g_conns[j++] = g_conns[i];
+    g_nconns = j;
+}
+
+static void handler_ended(pid_t pid, int status)
+{
+    for (int i = 0; i < g_nconns; i++) {
+        if (g_conns[i].fd < 0 || g_conns[i].handler != pid)
+            continue;
+        g_conns[i].handler = 0;
+        /* Exit 0: the request was answered and the connection takes the next one.
+         * Anything else (a broken connection, a handler killed from inside the
+         * sandbox) leaves the stream in an unknown place: close it. */
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+            drop_conn(i);
+        return;
+    }
+}
+
+static void dispatch(int i)
+{
+    pid_t pid = fork();
+    if (pid < 0) {
+        drop_conn(i); /* the host sees the connection close and fails the request */
+        return;
+    }
+    if (pid == 0) {
+        g_handler = 1;
+        int sock = g_conns[i].fd;
+        for (int k = 0; k < g_nconns; k++)
+            if (k != i && g_conns[k].fd >= 0)
+                close(g_conns[k].fd);
+        _exit(serve_one(sock) < 0 ? 1 : 0);
+    }
+    g_conns[i].handler = pid;
+}
+
+static void supervise(const char *path)
+{
+    for (;;) {
+        compact_conns();
+        int idle = 0;
+        for (int i = 0; i < g_nconns; i++)
+            idle += g_conns[i].handler == 0;
+        /* One idle connection always waits for the host's next request. While
+         * others are open, a failed attempt must not hold up their handlers' ends:
+         * try again after the next poll. */
+        int tmo = -1;
+        if (idle == 0 && g_nconns < MAX_CONNS) {
+            int sock = g_nconns == 0 ? connect_host(path) : try_connect(path);
+            if (sock >= 0) {
+                if (send_hello(sock) < 0)
+                    close(sock);
+                else
+                    g_conns[g_nconns++] = (struct conn){sock, 0};
+                continue;
+            }
+            tmo = RETRY_MAX_MS;
+        }
+        struct pollfd p[MAX_CONNS + 1];
+        int at[MAX_CONNS + 1];
+        int np = 0;
+        p[np++] = (struct pollfd){g_sigfd, POLLIN, 0};
+        for (int i = 0; i < g_nconns; i++) {
+            if (g_conns[i].handler == 0) {
+                at[np] = i;
+                p[np++] = (struct pollfd){g_conns[i].fd, POLLIN | POLLRDHUP, 0};
+            }
+        }
+        if (poll(p, (nfds_t)np, tmo) < 0)
+            continue;
+        if (p[0].revents)
+            handle_signals();
+        for (int k = 1; k < np; k++) {
+            int i = at[k];
+            if (!p[k].revents || g_conns[i].fd < 0 || g_conns[i].handler != 0)
+                continue;
+            if (p[k].revents & POLLIN)
+                dispatch(i);
+            else
+                drop_conn(i); /* the host closed it (a restarted worker) */
+        }
     }
 }
 
@@ -1091,10 +1241,5 @@ int main(int argc, char **argv)
     if (getpid() != 1)
         prctl(PR_SET_CHILD_SUBREAPER, 1); /* reap orphans when run outside a container */
 
-    for (;;) {
-        int sock = connect_host(path);
-        serve(sock);
-        close(sock);
-        reap_children();
-    }
+    supervise(path);
 }

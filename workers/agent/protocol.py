@@ -1,12 +1,15 @@
-"""Wire protocol between the host and ``dsec-agent``, version 2: encode/decode only, no I/O.
+"""Wire protocol between the host and ``dsec-agent``, version 3: encode/decode only, no I/O.
 
 All integers are big-endian. ``frame`` = u32 length + payload; ``bytes`` = u32 length
 + bytes (strings are UTF-8, ``surrogateescape`` so any POSIX byte string round-trips,
 and may not contain NUL); ``list`` = u32 count + items.
 
 On connect the agent sends HELLO: ``u8 0x10, u32 version, u32 pid``. Then the host sends
-one request at a time (payload ``u8 op`` + fields) and reads one response (payload
-``u8 status`` + body):
+one request at a time on that connection (payload ``u8 op`` + fields) and reads one
+response (payload ``u8 status`` + body). An agent of version 3 keeps several
+connections, one of them idle (it connects the next as a request arrives on the last
+idle one) and serves each request in a process of its own, so requests on different
+connections run at once; versions 1 and 2 hold one connection.
 
 =========== ========================================= ================================
 op          request fields                             ok body (status 0)
@@ -23,6 +26,10 @@ op          request fields                             ok body (status 0)
      STREAM                                            OUTPUT frames (status 2):
                                                        u8 stream (1 out, 2 err),
                                                        bytes data
+0x06 SIGNAL u32 signo (SIGSTOP, SIGCONT or SIGKILL;    (empty)
+     _ALL   version 3): sent to every process of the
+            sandbox but the agent and this request's
+            own handler
 =========== ========================================= ================================
 
 OUTPUT frames (version 2) carry what a stream kept since its previous OUTPUT frame,
@@ -46,9 +53,9 @@ from enum import IntEnum
 from workers.agent.errors import AgentProtocolError
 
 #: Version the agent announces in HELLO; the host refuses any other.
-PROTOCOL_VERSION = 2
-#: Versions the host accepts in HELLO (1: no EXEC_STREAM).
-SUPPORTED_VERSIONS = frozenset({1, 2})
+PROTOCOL_VERSION = 3
+#: Versions the host accepts in HELLO (1: no EXEC_STREAM; 1-2: one connection).
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 #: The agent refuses larger request frames (so at most this much file data per write).
 MAX_REQUEST_FRAME = 64 << 20
 #: The agent clamps per-stream EXEC output and READ_FILE sizes to this.
@@ -72,6 +79,7 @@ class Op(IntEnum):
     WRITE_FILE = 0x03
     READ_FILE = 0x04
     EXEC_STREAM = 0x05
+    SIGNAL_ALL = 0x06
     HELLO = 0x10
 
 
@@ -143,7 +151,16 @@ class ReadFileRequest:
     """Read at most this much; more sets ``truncated``."""
 
 
-Request = PingRequest | ExecRequest | WriteFileRequest | ReadFileRequest
+@dataclass(frozen=True)
+class SignalAllRequest:
+    """Signal every process of the sandbox but the agent's own (protocol 3): how a
+    sandbox is frozen and thawed while other requests' handlers run in it."""
+
+    signo: int
+    """SIGSTOP, SIGCONT or SIGKILL; the agent refuses any other."""
+
+
+Request = PingRequest | ExecRequest | WriteFileRequest | ReadFileRequest | SignalAllRequest
 
 
 @dataclass(frozen=True)
@@ -292,6 +309,8 @@ def encode_request(request: Request) -> bytes:
                     _bytes(request.data),
                 )
             )
+        case SignalAllRequest():
+            payload = bytes([Op.SIGNAL_ALL]) + _u32(request.signo, "signo")
         case ReadFileRequest():
             payload = (
                 bytes([Op.READ_FILE])
@@ -422,6 +441,8 @@ def decode_request(payload: bytes | bytearray | memoryview) -> Request:
         request = WriteFileRequest(path=r.text(), mode=r.u32(), data=r.blob())
     elif op == Op.READ_FILE:
         request = ReadFileRequest(path=r.text(), max_bytes=r.u32())
+    elif op == Op.SIGNAL_ALL:
+        request = SignalAllRequest(signo=r.u32())
     else:
         raise AgentProtocolError(f"unknown op 0x{op:02x}")
     r.end()
@@ -443,7 +464,7 @@ def decode_response(op: Op, payload: bytes | bytearray | memoryview) -> Response
         response = Output(stream=stream, data=r.blob())
     elif status != Status.OK:
         raise AgentProtocolError(f"unknown status {status}")
-    elif op == Op.PING:
+    elif op in (Op.PING, Op.SIGNAL_ALL):
         response = Pong()
     elif op in (Op.EXEC, Op.EXEC_STREAM):
         exit_code, flags, duration_ns = r.unpack(_EXEC_HEAD)
@@ -528,3 +549,5 @@ def op_of(request: Request) -> Op:
             return Op.WRITE_FILE
         case ReadFileRequest():
             return Op.READ_FILE
+        case SignalAllRequest():
+            return Op.SIGNAL_ALL
