@@ -121,6 +121,14 @@ class Settings(BaseSettings):
             " of its own; the sandboxes' own limits are what bound their work)."
         ),
     )
+    node_max_commands_per_tenant: int = Field(
+        2048,
+        ge=1,
+        description=(
+            "Commands one tenant runs at once on a node (fair share: a tenant that floods a"
+            " node leaves room for the others; its further commands wait their turn)."
+        ),
+    )
     node_min_free_mb: int = Field(
         512,
         ge=0,

@@ -17,7 +17,13 @@ FORGED = Counter(
     ["consumer", "kind"],
 )
 TASKS = Counter("dsec_node_tasks_total", "Node tasks run", ["task", "outcome"])
-COMMANDS_IN_FLIGHT = Gauge("dsec_node_commands_in_flight", "Commands running on the node now")
+COMMANDS_IN_FLIGHT = Gauge(
+    "dsec_node_commands_in_flight", "Commands claimed by the node and not yet answered"
+)
+COMMANDS_WAITING = Gauge(
+    "dsec_node_commands_waiting",
+    "Claimed commands waiting for their tenant's turn (node or tenant limit reached)",
+)
 
 WAITING = Gauge(
     "dsec_waiting_for_service",

@@ -35,6 +35,7 @@ from app.credentials import Credential
 from app.domain import proof
 from app.domain.base import RejectReason, new_sandbox_id
 from app.domain.replies import (
+    Done,
     ErrorReply,
     ExecOutput,
     FileContent,
@@ -48,6 +49,7 @@ from app.domain.requests import (
     DestroyGroup,
     DestroySandbox,
     Exec,
+    KillCommand,
     ReadFile,
     RenewLease,
     ReplyTo,
@@ -78,6 +80,7 @@ class ExecResult:
     timed_out: bool = False
     truncated: bool = False
     replayed: bool = False
+    killed: bool = False
 
     @property
     def text(self) -> str:
@@ -100,6 +103,7 @@ class ExecResult:
             timed_out=reply.timed_out,
             truncated=reply.stdout_truncated or reply.stderr_truncated,
             replayed=reply.replayed,
+            killed=reply.killed,
         )
 
 
@@ -494,7 +498,67 @@ _UNPACK = 'mkdir -p "$1" && cat "$2"/* | tar -x -f - -C "$1"; rc=$?; rm -rf "$2"
 _PACK = 'cd "$(dirname "$1")" && tar -c -f "$2" "$(basename "$1")" && wc -c < "$2"'
 
 
-class ExecStream:
+class Command:
+    """A command running in the background (:meth:`Sandbox.start`): read its output
+    while it runs, wait for it, or kill it. Several may run in one sandbox at once."""
+
+    def __init__(
+        self, sandbox: Sandbox, command: str | Iterable[str], timeout_s: float, options: Any
+    ) -> None:
+        self._request = exec_request(
+            sandbox.client._common(sandbox.id), command, timeout_s=timeout_s,
+            stream_output=True, **options,
+        )  # fmt: skip
+        self._sandbox = sandbox
+        self._client = sandbox.client
+        self._deadline = time.monotonic() + timeout_s + 30
+        self._lock = threading.Lock()
+        self._out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        self._future = sandbox.client.send(self._request, self._take)
+
+    @property
+    def id(self) -> uuid.UUID:
+        """The command's id (its Exec request's), as the log records it."""
+        return self._request.request_id
+
+    def _take(self, chunk: Chunk) -> None:
+        with self._lock:
+            self._out[chunk.stream] += chunk.data
+
+    def output(self) -> tuple[bytes, bytes]:
+        """Stdout and stderr received so far (all of it once the command ended)."""
+        with self._lock:
+            return bytes(self._out["stdout"]), bytes(self._out["stderr"])
+
+    @property
+    def done(self) -> bool:
+        """True once the command's result has arrived."""
+        return self._future.done()
+
+    def wait(self, timeout_s: float | None = None) -> ExecResult:
+        """How the command ended (typed errors as :meth:`Sandbox.exec`); waits at most
+        ``timeout_s``, or until its own timeout (plus a margin) has passed."""
+        remaining = max(0.1, self._deadline - time.monotonic())
+        wait_s = remaining if timeout_s is None else min(timeout_s, remaining)
+        try:
+            reply = self._future.result(timeout=wait_s)
+        except FutureTimeout as exc:
+            if time.monotonic() < self._deadline:  # it may still end: keep listening
+                raise RequestTimeout(f"command {self.id} still running after {wait_s}s") from exc
+        reply = self._client.wait(self._request, self._future, 0.1)
+        assert isinstance(reply, ExecOutput)
+        return ExecResult.from_reply(reply)
+
+    def kill(self, timeout_s: float | None = None) -> bool:
+        """Kill the command (SIGKILL to its process group); True if it was running. Its
+        :meth:`wait` then returns with ``killed`` set and the output until then."""
+        request = KillCommand(command_id=self.id, **self._client._common(self._sandbox.id))
+        reply = self._client.call(request, timeout_s)
+        assert isinstance(reply, Done)
+        return reply.detail == "killed"
+
+
+class ExecStream(Command):
     """A running command's output chunks (iterate), then its :attr:`result`."""
 
     _END = object()
@@ -503,16 +567,13 @@ class ExecStream:
         self, sandbox: Sandbox, command: str | Iterable[str], timeout_s: float, options: Any
     ) -> None:
         self._chunks: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._request = exec_request(
-            sandbox.client._common(sandbox.id), command, timeout_s=timeout_s,
-            stream_output=True, **options,
-        )  # fmt: skip
-        self._client = sandbox.client
-        self._limit_s = timeout_s + 30
-        self._deadline = time.monotonic() + self._limit_s
-        self._future = sandbox.client.send(self._request, self._chunks.put)
+        super().__init__(sandbox, command, timeout_s, options)
         # The final reply comes after every chunk (one partition): it ends the stream.
         self._future.add_done_callback(lambda _f: self._chunks.put(self._END))
+
+    def _take(self, chunk: Chunk) -> None:
+        super()._take(chunk)
+        self._chunks.put(chunk)
 
     def __iter__(self) -> Iterator[Chunk]:
         while True:
@@ -528,10 +589,7 @@ class ExecStream:
     @property
     def result(self) -> ExecResult:
         """How the command ended (waits for it; typed errors as :meth:`Sandbox.exec`)."""
-        remaining = max(0.1, self._deadline - time.monotonic())
-        reply = self._client.wait(self._request, self._future, remaining)
-        assert isinstance(reply, ExecOutput)
-        return ExecResult.from_reply(reply)
+        return self.wait()
 
 
 class Sandbox:
@@ -583,6 +641,21 @@ class Sandbox:
         ``options`` are :meth:`exec`'s.
         """
         return ExecStream(self, command, timeout_s, options)
+
+    def start(
+        self, command: str | Iterable[str], *, timeout_s: float = 3600.0, **options: Any
+    ) -> Command:
+        """Start a command in the background and return at once::
+
+            server = sandbox.start("python -m http.server 8000")
+            sandbox.exec("sleep 1; wget -qO- localhost:8000")   # runs beside it
+            print(server.output()[0])                           # its output so far
+            server.kill()
+            print(server.wait().killed)                         # True
+
+        ``options`` are :meth:`exec`'s. Its output arrives while it runs.
+        """
+        return Command(self, command, timeout_s, options)
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` inside the sandbox."""

@@ -27,6 +27,7 @@ class NodeTask(StrEnum):
 
     CREATE = "dsec.node.create"
     EXEC = "dsec.node.exec"
+    KILL_COMMAND = "dsec.node.kill_command"
     WRITE_FILE = "dsec.node.write_file"
     READ_FILE = "dsec.node.read_file"
     DESTROY = "dsec.node.destroy"
@@ -38,6 +39,7 @@ class NodeTask(StrEnum):
 TASK_FOR_REQUEST = {
     "CreateSandbox": NodeTask.CREATE,
     "Exec": NodeTask.EXEC,
+    "KillCommand": NodeTask.KILL_COMMAND,
     "WriteFile": NodeTask.WRITE_FILE,
     "ReadFile": NodeTask.READ_FILE,
     "DestroySandbox": NodeTask.DESTROY,

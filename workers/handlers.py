@@ -61,6 +61,7 @@ from app.domain.requests import (
     DestroySandbox,
     Exec,
     FreezeSandbox,
+    KillCommand,
     ReadFile,
     RequestBase,
     ThawSandbox,
@@ -71,7 +72,7 @@ from workers.agent.client import AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
 from workers.agent.protocol import ExecResult as AgentExecResult
 from workers.agent.protocol import Output as AgentOutput
-from workers.commands import Commands
+from workers.commands import Commands, Job, Running
 from workers.deadlines import Deadlines, Due
 from workers.errors import ImageNotFound, NodeError, NoSpace, SandboxCreateFailed
 from workers.events_out import Outlet
@@ -104,6 +105,20 @@ LABEL_NODE = "dsec.node_id"
 
 class EgressDisabled(SandboxCreateFailed, PermissionError):
     """A sandbox asked for network on a node that gives none (``allow_egress`` off)."""
+
+
+class CommandKilled(AgentError):
+    """A KillCommand reached the command before it started."""
+
+
+def _killed_result(running: Running, duration_s: float) -> AgentExecResult:
+    """What a killed command answers: SIGKILL, and the output it streamed."""
+    return AgentExecResult(
+        exit_code=-signal.SIGKILL,
+        stdout=bytes(running.stdout),
+        stderr=bytes(running.stderr),
+        duration_s=duration_s,
+    )
 
 
 def _audit_head(data: bytes) -> str:
@@ -188,7 +203,9 @@ class Node:
         # records (kept in memory: a restarted worker knows less, and says so).
         self._activity: dict[str, Activity] = {}
         #: Commands in flight, off the Celery pool (workers/commands.py).
-        self.commands = Commands(self.outlet, settings.node_max_commands)
+        self.commands = Commands(
+            self.outlet, settings.node_max_commands, settings.node_max_commands_per_tenant
+        )
         #: Ends each sandbox at its TTL deadline (started by the worker's main).
         self.deadlines = Deadlines(self.expire)
         # Removals of expired sandboxes: their processes are already dead, the
@@ -387,8 +404,8 @@ class Node:
             )
             try:
                 argv = ["/bin/sh", "-c", command] if isinstance(command, str) else command
-                conn = self.agents.connection(request.sandbox_id, AGENT_WAIT_S)
-                result = conn.exec(argv, timeout_s=RESTORE_COMMAND_TIMEOUT_S)
+                with self.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
+                    result = conn.exec(argv, timeout_s=RESTORE_COMMAND_TIMEOUT_S)
             except Exception as exc:
                 self._fail(request, exc)
                 self.stop(
@@ -480,11 +497,16 @@ class Node:
     ) -> None:
         # kill(-1) from a child of the agent reaches every process of the sandbox
         # except PID 1 (the agent, which must keep answering) and the caller itself.
-        # Portable: no freezer cgroup needed, works on cgroup v1 and v2 alike.
-        argv = [f"{AGENT_BIN_MOUNT}/busybox", "kill", f"-{signal_name}", "-1"]
+        # Portable: no freezer cgroup needed, works on cgroup v1 and v2 alike. An agent
+        # of protocol 3 sends it from the request's own handler process (a busybox
+        # child would stop its handler too, and the answer with it).
         try:
-            conn = self.agents.connection(request.sandbox_id, AGENT_WAIT_S)
-            conn.exec(argv, timeout_s=10)
+            with self.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
+                if conn.concurrent:
+                    conn.signal_all(getattr(signal, f"SIG{signal_name}"))
+                else:
+                    argv = [f"{AGENT_BIN_MOUNT}/busybox", "kill", f"-{signal_name}", "-1"]
+                    conn.exec(argv, timeout_s=10)
         except Exception as exc:
             self._fail(request, exc)
             return
@@ -571,9 +593,9 @@ class Node:
         (claim and run on the calling thread)."""
         job = self.admit_exec(request)
         if job is not None:
-            job()
+            job(Running(request.request_id, request.sandbox_id, request.tenant))
 
-    def admit_exec(self, request: Exec) -> Callable[[], None] | None:
+    def admit_exec(self, request: Exec) -> Job | None:
         """Claim an exec (on the task's thread: a worker that dies before this gets the
         task again) and return what is left to do, the command itself or the answer of
         a step another request runs; None if this request ran already."""
@@ -586,31 +608,66 @@ class Node:
             and step is not None
             and not self.steps.claim(request.tenant, traj, step, str(request.request_id))
         ):
-            return lambda: self._answer_claimed_step(request, traj, step)
-        return lambda: self._run_exec(request)
+            return lambda _running: self._answer_claimed_step(request, traj, step)
+        return lambda running: self._run_exec(request, running)
 
-    def _run_exec(self, request: Exec) -> None:
-        traj, step = request.trajectory_id, request.step
+    def kill_command(self, request: KillCommand) -> None:
+        """Kill a command of this sandbox that was claimed here and has not ended; its
+        own reply says ``killed``. A command of another sandbox is not found, whoever
+        owns it: the scheduler checked the sandbox's owner, not the command's."""
+        running = self.commands.find(request.command_id)
+        found = running is not None and running.sandbox_id == request.sandbox_id
+        if running is not None and found:
+            running.kill(request.actor or request.tenant)
+        self.outlet.reply(
+            request.reply_to,
+            Done(
+                request_id=request.request_id,
+                sandbox_id=request.sandbox_id,
+                detail="killed" if found else "not running",
+            ),
+        )
+
+    def _run_exec(self, request: Exec, running: Running) -> None:
         argv = (
             ["/bin/sh", "-c", request.command]
             if isinstance(request.command, str)
             else request.command
         )
+        started = time.monotonic()
+        killed_by: str | None = None
         try:
-            result = self.agents.connection(request.sandbox_id, AGENT_WAIT_S).exec(
-                argv,
-                env=dict(request.env) or None,
-                cwd=request.cwd,
-                timeout_s=request.timeout_s,
-                max_output=request.max_output_bytes,
-                stdin=base64.b64decode(request.stdin_b64),
-                on_output=self._streamer(request) if request.stream_output else None,
-            )
+            with self.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
+                if not running.attach(conn):
+                    raise CommandKilled
+                result = conn.exec(
+                    argv,
+                    env=dict(request.env) or None,
+                    cwd=request.cwd,
+                    timeout_s=request.timeout_s,
+                    max_output=request.max_output_bytes,
+                    stdin=base64.b64decode(request.stdin_b64),
+                    on_output=self._streamer(request, running) if request.stream_output else None,
+                )
         except Exception as exc:
-            if traj is not None and step is not None:
-                self.steps.release(request.tenant, traj, step)  # it never ran: a retry may run it
-            self._fail(request, exc)
-            return
+            killed_by = running.killed_by  # the kill broke its connection
+            if killed_by is None:
+                self._exec_failed(request, exc)
+                return
+            result = _killed_result(running, time.monotonic() - started)
+        self._exec_done(request, result, killed_by)
+
+    def _exec_failed(self, request: Exec, exc: Exception) -> None:
+        traj, step = request.trajectory_id, request.step
+        if traj is not None and step is not None:
+            self.steps.release(request.tenant, traj, step)  # it never ran: a retry may run it
+        self._fail(request, exc)
+
+    def _exec_done(
+        self, request: Exec, result: AgentExecResult, killed_by: str | None = None
+    ) -> None:
+        """Record and answer a command that ran (``killed_by``: ended by that kill)."""
+        traj, step = request.trajectory_id, request.step
         duration_ms = result.duration_s * 1000
         stdout_b64 = base64.b64encode(result.stdout).decode()
         stderr_b64 = base64.b64encode(result.stderr).decode()
@@ -620,14 +677,14 @@ class Node:
             kept = self._replay_record(request, result)
             if step is not None:
                 self.steps.record(request.tenant, traj, step, kept)
-        self.outlet.event(self._completed(request, result, kept))
+        self.outlet.event(self._completed(request, result, kept, killed_by))
         seen = self._saw(request.sandbox_id)
         seen.commands += 1
         command = (
             request.command if isinstance(request.command, str) else shlex.join(request.command)
         )
         seen.last_command, seen.last_exit_code = command[:200], result.exit_code
-        if result.exit_code == -signal.SIGKILL and not result.timed_out:
+        if result.exit_code == -signal.SIGKILL and not result.timed_out and killed_by is None:
             self._end_if_oom(request)
         self.outlet.reply(
             request.reply_to,
@@ -641,6 +698,7 @@ class Node:
                 timed_out=result.timed_out,
                 stdout_truncated=result.stdout_truncated,
                 stderr_truncated=result.stderr_truncated,
+                killed=killed_by is not None,
             ),
         )
 
@@ -660,7 +718,11 @@ class Node:
         )
 
     def _completed(
-        self, request: Exec, result: AgentExecResult, kept: StepResult | None = None
+        self,
+        request: Exec,
+        result: AgentExecResult,
+        kept: StepResult | None = None,
+        killed_by: str | None = None,
     ) -> CommandCompleted:
         """The log's record of one command that ran; a trajectory step's carries the
         output its replays answer with (``kept``)."""
@@ -684,6 +746,7 @@ class Node:
                 stderr_head=_audit_head(result.stderr),
                 timed_out=result.timed_out,
                 truncated=truncated,
+                killed_by=killed_by,
                 trajectory_id=request.trajectory_id,
                 step=request.step,
                 stdout_b64=kept.stdout_b64 if kept is not None else None,
@@ -691,11 +754,13 @@ class Node:
             ),
         )
 
-    def _streamer(self, request: Exec) -> Callable[[AgentOutput], None]:
-        """Pass a running command's output to its trainer as OutputChunk replies."""
+    def _streamer(self, request: Exec, running: Running) -> Callable[[AgentOutput], None]:
+        """Pass a running command's output to its trainer as OutputChunk replies, and
+        keep it: a killed command answers with what it streamed."""
         seq = itertools.count()
 
         def send(output: AgentOutput) -> None:
+            (running.stdout if output.stream == 1 else running.stderr).extend(output.data)
             self.outlet.reply(
                 request.reply_to,
                 OutputChunk(
@@ -753,8 +818,8 @@ class Node:
         """Write a file through the agent (which refuses links and traversal)."""
         data = base64.b64decode(request.data_b64)
         try:
-            conn = self.agents.connection(request.sandbox_id, AGENT_WAIT_S)
-            size = conn.write_file(request.path, data, request.mode)
+            with self.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
+                size = conn.write_file(request.path, data, request.mode)
         except Exception as exc:
             self._fail(request, exc)
             return
@@ -777,8 +842,8 @@ class Node:
     def read_file(self, request: ReadFile) -> None:
         """Read a file through the agent."""
         try:
-            conn = self.agents.connection(request.sandbox_id, AGENT_WAIT_S)
-            data, truncated = conn.read_file(request.path, request.max_bytes)
+            with self.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
+                data, truncated = conn.read_file(request.path, request.max_bytes)
         except Exception as exc:
             self._fail(request, exc)
             return

@@ -29,6 +29,7 @@ from app.domain.requests import (
     DestroySandbox,
     Exec,
     FreezeSandbox,
+    KillCommand,
     ReadFile,
     ReplyTo,
     ThawSandbox,
@@ -37,6 +38,7 @@ from app.domain.requests import (
 from app.taskqueue import NodeTask, TaskEnvelope, unseal
 from workers import runtime
 from workers.celery_app import celery
+from workers.commands import Running
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=BaseModel)
@@ -166,7 +168,15 @@ def _start_command(request: Exec, envelope: TaskEnvelope) -> None:
     job = node.admit_exec(request)
     if job is not None:
         key = bytes.fromhex(envelope.reply_key) if envelope.reply_key else None
-        node.commands.submit(request.request_id, key, job)
+        node.commands.submit(
+            Running(request.request_id, request.sandbox_id, request.tenant), key, job
+        )
+
+
+@celery.task(name=NodeTask.KILL_COMMAND)
+def kill_command(*args: str) -> None:
+    """Kill a command running (or waiting its turn) in a sandbox."""
+    _run(NodeTask.KILL_COMMAND, KillCommand, args, lambda r, _e: runtime.node().kill_command(r))
 
 
 @celery.task(name=NodeTask.WRITE_FILE)

@@ -141,6 +141,9 @@ class CommandPayload(Message):
     stderr_head: str = Field("", description="First bytes of stderr, for the audit trail.")
     timed_out: bool = Field(False, description="Killed by its timeout.")
     truncated: bool = Field(False, description="Output was capped.")
+    killed_by: str | None = Field(
+        None, description="Who killed it with a KillCommand (the authenticated sender)."
+    )
     trajectory_id: str | None = Field(None, description="Trajectory, if any.")
     step: int | None = Field(None, description="Step within the trajectory.")
     stdout_b64: str | None = Field(

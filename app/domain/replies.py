@@ -37,6 +37,7 @@ class ExecOutput(ReplyBase):
     stdout_truncated: bool = Field(False, description="Stdout was capped.")
     stderr_truncated: bool = Field(False, description="Stderr was capped.")
     replayed: bool = Field(False, description="Answered from the trajectory log.")
+    killed: bool = Field(False, description="Killed by a KillCommand before it ended.")
 
 
 class OutputChunk(ReplyBase):

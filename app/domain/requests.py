@@ -161,6 +161,18 @@ class Exec(RequestBase):
     )
 
 
+class KillCommand(RequestBase):
+    """Kill a command running in a sandbox (its process group gets SIGKILL).
+
+    The command's own reply then comes as usual, with ``killed`` set and the output
+    streamed until then; this request is answered ``killed``, or ``not running`` if the
+    command had already ended (or never ran in this sandbox).
+    """
+
+    type: Literal["KillCommand"] = "KillCommand"
+    command_id: uuid.UUID = Field(description="The request id of the Exec to kill.")
+
+
 class WriteFile(RequestBase):
     """Write a file inside a sandbox."""
 
@@ -215,6 +227,7 @@ Request = Annotated[
     | CreateGroup
     | DestroyGroup
     | Exec
+    | KillCommand
     | WriteFile
     | ReadFile
     | DestroySandbox
