@@ -535,6 +535,11 @@ class Command:
         """True once the command's result has arrived."""
         return self._future.done()
 
+    @property
+    def reply(self) -> Future[Reply]:
+        """Completes with the command's final reply (what :meth:`wait` reads)."""
+        return self._future
+
     def wait(self, timeout_s: float | None = None) -> ExecResult:
         """How the command ended (typed errors as :meth:`Sandbox.exec`); waits at most
         ``timeout_s``, or until its own timeout (plus a margin) has passed."""

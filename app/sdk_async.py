@@ -16,21 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Self
 
 from app.config import Settings
 from app.domain.base import new_sandbox_id
-from app.domain.replies import ErrorReply, ExecOutput, FileContent, Reply, SandboxReady
+from app.domain.replies import Done, ErrorReply, ExecOutput, FileContent, Reply, SandboxReady
 from app.domain.requests import (
     CreateSandbox,
     DestroySandbox,
+    KillCommand,
     ReadFile,
     RequestBase,
     WriteFile,
 )
 from app.errors import RequestTimeout
-from app.sdk import Chunk, Client, ExecResult, _raise_for, exec_request
+from app.sdk import Chunk, Client, Command, ExecResult, Sandbox, _raise_for, exec_request
 
 
 class AsyncClient:
@@ -132,6 +134,13 @@ class AsyncSandbox:
         """
         return AsyncExecStream(self, command, timeout_s, options)
 
+    def start(
+        self, command: str | Iterable[str], *, timeout_s: float = 3600.0, **options: Any
+    ) -> AsyncCommand:
+        """Start a command in the background; see :meth:`app.sdk.Sandbox.start`."""
+        sync = Sandbox(self.client._client, self.id, None)
+        return AsyncCommand(sync.start(command, timeout_s=timeout_s, **options), self)
+
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` inside the sandbox."""
         await self.client.call(
@@ -157,6 +166,46 @@ class AsyncSandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class AsyncCommand:
+    """A command running in the background (:meth:`AsyncSandbox.start`): the sync
+    :class:`app.sdk.Command`, its waits awaited."""
+
+    def __init__(self, command: Command, sandbox: AsyncSandbox) -> None:
+        self._command = command
+        self._sandbox = sandbox
+
+    @property
+    def id(self) -> uuid.UUID:
+        """The command's id (its Exec request's)."""
+        return self._command.id
+
+    @property
+    def done(self) -> bool:
+        """True once the command's result has arrived."""
+        return self._command.done
+
+    def output(self) -> tuple[bytes, bytes]:
+        """Stdout and stderr received so far."""
+        return self._command.output()
+
+    async def wait(self, timeout_s: float | None = None) -> ExecResult:
+        """How the command ended; raises :class:`RequestTimeout` after ``timeout_s``."""
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(self._command.reply)), timeout_s
+            )
+        except TimeoutError as exc:
+            raise RequestTimeout(f"command {self.id} still running after {timeout_s}s") from exc
+        return self._command.wait(0)
+
+    async def kill(self, timeout_s: float | None = None) -> bool:
+        """Kill the command; True if it was running (see :meth:`app.sdk.Command.kill`)."""
+        request = KillCommand(command_id=self.id, **self._sandbox._common())
+        reply = await self._sandbox.client.call(request, timeout_s)
+        assert isinstance(reply, Done)
+        return reply.detail == "killed"
 
 
 class AsyncExecStream:
