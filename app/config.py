@@ -102,6 +102,22 @@ class Settings(BaseSettings):
     reply_partitions: int = Field(16, description="Partitions of the replies topic.")
     flower_port: int = Field(5555, description="Celery Flower HTTP port.")
     metrics_port: int = Field(9464, description="First Prometheus metrics port of the services.")
+    schedulers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Scheduler processes `dsec up` runs; they share the requests topic by partition"
+            " and take over a dead one's partitions (docs/architecture.md)."
+        ),
+    )
+    scheduler_metrics_port: int | None = Field(
+        None,
+        description=(
+            "This scheduler process's metrics port (default: metrics_port + 1; the stack"
+            " gives each of several schedulers its own, 0: none)."
+        ),
+    )
     node_capacity_sandboxes: int = Field(2000, description="Sandboxes a node accepts.")
     node_capacity_cpus: float = Field(
         0.0, description="Declared CPUs of a node (0: its cores times node_cpu_overcommit)."

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from kafka import TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
+from kafka.partitioner.default import murmur2
 
 from app import bus
 from app.codec import DeadLetterReason
@@ -40,23 +42,46 @@ class PositionedConsumer:
         self.topic = topic
         self.name = name
         self._consumer = bus.make_consumer(settings, **overrides)
-        all_parts = bus.partitions(self._consumer, topic)
+        #: Every partition of the topic (a caller may read only some).
+        self.all_partitions = bus.partitions(self._consumer, topic)
         self.partitions = (
-            [tp for tp in all_parts if tp.partition in set(partitions)] if partitions else all_parts
+            [tp for tp in self.all_partitions if tp.partition in set(partitions)]
+            if partitions is not None
+            else self.all_partitions
         )
         self._incarnation = bus.Incarnation(self._consumer, topic)
-        self._consumer.assign(self.partitions)
+        if self.partitions:
+            self._consumer.assign(self.partitions)
 
-    def seek(self, stored: dict[int, StoredOffset]) -> list[str]:
-        """Seek every partition to its stored offset; return warnings about resets.
+    def reassign(self, partitions: Collection[int], stored: dict[int, StoredOffset]) -> list[str]:
+        """Read ``partitions`` from now on: those kept go on from where they stand,
+        those new to this consumer start at their ``stored`` offsets (see
+        :meth:`seek`); returns its warnings."""
+        kept = {tp.partition for tp in self.partitions}
+        self.partitions = [tp for tp in self.all_partitions if tp.partition in set(partitions)]
+        if not self.partitions:
+            # kafka-python takes an empty assignment for an unsubscribe.
+            self._consumer.assign([])
+            return []
+        self._consumer.assign(self.partitions)
+        return self.seek(stored, [tp for tp in self.partitions if tp.partition not in kept])
+
+    def seek(
+        self, stored: dict[int, StoredOffset], only: Sequence[TopicPartition] | None = None
+    ) -> list[str]:
+        """Seek every partition (or ``only`` those) to its stored offset; return
+        warnings about resets.
 
         Stored offsets of another topic incarnation, or past the end of the partition,
         mean the broker lost its data (the embedded broker keeps it in memory): those
         partitions restart at their beginning and the caller is told.
         """
         warnings: list[str] = []
-        ends = bus.high_watermarks(self.settings, self.partitions)
-        for tp in self.partitions:
+        parts = self.partitions if only is None else list(only)
+        if not parts:
+            return warnings
+        ends = bus.high_watermarks(self.settings, parts)
+        for tp in parts:
             saved = stored.get(tp.partition)
             if saved is None:
                 self._consumer.seek_to_beginning(tp)
@@ -76,6 +101,9 @@ class PositionedConsumer:
 
     def poll(self, timeout_ms: int = 200, max_records: int = 2000) -> list[ConsumerRecord]:
         """The next records across assigned partitions, in order within each."""
+        if not self.partitions:
+            time.sleep(timeout_ms / 1000)
+            return []
         if self._incarnation.changed():
             log.warning(
                 "%s: %s is a new incarnation of the topic (broker restarted empty?): "
@@ -111,6 +139,12 @@ class PositionedConsumer:
     def close(self) -> None:
         """Leave cleanly."""
         self._consumer.close()
+
+
+def key_partition(key: str, partitions: int) -> int:
+    """The partition a record keyed ``key`` lands on with Kafka's default partitioner
+    (murmur2, as the Java client, kafka-python and so the SDK choose it)."""
+    return int(murmur2(key.encode()) & 0x7FFF_FFFF) % partitions
 
 
 def dead_letter(

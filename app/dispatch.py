@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -32,11 +32,13 @@ from app.domain.events import (
     RejectedPayload,
     RequestedPayload,
     SandboxFailed,
+    SandboxFrozen,
     SandboxRejected,
     SandboxRequested,
     SandboxScheduled,
     SandboxStarted,
     SandboxStopped,
+    SandboxThawed,
     ScheduledPayload,
     StoppedPayload,
 )
@@ -162,6 +164,19 @@ class Dispatcher:
         self.awaiting_start: dict[str, Waiting] = {}
         # The create request each live sandbox came from (redeliveries are no-ops).
         self.created_by: dict[str, uuid.UUID] = {}
+        # Sandboxes scheduled (here or by another scheduler) whose start has not come
+        # back: a node that does not list them yet has not lost them.
+        self.unstarted: set[str] = set()
+        # Requested events of other schedulers, until their Scheduled comes (the same
+        # partition, right after): what a placement it learns from the log needs.
+        self._requested: OrderedDict[str, SandboxRequested] = OrderedDict()
+        #: Whether this scheduler keeps a lease's clock (freezes and destroys on its
+        #: lapse). With several schedulers, only the one that reads the lease's
+        #: renewals does (app/scheduler.py); alone, it keeps every lease.
+        self.keeps_lease: Callable[[str], bool] = lambda _lease_id: True
+        #: Set while a starting scheduler reads the events its recovered state does
+        #: not include yet: old heartbeats neither confirm nodes nor reconcile them.
+        self.replaying = False
         # Trainer leases by (owner, lease id): their sandboxes carry LEASE_LABEL in the
         # log, so a restarted scheduler finds them again (:meth:`recover`).
         self.leases: dict[tuple[str, str], Lease] = {}
@@ -254,6 +269,8 @@ class Dispatcher:
             return
         sender, event = proven
         match event:
+            case NodeRegistered() | NodeHeartbeat() if self.replaying:
+                pass
             case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):
                 assert event.node_id is not None
                 last = self.heard_at.get(event.node_id)
@@ -271,19 +288,103 @@ class Dispatcher:
             case NodeLost():
                 assert event.node_id is not None
                 self.placement.mark_lost(event.node_id)
+            case SandboxRequested() if event.sandbox_id not in self.created_by:
+                self._requested[event.sandbox_id or ""] = event
+                while len(self._requested) > ENDED_MEMORY:
+                    self._requested.popitem(last=False)
+            case SandboxScheduled(payload=p):
+                self._learn_placement(event.sandbox_id or "", p.node_id)
             case SandboxStarted() if self._placed_here(sender, event.sandbox_id):
                 self.awaiting_start.pop(event.sandbox_id or "", None)
+                self.unstarted.discard(event.sandbox_id or "")
                 self._alive(event.node_id, event.sandbox_id, event.occurred_at)
             case CommandCompleted() if self._placed_here(sender, event.sandbox_id):
                 self._alive(event.node_id, event.sandbox_id, event.occurred_at)
             case SandboxStopped(payload=p) if self._placed_here(sender, event.sandbox_id):
-                self._forget(event.sandbox_id or "", p.reason.value)
+                self._ended_elsewhere(out, sender, event.sandbox_id or "", p.reason.value,
+                                      p.detail)  # fmt: skip
             case SandboxFailed(payload=p) if (
                 p.request_type == "CreateSandbox" and self._placed_here(sender, event.sandbox_id)
             ):
-                self._forget(event.sandbox_id or "", p.reason.value)
+                self._ended_elsewhere(out, sender, event.sandbox_id or "", p.reason.value,
+                                      p.detail)  # fmt: skip
+            case SandboxFrozen() | SandboxThawed() if self._placed_here(sender, event.sandbox_id):
+                self._frozen(event.sandbox_id or "", isinstance(event, SandboxFrozen))
             case _:
                 pass
+
+    def _learn_placement(self, sandbox_id: str, node_id: str) -> None:
+        """A placement another scheduler made (or this one, read back: nothing new).
+        Every scheduler counts every placement against its node's room, and knows the
+        sandbox well enough to take over its partition at any time."""
+        requested = self._requested.pop(sandbox_id, None)
+        if sandbox_id in self.placement.allocations or sandbox_id in self.created_by:
+            return
+        if requested is None or sandbox_id in self.ended:
+            return  # its Requested was before this scheduler's memory: recovered already
+        p = requested.payload
+        self.placement.assign(
+            sandbox_id, node_id, p.cpus, p.memory_mb, requested.tenant, requested.job_id
+        )
+        self.created_by[sandbox_id] = p.request_id
+        self.unstarted.add(sandbox_id)
+        group = p.labels.get(GROUP_LABEL)
+        if group:
+            members = self.groups.setdefault((requested.tenant, group), [])
+            if sandbox_id not in members:
+                members.append(sandbox_id)
+        lease_id = p.labels.get(LEASE_LABEL)
+        if lease_id:
+            key = (requested.tenant, lease_id)
+            self._lease(key, time.monotonic()).sandboxes.add(sandbox_id)
+            self.lease_of[sandbox_id] = key
+
+    def _frozen(self, sandbox_id: str, frozen: bool) -> None:
+        """A lease's sandbox was frozen or thawed (by whichever scheduler keeps the
+        lease): requests for it are refused while it is frozen, here too."""
+        lease = self.leases.get(self.lease_of.get(sandbox_id, ("", "")))
+        if lease is None:
+            return
+        if frozen and lease.state == LeaseState.HELD:
+            lease.state, lease.lapsed_s = LeaseState.LAPSED, time.monotonic()
+        elif not frozen and lease.state == LeaseState.LAPSED:
+            lease.state, lease.lapsed_s = LeaseState.HELD, None
+            lease.expires_s = time.monotonic() + lease.ttl_s
+
+    def _ended_elsewhere(
+        self, out: Outbox, sender: Principal, sandbox_id: str, reason: str, detail: str | None
+    ) -> None:
+        """A sandbox ended. If another scheduler ended it (a node it declared lost, a
+        container it found vanished) before it started, the trainer waiting here for
+        the start hears it from here."""
+        waiting = self.awaiting_start.get(sandbox_id)
+        self._forget(sandbox_id, reason)
+        if waiting is not None and sender.role == Role.SCHEDULER:
+            reply = ErrorReply(
+                request_id=waiting.request_id,
+                sandbox_id=sandbox_id,
+                reason=reason,
+                detail=detail or f"sandbox ended ({reason})",
+            )
+            self._reply(out, waiting.sender, waiting.reply_to, reply)
+
+    def drop_pending(self, partitions: Collection[int]) -> None:
+        """Forget the creates waiting for room that were read from ``partitions`` (this
+        scheduler gave them away: their stored offsets make the next owner read them
+        again)."""
+        self.pending = [p for p in self.pending if p.partition not in partitions]
+
+    def restart_lease_clocks(self, keeps: Callable[[str], bool]) -> None:
+        """Leases whose clock this scheduler keeps from now on start a fresh term (the
+        trainer renews it, or it lapses one TTL later); lapsed ones a fresh grace."""
+        now = time.monotonic()
+        for (_, lease_id), lease in self.leases.items():
+            if not keeps(lease_id):
+                continue
+            if lease.state == LeaseState.HELD:
+                lease.expires_s = max(lease.expires_s, now + lease.ttl_s)
+            elif lease.lapsed_s is not None:
+                lease.lapsed_s = max(lease.lapsed_s, now)
 
     def _alive(self, node_id: str | None, sandbox_id: str | None, at: datetime) -> None:
         """The node spoke for the sandbox as of ``at`` (its clock, the one its start is
@@ -301,6 +402,8 @@ class Dispatcher:
     def _forget(self, sandbox_id: str, reason: str) -> None:
         """A sandbox ended: free its room, its lease, its group slot."""
         self.awaiting_start.pop(sandbox_id, None)
+        self.unstarted.discard(sandbox_id)
+        self._requested.pop(sandbox_id, None)
         self._unlease(sandbox_id)
         allocation = self.placement.release(sandbox_id)
         self.created_by.pop(sandbox_id, None)
@@ -364,7 +467,7 @@ class Dispatcher:
     def _reconcile(self, out: Outbox, node_id: str, reported: set[str], at: datetime) -> None:
         ledger = self.ledgers.setdefault(node_id, NodeLedger())
         placed = self.placement.placed_on(node_id)
-        verdict = ledger.observe(placed, reported, self.awaiting_start.keys() & placed, at)
+        verdict = ledger.observe(placed, reported, self.unstarted & placed, at)
         for sandbox_id in sorted(verdict.vanished):
             allocation = self.placement.allocations.get(sandbox_id)
             if allocation is not None:
@@ -395,7 +498,16 @@ class Dispatcher:
                 continue
             detail = f"no heartbeat for {(now - node.last_seen).total_seconds():.0f}s"
             log.warning("scheduler: node %s lost: %s", node.node_id, detail)
-            lost = NodeLost(node_id=node.node_id, payload=NodeLostPayload(detail=detail))
+            # Every scheduler watches every node: its id is derived from the node's last
+            # heartbeat, so all who declare this loss append one event.
+            heard = self.heard_at.get(node.node_id)
+            lost = NodeLost(
+                event_id=derived_id(
+                    _NS, f"{node.node_id}:lost:{heard.isoformat() if heard else ''}"
+                ),
+                node_id=node.node_id,
+                payload=NodeLostPayload(detail=detail),
+            )
             out.events.append((lost.key, encode(lost)))
             ledger = self.ledgers.get(node.node_id, NodeLedger())
             for sandbox_id in self.placement.mark_lost(node.node_id):
@@ -552,6 +664,7 @@ class Dispatcher:
         self.awaiting_start[request.sandbox_id] = Waiting(
             request.request_id, request.reply_to, sender
         )
+        self.unstarted.add(request.sandbox_id)
         self.created_by[request.sandbox_id] = request.request_id
         labels = request.labels
         if request.lease_id is not None:
@@ -756,6 +869,8 @@ class Dispatcher:
         """Freeze the sandboxes of lapsed leases; destroy them after the grace period."""
         now = time.monotonic()
         for key, lease in list(self.leases.items()):
+            if not self.keeps_lease(key[1]):
+                continue
             action = lease.tick(now)
             if action is None:
                 continue

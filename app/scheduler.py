@@ -1,10 +1,19 @@
 """The scheduler process: Kafka and Postgres around the :class:`Dispatcher`.
 
-It reads ``dsec.requests`` from offsets it keeps in Postgres and follows
-``dsec.events`` from its end for node heartbeats and sandbox endings. On start it
-recovers nodes and live sandboxes from the projections. Requests after the last
-saved offset are decided again after a crash; the dispatcher's derived event ids make
-that harmless.
+Several scheduler processes share ``dsec.requests`` by partition. Each holds one
+Postgres session (:class:`app.db.partition_locks.OwnerSession`) with a lock per
+partition it owns, reads those partitions from offsets it commits on that same
+session, and every second or so takes its fair share of partitions (gives extra
+ones back after saving their offsets, claims free ones: those of a scheduler that
+died are free as soon as Postgres sees its session end).
+
+Every scheduler follows all of ``dsec.events`` (heartbeats, placements, endings,
+freezes), so it always knows every sandbox and every node's room, and can take a
+partition over at any moment. On start it recovers nodes and live sandboxes from
+the projections and the projector's offsets read in one snapshot, then reads the
+events after those offsets. Requests after the last saved offset are decided again
+after a crash or a takeover; the dispatcher's derived event ids and the nodes'
+claims of request ids make that harmless.
 """
 
 from __future__ import annotations
@@ -17,18 +26,20 @@ import uuid
 from datetime import timedelta
 
 from kafka.consumer.fetcher import ConsumerRecord
-from sqlalchemy import select, text
+from sqlalchemy import Connection, select, text
 
 from app import bus, metrics
 from app.config import Settings
-from app.consuming import PositionedConsumer, dead_letter
+from app.consuming import PositionedConsumer, dead_letter, key_partition
 from app.db import handled
 from app.db import log as event_log
 from app.db.engine import transaction
+from app.db.partition_locks import OwnerSession, OwnershipLost
 from app.db.tables import nodes, sandboxes
 from app.db.trajectory import PostgresTrajectoryLog
 from app.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox, Outbox
 from app.domain.base import utcnow
+from app.domain.partition_share import rebalance
 from app.domain.proof import SCHEDULER_KEY_ID, Purpose, headers
 from app.domain.sandbox_state import LIVE, SandboxState
 from app.keyring import Keyring
@@ -60,6 +71,10 @@ _CREATED_BY = text(
 )
 #: How often handled request ids older than the freshness window are pruned.
 PRUNE_S = 60.0
+#: How often a scheduler looks at who owns which partition (claims, gives back).
+REBALANCE_S = 1.0
+#: The projector whose offsets say where the recovered projections stand.
+PROJECTOR = "projector"
 
 
 class Scheduler:
@@ -83,20 +98,23 @@ class Scheduler:
         self.publisher = bus.Publisher(settings)
         self.celery = make_celery(settings)
         self._stopping = threading.Event()
-        until_available(self._recover, NAME, "postgres", self._stopping)
-        self.requests = PositionedConsumer(settings, settings.topic_requests, NAME)
-        self.requests.seek(until_available(self._stored_offsets, NAME, "postgres", self._stopping))
-        self.events = bus.make_consumer(
-            settings, fetch_max_wait_ms=settings.background_fetch_max_wait_ms
-        )
-        event_parts = bus.partitions(self.events, settings.topic_events)
-        self.events.assign(event_parts)
-        # From the true end (see bus.high_watermarks): the broker's own answer can lie a
-        # few records short, and old endings would be applied to the recovered state.
-        for tp, end in bus.high_watermarks(settings, event_parts).items():
-            self.events.seek(tp, end)
-        self._event_parts = event_parts
-        self._events_incarnation = bus.Incarnation(self.events, settings.topic_events)
+        self.events = PositionedConsumer(
+            settings, settings.topic_events, f"{NAME} (events)",
+            fetch_max_wait_ms=settings.background_fetch_max_wait_ms,
+        )  # fmt: skip
+        # The projections as of the projector's offsets, then the events after them:
+        # nothing the log holds is missed or applied twice, placements of a scheduler
+        # that died a moment ago included.
+        self.events.seek(until_available(self._recover, NAME, "postgres", self._stopping))
+        self.dispatcher.replaying = True
+        self._catch_up()
+        self.dispatcher.replaying = False
+        self.requests = PositionedConsumer(settings, settings.topic_requests, NAME, partitions=[])
+        self.partition_count = len(self.requests.all_partitions)
+        self.owner = OwnerSession(settings.database_url, NAME, settings.topic_requests)
+        self.dispatcher.keeps_lease = self._keeps_lease
+        self._rebalanced = 0.0
+        until_available(self._rebalance, NAME, "postgres", self._stopping)
 
     def _stored_offsets(self) -> dict[int, event_log.StoredOffset]:
         return event_log.read_offsets(
@@ -105,10 +123,15 @@ class Scheduler:
 
     # --- state ------------------------------------------------------------------
 
-    def _recover(self) -> None:
-        """Nodes and live sandboxes as the projections last saw them, and which of
-        those sandboxes a lapsed lease left frozen (from the log)."""
+    def _recover(self) -> dict[int, event_log.StoredOffset]:
+        """Nodes and live sandboxes as the projections last saw them, which of those
+        sandboxes a lapsed lease left frozen (from the log), and the projector's
+        offsets in ``dsec.events`` those projections stand at (one snapshot)."""
         with transaction(self.settings.database_url) as conn:
+            # One snapshot: the projector commits its projections and its offsets in
+            # one transaction, so what is read here is exactly the events before them.
+            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            projected = event_log.load_offsets(conn, PROJECTOR, self.settings.topic_events)
             alive = conn.execute(select(nodes).where(nodes.c.state == "alive")).all()
             rows = conn.execute(
                 select(sandboxes).where(sandboxes.c.state.in_([s.value for s in LIVE]))
@@ -134,6 +157,7 @@ class Scheduler:
                 for row in rows
             ),
         )  # fmt: skip
+        return projected
 
     def _flush(self, out: Outbox) -> None:
         for record, exc in out.dead:
@@ -181,17 +205,102 @@ class Scheduler:
             if pending.partition in offsets:
                 offsets[pending.partition] = min(offsets[pending.partition], pending.offset)
         gate = self.dispatcher.gate
-        if offsets or gate.unsaved:
-            with transaction(self.settings.database_url) as conn:
-                # The ids with the offsets past them: a restarted scheduler that reads a
-                # request again at the same place handles it again; one read anywhere
-                # else is a replay.
-                handled.save(conn, gate.unsaved)
-                event_log.save_offsets(
-                    conn, NAME, self.settings.topic_requests, self.requests.topic_id, offsets
-                )
-            gate.unsaved.clear()
+        try:
+            if offsets or gate.unsaved:
+                unsaved = list(gate.unsaved)
+
+                def write(conn: Connection) -> None:
+                    # The ids with the offsets past them: a scheduler that reads a
+                    # request again at the same place handles it again; one read
+                    # anywhere else is a replay.
+                    handled.save(conn, unsaved)
+                    event_log.save_offsets(
+                        conn, NAME, self.settings.topic_requests, self.requests.topic_id, offsets
+                    )
+
+                # Fenced: committed only while this session holds every partition saved.
+                self.owner.save(write, set(offsets) | {p for _, p, _, _ in unsaved})
+                gate.unsaved.clear()
+            if time.monotonic() - self._rebalanced >= REBALANCE_S:
+                self._rebalance()
+        except OwnershipLost as exc:
+            self._lose_everything(exc)
+            raise
         self._housekeeping()
+
+    # --- partition ownership ------------------------------------------------------
+
+    def _keeps_lease(self, lease_id: str) -> bool:
+        """A lease's renewals are keyed by its id: the owner of that partition hears
+        them, and only it may decide the lease lapsed."""
+        return key_partition(lease_id, self.partition_count) in self.owner.owned
+
+    def _rebalance(self) -> None:
+        """Claim free partitions up to the fair share, or give extra ones back.
+
+        Called at a batch boundary, after the batch's offsets and handled ids are
+        saved: a partition given back is stored exactly as far as it was handled."""
+        self._rebalanced = time.monotonic()
+        if not self.owner.is_open:
+            self.owner.open()
+        holders = self.owner.holders()
+        free = set(range(self.partition_count)) - holders.partitions.keys()
+        plan = rebalance(self.owner.owned, free, self.partition_count, len(holders.members))
+        if plan.release:
+            self.dispatcher.drop_pending(plan.release)
+            for partition in plan.release:
+                self.owner.release(partition)
+        claimed = [p for p in plan.claim if self.owner.try_claim(p)]
+        reading = {tp.partition for tp in self.requests.partitions}
+        if self.owner.owned == reading:
+            return
+        # Owned but not read yet: claimed now, or in a round that failed half way.
+        new = self.owner.owned - reading
+        if new:
+            # Their previous owner's last placements are in the log before its last
+            # offsets were committed: read the log to its end before their requests.
+            self._catch_up()
+            window = timedelta(seconds=self.settings.request_max_age_s)
+            with transaction(self.settings.database_url) as conn:
+                seen = handled.load(conn, utcnow() - window)
+            for request_id, partition, offset, at in seen:
+                if partition in new:
+                    self.dispatcher.gate.remember(request_id, partition, offset, at)
+            self.dispatcher.restart_lease_clocks(
+                lambda lease_id: key_partition(lease_id, self.partition_count) in new
+            )
+        self.requests.reassign(self.owner.owned, self._stored_offsets())
+        log.info(
+            "scheduler: owns partitions %s of %s (%d schedulers; claimed %s, gave back %s)",
+            sorted(self.owner.owned), self.settings.topic_requests, len(holders.members),
+            claimed, list(plan.release),
+        )  # fmt: skip
+
+    def _lose_everything(self, exc: Exception) -> None:
+        """The owner session failed: whatever it held is another's to take now. Read
+        nothing more until partitions are claimed again (from their stored offsets)."""
+        log.warning("scheduler: lost its partitions: %s", exc)
+        self.owner.close()
+        self.dispatcher.drop_pending(range(self.partition_count))
+        # Ids handled since the last commit are the next owner's to record: whoever
+        # reads their records again (this scheduler included) handles them anew.
+        gate = self.dispatcher.gate
+        for request_id, *_ in gate.unsaved:
+            gate.handled.pop(request_id, None)
+        gate.unsaved.clear()
+        self.requests.reassign([], {})
+        self._rebalanced = 0.0
+
+    def _catch_up(self) -> None:
+        """Follow ``dsec.events`` up to its end as of now."""
+        ends = bus.high_watermarks(self.settings, self.events.partitions)
+        out = Outbox()
+        while not self._stopping.is_set() and any(
+            self.events.position(tp.partition) < end for tp, end in ends.items()
+        ):
+            for record in self.events.poll(timeout_ms=100, max_records=2000):
+                self.dispatcher.observe(out, record)
+        self._flush(out)
 
     def _learn_ended(self, records: list[ConsumerRecord]) -> None:
         """Which sandboxes named by this batch (a request's key is its sandbox id)
@@ -228,11 +337,8 @@ class Scheduler:
                 self._tenants = tenants
 
     def _poll_events(self) -> list[ConsumerRecord]:
-        if self._events_incarnation.changed():  # the broker came back empty
-            log.warning("scheduler: the events topic is new: following it from its beginning")
-            self.events.seek_to_beginning(*self._event_parts)
-        batches = self.events.poll(timeout_ms=0, max_records=2000)
-        return [r for records in batches.values() for r in records]
+        # A broker that came back empty: the consumer reads the new topic from its start.
+        return self.events.poll(timeout_ms=0, max_records=2000)
 
     def run(self) -> None:
         """Until stopped."""
@@ -250,6 +356,9 @@ class Scheduler:
             except Exception:
                 log.exception("scheduler: batch failed")
                 self._stopping.wait(1.0)
+        # Its partitions are free for the others at once (offsets were saved with the
+        # last batch).
+        self.owner.close()
         self.requests.close()
         self.events.close()
         self.publisher.close()
@@ -261,7 +370,8 @@ class Scheduler:
 
 def main(settings: Settings) -> None:
     """Run the scheduler until SIGTERM."""
-    metrics.serve(settings.metrics_port + 1)
+    port = settings.scheduler_metrics_port
+    metrics.serve(settings.metrics_port + 1 if port is None else port)
     scheduler = Scheduler(settings)
     signal.signal(signal.SIGTERM, scheduler.stop)
     signal.signal(signal.SIGINT, scheduler.stop)
