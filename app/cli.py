@@ -90,6 +90,7 @@ def status(as_json: JsonOpt = False) -> None:
     settings = get_settings()
     rows = []
     now = time.time()
+    owned = stack.scheduler_partitions(settings) or {}
     for service in stack.services(settings, stack.known_node_ids(settings)):
         pid = service.pid(settings)
         alive = pid is not None or (service.ready is not None and service.ready())
@@ -108,8 +109,15 @@ def status(as_json: JsonOpt = False) -> None:
                 "restarts": len(restarts.recent(now)),
                 "endpoint": service.endpoint,
                 "log": str(service.logfile(settings)),
+                # A scheduler's partitions of the requests topic (Postgres's locks).
+                "partitions": (
+                    ",".join(map(str, owned.get(pid, []))) or "none"
+                    if service.name.startswith("scheduler") and pid is not None
+                    else None
+                ),
             }
         )
+
     rows.append(
         {
             "service": "postgres",
@@ -118,6 +126,7 @@ def status(as_json: JsonOpt = False) -> None:
             "restarts": 0,
             "endpoint": redact(settings.database_url),
             "log": "",
+            "partitions": None,
         }
     )
     _table("dsec stack", rows, as_json)

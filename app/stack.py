@@ -235,8 +235,37 @@ def known_node_ids(settings: Settings) -> list[str]:
     return [settings.node_id, *(n for n in found if n != settings.node_id)]
 
 
-def services(settings: Settings, nodes: int | list[str] = 1) -> list[Service]:
-    """Every process of the embedded stack, in start order (nodes: a count or ids)."""
+def scheduler_names(count: int) -> list[str]:
+    """The services of ``count`` schedulers: ``scheduler``, ``scheduler-2`` ..."""
+    return ["scheduler", *(f"scheduler-{i}" for i in range(2, count + 1))]
+
+
+def known_schedulers(settings: Settings) -> int:
+    """The configured schedulers, or more if more left pid files (a stack brought up
+    with a larger DSEC_SCHEDULERS: `down` and the supervisor still see them)."""
+    run = settings.state_dir / "run"
+    numbered = [p.name[len("scheduler-") : -len(".pid")] for p in run.glob("scheduler-*.pid")]
+    found = [int(n) for n in numbered if n.isdigit()]
+    return max([settings.schedulers, *found])
+
+
+def scheduler_service(settings: Settings, index: int) -> Service:
+    """The ``index``-th scheduler (0-based), with a metrics port of its own."""
+    # The projector serves on metrics_port; the schedulers on the ports after it.
+    port = settings.metrics_port + 1 + index if settings.metrics_port else 0
+    return Service(
+        scheduler_names(index + 1)[-1],
+        [sys.executable, "-m", "app.cli", "run", "scheduler"],
+        endpoint=f"http://127.0.0.1:{port}/metrics" if port else "",
+        env={"DSEC_SCHEDULER_METRICS_PORT": str(port)},
+    )
+
+
+def services(
+    settings: Settings, nodes: int | list[str] = 1, schedulers: int | None = None
+) -> list[Service]:
+    """Every process of the embedded stack, in start order (nodes: a count or ids;
+    schedulers: how many, default :func:`known_schedulers`)."""
     py = sys.executable
     host, port = _host_port(settings.kafka_bootstrap.split(",")[0])
     out = [
@@ -260,10 +289,9 @@ def services(settings: Settings, nodes: int | list[str] = 1) -> list[Service]:
             [py, "-m", "app.cli", "run", "projector"],
             endpoint=f"http://127.0.0.1:{settings.metrics_port}/metrics",
         ),
-        Service(
-            "scheduler",
-            [py, "-m", "app.cli", "run", "scheduler"],
-            endpoint=f"http://127.0.0.1:{settings.metrics_port + 1}/metrics",
+        *(
+            scheduler_service(settings, i)
+            for i in range(known_schedulers(settings) if schedulers is None else schedulers)
         ),
     ]
     for node in nodes if isinstance(nodes, list) else node_ids(settings, nodes):
@@ -411,6 +439,32 @@ def ensure_credentials(settings: Settings, nodes: list[str]) -> None:
         if r.revoked_at is None and r.role in (Role.TENANT, Role.OPERATOR)
     }  # fmt: skip
     bus.ensure_topics(settings, live)
+
+
+def scheduler_partitions(settings: Settings) -> dict[int, list[int]] | None:
+    """Partitions of the requests topic each scheduler process of this host owns, by
+    its pid, as Postgres's locks say (None: Postgres did not answer)."""
+    from app.db.engine import transaction
+    from app.db.partition_locks import read_holders
+    from app.dispatch import NAME
+
+    try:
+        with transaction(settings.database_url) as conn:
+            holders = read_holders(conn, NAME, settings.topic_requests)
+    except Exception:
+        return None
+    host = socket.gethostname()
+    by_backend: dict[int, int] = {}
+    for backend, name in holders.names.items():
+        kind, _, where = name.partition(" ")
+        process_host, _, pid = where.rpartition(":")
+        if kind == "dsec-scheduler" and process_host == host and pid.isdigit():
+            by_backend[backend] = int(pid)
+    owned: dict[int, list[int]] = {pid: [] for pid in by_backend.values()}
+    for partition, backend in sorted(holders.partitions.items()):
+        if backend in by_backend:
+            owned[by_backend[backend]].append(partition)
+    return owned
 
 
 def node_alive(settings: Settings, node: str, since: float) -> bool:
