@@ -84,15 +84,27 @@ def drop_topics(settings: Settings) -> None:
         admin.close()
 
 
-def ensure_topics(settings: Settings, tenants: Iterable[str] = ()) -> None:
-    """Create the platform's topics, and each tenant's replies topic, if missing."""
-    wanted = {
-        settings.topic_requests: settings.topic_partitions,
-        settings.topic_events: settings.topic_partitions,
-        settings.topic_dead_letters: 1,
-    }
+def ensure_topics(
+    settings: Settings,
+    tenants: Iterable[str] = (),
+    nodes: Iterable[str] = (),
+    *,
+    platform: bool = True,
+) -> None:
+    """Create the platform's topics (unless ``platform`` is false), each tenant's
+    replies topic and each node's inbox (one partition: its commands in order), if
+    missing."""
+    wanted: dict[str, int] = {}
+    if platform:
+        wanted = {
+            settings.topic_requests: settings.topic_partitions,
+            settings.topic_events: settings.topic_partitions,
+            settings.topic_dead_letters: 1,
+        }
     for tenant in tenants:
         wanted[settings.replies_topic(tenant)] = settings.reply_partitions
+    for node in nodes:
+        wanted[settings.node_topic(node)] = 1
     admin = _admin(settings)
     try:
         existing = set(admin.list_topics())

@@ -296,6 +296,10 @@ class Settings(BaseSettings):
         """Celery queue a node's worker consumes."""
         return f"node.{node_id or self.node_id}"
 
+    def node_topic(self, node_id: str | None = None) -> str:
+        """A node's inbox: the Kafka topic its commands come on (workers/inbox.py)."""
+        return f"{self.topic_prefix}.node.{node_id or self.node_id}"
+
 
 def _secret(path: Path) -> str | None:
     try:

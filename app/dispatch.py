@@ -67,7 +67,7 @@ from app.domain.requests import (
 )
 from app.domain.trajectory import TrajectoryLog, replay_answer
 from app.domain.trust import EVENT_SENDERS, event_refusal, may_act_on
-from app.taskqueue import TASK_FOR_REQUEST, TaskEnvelope, seal
+from app.taskqueue import TASK_FOR_REQUEST, VIA_INBOX, TaskEnvelope, inbox_record, seal
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,8 @@ class Outbox:
     events: list[tuple[str, bytes]] = field(default_factory=list)
     replies: list[tuple[ReplyTo, str, bytes, list[tuple[str, bytes]]]] = field(default_factory=list)
     tasks: list[tuple[str, str, list[str]]] = field(default_factory=list)
+    #: (node inbox topic, key, record): the data plane, straight to the node.
+    inbox: list[tuple[str, str, bytes]] = field(default_factory=list)
     dead: list[tuple[Record, DecodeError]] = field(default_factory=list)
 
 
@@ -558,7 +560,12 @@ class Dispatcher:
             restore=restore,
         )
         args = seal(envelope, info.principal.key_id, info.secret)
-        out.tasks.append((TASK_FOR_REQUEST[request.type], node.queue, args))
+        task = TASK_FOR_REQUEST[request.type]
+        if task in VIA_INBOX:
+            topic = self.settings.node_topic(node.node_id)
+            out.inbox.append((topic, request.sandbox_id, inbox_record(task, args)))
+        else:
+            out.tasks.append((task, node.queue, args))
 
     def _reject(
         self,

@@ -92,6 +92,8 @@ class Scheduler:
         # Every tenant's replies topic exists before its first answer is sent (a send to
         # a missing topic blocks on metadata).
         self._tenants = self.keyring.tenants()
+        #: Node inbox topics known to exist (see _ensure_inboxes).
+        self._inboxes: set[str] = set()
         bus.ensure_topics(settings, self._tenants)
         self._topics_checked = time.monotonic()
         self._pruned = time.monotonic()
@@ -177,6 +179,24 @@ class Scheduler:
             self.publisher.flush()
         for task, queue, args in out.tasks:
             self.celery.send_task(task, args=args, queue=queue)
+        if out.inbox:
+            self._ensure_inboxes({topic for topic, _key, _value in out.inbox})
+            for topic, key, value in out.inbox:
+                self.publisher.publish(topic, key, value)
+            # Acknowledged before the requests' offsets are saved: a crash in between
+            # sends them again (the node's claim makes that harmless), never loses one.
+            self.publisher.flush()
+
+    def _ensure_inboxes(self, topics: set[str]) -> None:
+        """Make nodes' inbox topics that this process has not seen exist yet (a send to
+        a missing topic would block on metadata); a node makes its own on start."""
+        missing = topics - self._inboxes
+        if missing:
+            prefix = f"{self.settings.topic_prefix}.node."
+            bus.ensure_topics(
+                self.settings, nodes=[t.removeprefix(prefix) for t in missing], platform=False
+            )
+            self._inboxes |= missing
 
     def run_once(self) -> None:
         """Follow events, retry waiting creates, handle new requests, save offsets."""
@@ -331,6 +351,7 @@ class Scheduler:
                 handled.prune(conn, cutoff)
         if now - self._topics_checked > 5.0:
             self._topics_checked = now
+            self._inboxes.clear()  # a broker that came back empty lost them: check again
             tenants = self.keyring.tenants()
             if tenants - self._tenants:
                 bus.ensure_topics(self.settings, tenants)

@@ -48,6 +48,33 @@ TASK_FOR_REQUEST = {
 }
 
 
+#: Tasks the scheduler hands a node on its inbox topic rather than through Celery:
+#: the data plane, thousands per second per node, where Celery's per-task work (Redis
+#: round trips, task events for Flower) cost more than the command itself. Creates,
+#: destroys, freezes and file transfers stay Celery tasks.
+VIA_INBOX = frozenset({NodeTask.EXEC, NodeTask.KILL_COMMAND})
+
+
+def inbox_record(task: NodeTask, args: list[str]) -> bytes:
+    """A sealed task as the value of a record on a node's inbox topic."""
+    return json.dumps({"task": task.value, "args": args}, separators=(",", ":")).encode()
+
+
+def read_inbox_record(value: bytes) -> tuple[NodeTask, list[str]] | str:
+    """The task and its sealed arguments from an inbox record; else why not."""
+    try:
+        doc = json.loads(value)
+        task = NodeTask(doc["task"])
+        args = doc["args"]
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        return f"not an inbox record: {str(exc)[:200]}"
+    if task not in VIA_INBOX:
+        return f"{task.value} does not come on the inbox"
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        return "inbox record arguments are not a list of strings"
+    return task, args
+
+
 class TaskEnvelope(Message):
     """What the scheduler hands a node with a request."""
 

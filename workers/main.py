@@ -12,6 +12,7 @@ from workers.agent.client import AgentPool, peer_is_sandbox_init
 from workers.celery_app import celery
 from workers.handlers import Node
 from workers.image_store import store_lock_path
+from workers.inbox import Inbox
 from workers.limits import CgroupLimiter
 from workers.node_setup import ensure_node_user, ensure_podman_service
 from workers.podman_driver import PodmanDriver
@@ -54,6 +55,9 @@ def run(node_id: str, concurrency: int = 16) -> None:
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()
     node.deadlines.start()
+    # Before the first heartbeat: the scheduler sends commands once it hears of the node.
+    inbox = Inbox(settings, node_id, node.outlet)
+    inbox.start()
     Upkeep(node).start()
     log.info(
         "node %s: podman at %s, queue %s, warm pools %s",
@@ -62,6 +66,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
     try:
         _serve(settings.node_queue(node_id), node_id, concurrency)
     finally:
+        inbox.stop()
         node.warm.close(drain=True)
 
 

@@ -147,6 +147,17 @@ def _run(
     metrics.TASKS.labels(task.value, "ok").inc()
 
 
+def perform(task: NodeTask, args: tuple[str, ...]) -> None:
+    """Carry out a task that came on the node's inbox (workers/inbox.py) exactly as
+    its Celery task would; raises :class:`KeyError` for a task the inbox does not take."""
+    if task == NodeTask.EXEC:
+        _run(task, Exec, args, _start_command)
+    elif task == NodeTask.KILL_COMMAND:
+        _run(task, KillCommand, args, _kill_command)
+    else:
+        raise KeyError(task)
+
+
 @celery.task(name=NodeTask.CREATE)
 def create(*args: str) -> None:
     """Create and start a sandbox (replaying a trajectory's commands, if given)."""
@@ -176,7 +187,11 @@ def _start_command(request: Exec, envelope: TaskEnvelope) -> None:
 @celery.task(name=NodeTask.KILL_COMMAND)
 def kill_command(*args: str) -> None:
     """Kill a command running (or waiting its turn) in a sandbox."""
-    _run(NodeTask.KILL_COMMAND, KillCommand, args, lambda r, _e: runtime.node().kill_command(r))
+    _run(NodeTask.KILL_COMMAND, KillCommand, args, _kill_command)
+
+
+def _kill_command(request: KillCommand, _envelope: TaskEnvelope) -> None:
+    runtime.node().kill_command(request)
 
 
 @celery.task(name=NodeTask.WRITE_FILE)

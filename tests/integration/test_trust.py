@@ -451,6 +451,37 @@ def test_a_forged_node_task_is_refused(stack: Settings, db: Any) -> None:
         assert not scalar(conn, "SELECT count(*) FROM events WHERE sandbox_id = :s", s=sandbox_id)
 
 
+def test_a_forged_or_malformed_inbox_record_runs_nothing(stack: Settings, box: Sandbox) -> None:
+    from app import credentials, dead_letters
+    from app.taskqueue import NodeTask, TaskEnvelope, inbox_record, seal
+
+    # Given someone who can write to a node's inbox topic, but has no key of the node's
+    node_key = credentials.load(credentials.node_file(stack, stack.node_id)).key_id
+    forged = Exec(sandbox_id=box.id, tenant="alice", actor="forger", command="touch /tmp/forged")
+    sealed = seal(TaskEnvelope(request=forged.model_dump_json()), node_key, os.urandom(32))
+    since = utcnow()
+    publisher = bus.Publisher(stack)
+    topic = stack.node_topic(stack.node_id)
+    publisher.publish(topic, box.id, inbox_record(NodeTask.EXEC, sealed))
+    # and records that are no task at all, or a task the inbox does not take
+    publisher.publish(topic, box.id, b"\xff not json")
+    publisher.publish(topic, box.id, inbox_record(NodeTask.DESTROY, sealed))
+    publisher.flush()
+    publisher.close()
+
+    # Then nothing runs, each is dead-lettered with its reason, and the node still serves
+    def letters() -> list[Any]:
+        return [
+            stored.letter
+            for stored in dead_letters.read(stack, dead_letters.LetterFilter(since=since))
+            if stored.letter.consumer in (f"node {stack.node_id}", f"inbox {stack.node_id}")
+        ]
+
+    found = wait_for(lambda: (got := letters()) and len(got) >= 3 and got, what="3 dead letters")
+    assert sorted(letter.reason for letter in found) == ["invalid", "invalid", "unauthenticated"]
+    assert box.exec("ls /tmp").stdout.split() == []
+
+
 def test_a_revoked_credential_stops_working(stack: Settings, db: Any) -> None:
     from app import tenants
 

@@ -12,6 +12,7 @@ from app.codec import encode
 from app.domain.proof import SCHEDULER_KEY_ID, KeyInfo, Purpose, Role, StaticKeys, headers
 from app.domain.records import Inbound
 from app.domain.requests import ReplyTo
+from app.taskqueue import read_inbox_record
 
 MASTER = bytes(range(32))
 
@@ -67,3 +68,13 @@ def record(
 def task_request(args: list[str]) -> dict[str, Any]:
     """The request inside a sealed node task's arguments."""
     return dict(json.loads(json.loads(args[0])["request"]))
+
+
+def inbox_tasks(out: Any) -> list[tuple[str, str, list[str]]]:
+    """(topic, task, sealed arguments) of each record a batch sends to node inboxes."""
+    found = []
+    for topic, _key, value in out.inbox:
+        opened = read_inbox_record(value)
+        assert not isinstance(opened, str), opened
+        found.append((topic, opened[0].value, opened[1]))
+    return found

@@ -55,7 +55,7 @@ def test_new_step_goes_to_the_node() -> None:
     dispatcher, _ = _dispatcher()
     out = Outbox()
     dispatcher.handle(out, _record(_exec(1)))
-    assert len(out.tasks) == 1 and out.replies == []
+    assert len(out.inbox) == 1 and out.tasks == [] and out.replies == []
 
 
 def test_restore_sends_the_trajectory_commands_with_the_create() -> None:

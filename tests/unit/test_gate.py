@@ -14,9 +14,9 @@ from app.domain.events import NodeHeartbeat, NodePayload, SandboxStopped, Stoppe
 from app.domain.gate import Admitted, Gate, GateRules, Refusal
 from app.domain.proof import Principal, Role
 from app.domain.records import Inbound
-from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReplyTo
+from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReadFile, ReplyTo
 from app.domain.trust import event_refusal
-from tests.unit.signing import KEYS, record, reply_to, task_request
+from tests.unit.signing import KEYS, inbox_tasks, record, reply_to, task_request
 
 RULES = GateRules(timedelta(seconds=300), 1 << 20, 16, "dsec")
 
@@ -141,7 +141,7 @@ def test_an_operator_acts_on_the_owners_bill() -> None:
     dispatcher = _dispatcher()
     out = Outbox()
     dispatcher.handle(out, record(Exec(sandbox_id="sb-a", command="x"), 102, key_id="k-operator"))
-    sent = task_request(out.tasks[0][2])
+    sent = task_request(inbox_tasks(out)[0][2])
     assert sent["tenant"] == "t" and sent["actor"] == "operator:ops/k-operator"
 
 
@@ -149,9 +149,16 @@ def test_tasks_go_to_the_nodes_own_queue_sealed_for_it() -> None:
     dispatcher = _dispatcher()
     out = Outbox()
     dispatcher.handle(out, record(Exec(sandbox_id="sb-a", command="x"), offset=103))
-    _task, queue, args = out.tasks[0]
     node = dispatcher.placement.node_of("sb-a")
-    assert node is not None and queue == f"node.{node.node_id}"  # not the declared "x"
+    assert node is not None
+    # A command goes straight to the node's inbox topic, sealed for that node
+    [(topic, task, args)] = inbox_tasks(out)
+    assert topic == f"dsec.node.{node.node_id}" and task == "dsec.node.exec"
+    assert args[1] == f"k-node-{node.node_id}"
+    # a file transfer through the node's own Celery queue
+    dispatcher.handle(out, record(ReadFile(sandbox_id="sb-a", path="/x"), offset=104))
+    _task, queue, args = out.tasks[0]
+    assert queue == f"node.{node.node_id}"  # not the declared "x"
     assert args[1] == f"k-node-{node.node_id}"
 
 

@@ -17,7 +17,7 @@ from app.domain.partition_share import fair_share, rebalance
 from app.domain.proof import SCHEDULER_KEY_ID, Purpose
 from app.domain.records import Inbound
 from app.domain.requests import CreateGroup, CreateSandbox, Exec
-from tests.unit.signing import KEYS, reply_to, task_request
+from tests.unit.signing import KEYS, inbox_tasks, reply_to, task_request
 from tests.unit.test_dispatch_groups import _dispatcher, _record
 
 # --- arithmetic ---------------------------------------------------------------------
@@ -125,9 +125,9 @@ def test_placements_of_another_scheduler_count_and_can_be_taken_over() -> None:
     # and routes requests for them to the node A chose
     routed = Outbox()
     b.handle(routed, _record(Exec(sandbox_id="sb-big", tenant="t", command="true")))
-    (task,) = routed.tasks
-    assert task[1] == f"node.{a.placement.allocations['sb-big'].node_id}"
-    assert task_request(task[2])["sandbox_id"] == "sb-big"
+    [(topic, _task, args)] = inbox_tasks(routed)
+    assert topic == f"dsec.node.{a.placement.allocations['sb-big'].node_id}"
+    assert task_request(args)["sandbox_id"] == "sb-big"
 
 
 def test_reading_its_own_events_back_changes_nothing() -> None:

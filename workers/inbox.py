@@ -1,0 +1,130 @@
+"""The node's inbox: commands straight from the scheduler, on the node's own topic.
+
+A command through Celery cost more than the command itself: the scheduler's publish
+to Redis, the worker's fetch, ack and task events, and Flower reading every event.
+The data plane (Exec, KillCommand: see ``VIA_INBOX``) therefore comes on one Kafka
+topic per node, ``<prefix>.node.<node id>`` (one partition, so in the order the
+scheduler decided), sealed for this node exactly as a Celery task is, and is carried
+out by the same code (``workers.tasks.perform``). Lifecycle stays on Celery.
+
+Exactly once: claiming a command is the same Redis ``SET NX`` as through Celery, so a
+record read twice (after a restart) never runs twice. The position is kept in Redis
+after each batch's claims, so a restart re-reads at most one batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import redis
+from kafka.errors import KafkaError
+
+from app import bus, metrics
+from app.codec import DeadLetterReason
+from app.config import Settings
+from app.consuming import PositionedConsumer, dead_letter
+from app.db.log import StoredOffset
+from app.domain.records import Record
+from app.errors import ServiceUnavailable
+from app.taskqueue import read_inbox_record
+from workers import tasks
+from workers.events_out import Outlet
+
+log = logging.getLogger(__name__)
+
+#: Most records carried out per poll (each is a claim and a thread start: cheap).
+BATCH = 500
+
+
+class Inbox:
+    """Reads a node's inbox topic on a thread of its own and carries out its tasks."""
+
+    def __init__(self, settings: Settings, node_id: str, outlet: Outlet) -> None:
+        self.settings = settings
+        self.node_id = node_id
+        self.topic = settings.node_topic(node_id)
+        self.name = f"inbox {node_id}"
+        self._outlet = outlet
+        self._redis = redis.Redis.from_url(settings.celery_broker_url)
+        self._key = f"dsec:inbox:{node_id}"
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsec-inbox", daemon=True)
+
+    def start(self) -> None:
+        """Make sure the topic exists (the scheduler sends to it once it hears of the
+        node), then read it in the background."""
+        bus.ensure_topics(self.settings, nodes=[self.node_id], platform=False)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop after the current batch."""
+        self._stopping.set()
+
+    # --- position, in Redis beside the claims -------------------------------------
+
+    def _stored(self) -> dict[int, StoredOffset]:
+        saved: dict[bytes, bytes] = self._redis.hgetall(self._key)  # type: ignore[assignment]
+        out: dict[int, StoredOffset] = {}
+        for field, value in saved.items():
+            topic_id, _, partition = field.decode().partition(":")
+            out[int(partition)] = StoredOffset(uuid.UUID(topic_id), int(value))
+        return out
+
+    def _save(self, consumer: PositionedConsumer, offsets: dict[int, int]) -> None:
+        # One incarnation's positions only: an old one's would be read as this one's.
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self._key)
+        for partition, offset in offsets.items():
+            pipe.hset(self._key, f"{consumer.topic_id}:{partition}", offset)
+        pipe.execute()
+
+    # --- the loop -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._serve()
+            except (KafkaError, ServiceUnavailable, redis.RedisError) as exc:
+                log.warning("%s: waiting for the broker or Redis: %s", self.name, exc)
+                metrics.WAITING.labels(self.name, "broker").set(1)
+                self._stopping.wait(1.0)
+            except Exception:
+                log.exception("%s: failed; starting over", self.name)
+                self._stopping.wait(1.0)
+
+    def _serve(self) -> None:
+        bus.ensure_topics(self.settings, nodes=[self.node_id], platform=False)
+        consumer = PositionedConsumer(self.settings, self.topic, self.name)
+        try:
+            consumer.seek(self._stored())
+            metrics.WAITING.labels(self.name, "broker").set(0)
+            log.info("%s: reading %s", self.name, self.topic)
+            while not self._stopping.is_set():
+                records = consumer.poll(timeout_ms=200, max_records=BATCH)
+                if not records:
+                    continue
+                offsets: dict[int, int] = {}
+                for record in records:
+                    self._carry_out(record)
+                    offsets[record.partition] = record.offset + 1
+                self._save(consumer, offsets)
+        finally:
+            consumer.close()
+
+    def _carry_out(self, record: Record) -> None:
+        opened = read_inbox_record(record.value or b"")
+        if isinstance(opened, str):
+            log.error("%s: refused a record: %s", self.name, opened)
+            metrics.DEAD_LETTERS.labels(self.name, DeadLetterReason.INVALID.value).inc()
+            dead_letter(
+                self._outlet.publisher, self.settings, self.name, record,
+                DeadLetterReason.INVALID, opened,
+            )  # fmt: skip
+            return
+        task, args = opened
+        try:
+            tasks.perform(task, tuple(args))
+        except Exception:  # one bad task must not stop the node's inbox
+            log.exception("%s: %s failed", self.name, task.value)
