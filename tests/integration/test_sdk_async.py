@@ -40,18 +40,20 @@ def test_async_errors_are_typed(stack: Settings) -> None:
 
 def test_async_background_command_runs_beside_others_and_is_killed(stack: Settings) -> None:
     async def scenario() -> tuple[bytes, bool, int, bytes]:
-        async with AsyncClient(stack, tenant="tests", job_id="async") as client:
-            async with await client.create() as box:
-                server = box.start("echo up; exec sleep 300")
-                beside = await box.exec("echo beside")
+        async with (
+            AsyncClient(stack, tenant="tests", job_id="async") as client,
+            await client.create() as box,
+        ):
+            server = box.start("echo up; exec sleep 300")
+            beside = await box.exec("echo beside")
 
-                async def started() -> None:
-                    while server.output()[0] != b"up\n":
-                        await asyncio.sleep(0.05)
+            async def started() -> None:
+                while server.output()[0] != b"up\n":
+                    await asyncio.sleep(0.05)
 
-                await asyncio.wait_for(started(), 30)
-                killed = await server.kill()
-                result = await server.wait(30)
-                return beside.stdout, killed and result.killed, result.exit_code, result.stdout
+            await asyncio.wait_for(started(), 30)
+            killed = await server.kill()
+            result = await server.wait(30)
+            return beside.stdout, killed and result.killed, result.exit_code, result.stdout
 
     assert asyncio.run(scenario()) == (b"beside\n", True, -9, b"up\n")

@@ -173,7 +173,7 @@ def test_op_of_matches_the_encoded_op_byte() -> None:
 
 
 def test_signal_all_wire_layout_and_its_empty_answer() -> None:
-    assert encode_request(SignalAllRequest(19)) == bytes.fromhex("00000005" "06" "00000013")
+    assert encode_request(SignalAllRequest(19)) == bytes.fromhex("000000050600000013")
     assert decode_response(Op.SIGNAL_ALL, b"\x00") == Pong()
 
 

@@ -103,6 +103,7 @@ def test_a_command_is_found_until_it_ends_and_a_kill_before_it_starts_sticks() -
     commands = Commands(_Outlet(), limit=1)
     done = threading.Event()
     ran = _running("t")
+
     def hold(_running: Running) -> None:
         done.wait(10)
 
