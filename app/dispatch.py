@@ -342,10 +342,12 @@ class Dispatcher:
             self.lease_of[sandbox_id] = key
 
     def _frozen(self, sandbox_id: str, frozen: bool) -> None:
-        """A lease's sandbox was frozen or thawed (by whichever scheduler keeps the
-        lease): requests for it are refused while it is frozen, here too."""
-        lease = self.leases.get(self.lease_of.get(sandbox_id, ("", "")))
-        if lease is None:
+        """A lease's sandbox was frozen or thawed by the scheduler that keeps the lease:
+        requests for it are refused while it is frozen, here too. (The keeper's own
+        state leads its events: a late freeze must not undo a renewal there.)"""
+        key = self.lease_of.get(sandbox_id)
+        lease = self.leases.get(key) if key is not None else None
+        if lease is None or key is None or self.keeps_lease(key[1]):
             return
         if frozen and lease.state == LeaseState.HELD:
             lease.state, lease.lapsed_s = LeaseState.LAPSED, time.monotonic()

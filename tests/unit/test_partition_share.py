@@ -197,3 +197,19 @@ def test_creates_waiting_for_room_on_a_partition_given_away_are_dropped() -> Non
     assert len(a.pending) == 1  # read from partition 0
     a.drop_pending([0])
     assert a.pending == []
+
+
+def test_the_keeper_of_a_lease_is_not_refrozen_by_a_late_freeze_event() -> None:
+    # Given the scheduler that keeps a lease, whose trainer renewed it after a lapse
+    a = _dispatcher()
+    a.handle(Outbox(), _record(CreateSandbox(sandbox_id="sb-k", tenant="t", lease_id="lease-2")))
+    lease = a.leases[("t", "lease-2")]
+    # When the freeze event of the lapse arrives after the renewal
+    node = a.placement.allocations["sb-k"].node_id
+    frozen = SandboxFrozen(
+        sandbox_id="sb-k", node_id=node, tenant="t", job_id="default",
+        payload=FreezePayload(reason="lease_lapsed"),
+    )  # fmt: skip
+    a.observe(Outbox(), _record(frozen))
+    # Then its own state stands: the lease is held
+    assert lease.state == LeaseState.HELD
