@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: Most records carried out per poll (each is a claim and a thread start: cheap).
 BATCH = 500
+#: Longest the inbox waits for the node's first reconcile round before reading.
+READY_WAIT_S = 60.0
 
 
 class Inbox:
@@ -50,12 +52,16 @@ class Inbox:
         self._redis = redis.Redis.from_url(settings.celery_broker_url)
         self._key = f"dsec:inbox:{node_id}"
         self._stopping = threading.Event()
+        self._ready: threading.Event | None = None
         self._thread = threading.Thread(target=self._run, name="dsec-inbox", daemon=True)
 
-    def start(self) -> None:
+    def start(self, ready: threading.Event | None = None) -> None:
         """Make sure the topic exists (the scheduler sends to it once it hears of the
-        node), then read it in the background."""
+        node), then read it in the background once ``ready`` is set (at most
+        :data:`READY_WAIT_S` later): after a restart, not before the node listens again
+        for the agents of the sandboxes it has, or their commands would find none."""
         bus.ensure_topics(self.settings, nodes=[self.node_id], platform=False)
+        self._ready = ready
         self._thread.start()
 
     def stop(self) -> None:
@@ -83,6 +89,8 @@ class Inbox:
     # --- the loop -----------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._ready is not None and not self._ready.wait(READY_WAIT_S):
+            log.warning("%s: the node's first round is slow; reading anyway", self.name)
         while not self._stopping.is_set():
             try:
                 self._serve()

@@ -55,10 +55,15 @@ def run(node_id: str, concurrency: int = 16) -> None:
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()
     node.deadlines.start()
-    # Before the first heartbeat: the scheduler sends commands once it hears of the node.
+    stranded = node.answer_interrupted()
+    if stranded:
+        log.warning("node %s: answered %d commands a previous worker left", node_id, stranded)
+    # Its topic before the first heartbeat (the scheduler sends commands once it hears
+    # of the node); read once the first round listens again for the agents.
+    upkeep = Upkeep(node)
     inbox = Inbox(settings, node_id, node.outlet)
-    inbox.start()
-    Upkeep(node).start()
+    inbox.start(ready=upkeep.rounds)
+    upkeep.start()
     log.info(
         "node %s: podman at %s, queue %s, warm pools %s",
         node_id, socket_url, settings.node_queue(node_id), node.warm.sizes or "off",
