@@ -72,6 +72,7 @@ from workers.agent.client import AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
 from workers.agent.protocol import ExecResult as AgentExecResult
 from workers.agent.protocol import Output as AgentOutput
+from workers.claims import Claims
 from workers.commands import Commands, Job, Running
 from workers.deadlines import Deadlines, Due
 from workers.errors import ImageNotFound, NodeError, NoSpace, SandboxCreateFailed
@@ -93,8 +94,6 @@ AGENT_CONNECT_S = 15.0
 RESTORE_COMMAND_TIMEOUT_S = 300.0
 #: How long an exec waits for a sandbox's agent (reconnecting after a worker restart).
 AGENT_WAIT_S = 10.0
-#: How long the node remembers an exec request id (redelivery window).
-DEDUPE_TTL_S = 7 * 86_400
 
 LABEL_SANDBOX = "dsec.sandbox_id"
 LABEL_TENANT = "dsec.tenant"
@@ -109,6 +108,10 @@ class EgressDisabled(SandboxCreateFailed, PermissionError):
 
 class CommandKilled(AgentError):
     """A KillCommand reached the command before it started."""
+
+
+class CommandInterrupted(NodeError):
+    """The node's worker stopped while the command ran (its agent killed it)."""
 
 
 def _killed_result(running: Running, duration_s: float) -> AgentExecResult:
@@ -142,6 +145,8 @@ def room_shortage(path: Path, min_free_mb: int) -> str | None:
 
 
 def _reason_for(exc: Exception) -> FailReason:
+    if isinstance(exc, CommandInterrupted):
+        return FailReason.INTERRUPTED
     if isinstance(exc, EgressDisabled):
         return FailReason.REFUSED
     if isinstance(exc, NoSpace) or "no space left on device" in str(exc).lower():
@@ -189,6 +194,7 @@ class Node:
         self.outlet = Outlet(settings, credential)
         self.redis = redis.Redis.from_url(settings.celery_broker_url)
         self.steps = StepGuard(self.redis)
+        self.claims = Claims(self.redis, node_id)
         self.sandbox_root = settings.state_dir / "nodes" / node_id / "sandboxes"
         self.agent_dir = settings.state_dir / "agent"
         # Sandboxes being created or destroyed right now: the reconciler leaves them
@@ -297,11 +303,6 @@ class Node:
             "tenant": request.tenant,
             "job_id": request.job_id,
         }
-
-    def _claim(self, request: RequestBase) -> bool:
-        """True the first time a request id is seen on this node."""
-        key = f"dsec:done:{request.request_id}"
-        return bool(self.redis.set(key, self.node_id, nx=True, ex=DEDUPE_TTL_S))
 
     # --- lifecycle --------------------------------------------------------------
 
@@ -595,21 +596,52 @@ class Node:
         if job is not None:
             job(Running(request.request_id, request.sandbox_id, request.tenant))
 
-    def admit_exec(self, request: Exec) -> Job | None:
+    def admit_exec(self, request: Exec, reply_key: bytes | None = None) -> Job | None:
         """Claim an exec (on the task's thread: a worker that dies before this gets the
         task again) and return what is left to do, the command itself or the answer of
-        a step another request runs; None if this request ran already."""
-        if not self._claim(request):
+        a step another request runs; None if this request ran already. Until that job
+        ends the command is recorded as in flight (see :meth:`answer_interrupted`)."""
+        if not self.claims.claim(request, reply_key):
             log.info("exec %s already ran on this node; skipping", request.request_id)
             return None
         traj, step = request.trajectory_id, request.step
-        if (
+        replayed = (
             traj is not None
             and step is not None
             and not self.steps.claim(request.tenant, traj, step, str(request.request_id))
-        ):
-            return lambda _running: self._answer_claimed_step(request, traj, step)
-        return lambda running: self._run_exec(request, running)
+        )
+
+        def answering(running: Running) -> None:
+            try:
+                if replayed:
+                    assert traj is not None and step is not None
+                    self._answer_claimed_step(request, traj, step)
+                else:
+                    self._run_exec(request, running)
+            finally:
+                self.claims.answered(request.request_id)
+
+        return answering
+
+    def answer_interrupted(self) -> int:
+        """Answer the commands a previous worker of this node claimed and never
+        answered: its agent connections died with it, and the agents killed those
+        commands. Each gets a failure (reason ``interrupted``), never a second run."""
+        stranded = self.claims.unanswered()
+        for request, key in stranded:
+            traj, step = request.trajectory_id, request.step
+            if traj is not None and step is not None:
+                self.steps.release(request.tenant, traj, step)
+            with self.outlet.answering(request.request_id, key):
+                self._fail(
+                    request,
+                    CommandInterrupted(
+                        f"the worker of node {self.node_id} stopped while command"
+                        f" {request.request_id} ran or waited; the command was killed"
+                    ),
+                )
+            self.claims.answered(request.request_id)
+        return len(stranded)
 
     def kill_command(self, request: KillCommand) -> None:
         """Kill a command of this sandbox that was claimed here and has not ended; its

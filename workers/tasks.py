@@ -176,9 +176,9 @@ def exec_command(*args: str) -> None:
 
 def _start_command(request: Exec, envelope: TaskEnvelope) -> None:
     node = runtime.node()
-    job = node.admit_exec(request)
+    key = bytes.fromhex(envelope.reply_key) if envelope.reply_key else None
+    job = node.admit_exec(request, key)
     if job is not None:
-        key = bytes.fromhex(envelope.reply_key) if envelope.reply_key else None
         node.commands.submit(
             Running(request.request_id, request.sandbox_id, request.tenant), key, job
         )

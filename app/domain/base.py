@@ -81,6 +81,7 @@ class FailReason(StrEnum):
     INTERNAL = "internal"
     INCOMPATIBLE = "incompatible"
     NO_SPACE = "no_space"
+    INTERRUPTED = "interrupted"
 
 
 def fields_by_tag(union: Any, field: str) -> dict[str, frozenset[str]]:

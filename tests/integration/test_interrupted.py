@@ -1,0 +1,66 @@
+"""A command cut short by its node's worker dying is answered, never left silent
+and never run again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from app import stack as stack_mod
+from app.config import Settings
+from app.errors import SandboxFailed
+from app.sdk import Client
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_command_cut_by_a_worker_crash_is_answered_interrupted(
+    stack: Settings, client: Client, db: Any
+) -> None:
+    worker = next(
+        s
+        for s in stack_mod.services(stack, stack_mod.known_node_ids(stack))
+        if s.name == f"worker-{stack.node_id}"
+    )
+    with client.create(memory_mb=64, ttl_s=600) as box:
+        outcome: list[BaseException | object] = []
+
+        def run() -> None:
+            try:
+                outcome.append(box.exec("sleep 120", timeout_s=150))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        wait_for(lambda: b"sleep 120" in box.exec("ps -o args").stdout, what="the command")
+        # When the node's worker dies, no word said, with the command running
+        before = worker.pid(stack)
+        assert before is not None
+        os.killpg(before, signal.SIGKILL)
+        # Then the trainer is told, long before the command's own timeout
+        thread.join(timeout=90)
+        assert not thread.is_alive(), "no answer: the trainer would wait out its timeout"
+        [failed] = outcome
+        assert isinstance(failed, SandboxFailed) and failed.reason == "interrupted"
+        # and the sandbox serves again once the supervisor restarted the worker
+        wait_for(lambda: (pid := worker.pid(stack)) is not None and pid != before, 30)
+        assert box.exec("echo back", timeout_s=30).stdout == b"back\n"
+        assert b"sleep 120" not in box.exec("ps -o args").stdout  # killed, not re-run
+        query = text(
+            "SELECT type, payload->>'reason' AS reason FROM events WHERE sandbox_id = :s"
+            " AND (type = 'SandboxFailed' OR payload->>'command' = 'sleep 120')"
+        )
+
+        def logged() -> list[tuple[str, str]]:
+            with db() as conn:
+                return [(r.type, r.reason) for r in conn.execute(query, {"s": box.id})]
+
+        wait_for(logged, what="the failure in the log")
+        assert logged() == [("SandboxFailed", "interrupted")]
