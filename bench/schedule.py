@@ -96,7 +96,7 @@ def main() -> None:
     for request in execs:
         out = Outbox()
         dispatcher.handle(out, request)
-        routed += len(out.tasks)
+        routed += len(out.inbox)  # commands go to the nodes' inbox topics
     exec_s = time.perf_counter() - started
     print(f"{routed} of {args.execs} commands routed to their nodes in {exec_s:.2f}s")
     print(
