@@ -1,4 +1,5 @@
-"""The commands a node claimed, and those of them not answered yet (Redis).
+"""The commands a node claimed, those of them not answered yet, and the lifecycle
+tasks it is doing (Redis).
 
 Claiming an exec's request id (``SET NX``) is what makes a command run at most once
 however often its record or task is delivered. The same step records the command as
@@ -6,6 +7,8 @@ in flight, with what is needed to answer it (its request and reply key), until i
 answered. A worker that dies takes its agents' connections with it, and the agents
 then kill those commands: the next worker finds them still recorded and answers each
 one ``interrupted``, so a trainer hears of it instead of waiting out its timeout.
+Lifecycle and file tasks (create, destroy, freeze, thaw, write, read) are idempotent:
+the next worker does those again (``tasks.redo_interrupted``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Claims:
         self._redis = client
         self._node_id = node_id
         self._in_flight = f"dsec:inflight:{node_id}"
+        self._tasks = f"dsec:inflight-tasks:{node_id}"
         self._claim: Any = client.register_script(_CLAIM)
 
     def claim(self, request: Exec, reply_key: bytes | None) -> bool:
@@ -55,8 +59,30 @@ class Claims:
         return bool(claimed)
 
     def answered(self, request_id: uuid.UUID) -> None:
-        """The command was answered (or will never need to be)."""
-        self._redis.hdel(self._in_flight, str(request_id))
+        """The command or task was answered (or will never need to be)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hdel(self._in_flight, str(request_id))
+        pipe.hdel(self._tasks, str(request_id))
+        pipe.execute()
+
+    def hold(self, request_id: uuid.UUID, task: str, args: list[str]) -> None:
+        """A lifecycle or file task is being done here (sealed, as it came) until
+        :meth:`answered`: a worker that dies meanwhile leaves it to the next one."""
+        record = json.dumps({"task": task, "args": args})
+        self._redis.hset(self._tasks, str(request_id), record)
+
+    def held(self) -> list[tuple[str, list[str]]]:
+        """Lifecycle and file tasks a worker of this node took and never finished."""
+        found: list[tuple[str, list[str]]] = []
+        entries: dict[bytes, bytes] = self._redis.hgetall(self._tasks)  # type: ignore[assignment]
+        for field, value in entries.items():
+            try:
+                record = json.loads(value)
+                found.append((str(record["task"]), [str(a) for a in record["args"]]))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.error("held task %s unreadable, dropped: %s", field, exc)
+                self._redis.hdel(self._tasks, field)
+        return found
 
     def unanswered(self) -> list[tuple[Exec, bytes | None]]:
         """Commands claimed here and never answered (their worker died)."""

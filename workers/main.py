@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import logging
 import resource
+import threading
 
 from app import credentials
 from app.config import get_settings
-from workers import runtime
+from workers import runtime, tasks
 from workers.agent.client import AgentPool, peer_is_sandbox_init
 from workers.celery_app import celery
 from workers.handlers import Node
 from workers.image_store import store_lock_path
-from workers.inbox import Inbox
+from workers.inbox import READY_WAIT_S, Inbox
 from workers.limits import CgroupLimiter
 from workers.node_setup import ensure_node_user, ensure_podman_service
 from workers.podman_driver import PodmanDriver
@@ -64,6 +65,9 @@ def run(node_id: str, concurrency: int = 16) -> None:
     inbox = Inbox(settings, node_id, node.outlet)
     inbox.start(ready=upkeep.rounds)
     upkeep.start()
+    threading.Thread(
+        target=_redo, args=(node_id, upkeep.rounds), name="dsec-redo", daemon=True
+    ).start()
     log.info(
         "node %s: podman at %s, queue %s, warm pools %s",
         node_id, socket_url, settings.node_queue(node_id), node.warm.sizes or "off",
@@ -73,6 +77,15 @@ def run(node_id: str, concurrency: int = 16) -> None:
     finally:
         inbox.stop()
         node.warm.close(drain=True)
+
+
+def _redo(node_id: str, ready: threading.Event) -> None:
+    """Once the node listens again for its sandboxes' agents, do again the lifecycle
+    tasks a previous worker left half done."""
+    ready.wait(READY_WAIT_S)
+    redone = tasks.redo_interrupted()
+    if redone:
+        log.warning("node %s: did again %d tasks a previous worker left", node_id, redone)
 
 
 def _serve(queue: str, node_id: str, concurrency: int) -> None:

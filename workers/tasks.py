@@ -14,7 +14,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -35,7 +35,7 @@ from app.domain.requests import (
     ThawSandbox,
     WriteFile,
 )
-from app.taskqueue import NodeTask, TaskEnvelope, unseal
+from app.taskqueue import VIA_INBOX, NodeTask, TaskEnvelope, unseal
 from workers import runtime
 from workers.celery_app import celery
 from workers.commands import Running
@@ -137,41 +137,24 @@ def _run(
         return
     request_id: uuid.UUID = request.request_id  # type: ignore[attr-defined]
     key = bytes.fromhex(envelope.reply_key) if envelope.reply_key else None
+    node = runtime.node()
+    # Lifecycle and file tasks are idempotent: one cut short by the worker's death is
+    # done again by the next worker (redo_interrupted), not left to Celery's
+    # redelivery an hour later. Commands have their own record (workers/claims.py).
+    held = task not in VIA_INBOX
     try:
-        with runtime.node().outlet.answering(request_id, key):
+        if held:
+            node.claims.hold(request_id, task.value, list(args))
+        with node.outlet.answering(request_id, key):
             handler(request, envelope)
     except Exception:
         log.exception("%s failed", task)
         metrics.TASKS.labels(task.value, "error").inc()
         raise
+    finally:
+        if held:
+            node.claims.answered(request_id)
     metrics.TASKS.labels(task.value, "ok").inc()
-
-
-def perform(task: NodeTask, args: tuple[str, ...]) -> None:
-    """Carry out a task that came on the node's inbox (workers/inbox.py) exactly as
-    its Celery task would; raises :class:`KeyError` for a task the inbox does not take."""
-    if task == NodeTask.EXEC:
-        _run(task, Exec, args, _start_command)
-    elif task == NodeTask.KILL_COMMAND:
-        _run(task, KillCommand, args, _kill_command)
-    else:
-        raise KeyError(task)
-
-
-@celery.task(name=NodeTask.CREATE)
-def create(*args: str) -> None:
-    """Create and start a sandbox (replaying a trajectory's commands, if given)."""
-    _run(
-        NodeTask.CREATE, CreateSandbox, args,
-        lambda r, e: runtime.node().create(r, e.restore or []),
-    )  # fmt: skip
-
-
-@celery.task(name=NodeTask.EXEC)
-def exec_command(*args: str) -> None:
-    """Claim a command and start it in its sandbox; it runs off the pool
-    (workers/commands.py), so the task ends as soon as it has started."""
-    _run(NodeTask.EXEC, Exec, args, _start_command)
 
 
 def _start_command(request: Exec, envelope: TaskEnvelope) -> None:
@@ -184,41 +167,88 @@ def _start_command(request: Exec, envelope: TaskEnvelope) -> None:
         )
 
 
+#: Each task: what its request validates as, and what the node does with it.
+_WORK: dict[NodeTask, tuple[type[BaseModel], Callable[[Any, TaskEnvelope], None]]] = {
+    NodeTask.CREATE: (CreateSandbox, lambda r, e: runtime.node().create(r, e.restore or [])),
+    NodeTask.EXEC: (Exec, _start_command),
+    NodeTask.KILL_COMMAND: (KillCommand, lambda r, _e: runtime.node().kill_command(r)),
+    NodeTask.WRITE_FILE: (WriteFile, lambda r, _e: runtime.node().write_file(r)),
+    NodeTask.READ_FILE: (ReadFile, lambda r, _e: runtime.node().read_file(r)),
+    NodeTask.FREEZE: (FreezeSandbox, lambda r, _e: runtime.node().freeze(r)),
+    NodeTask.THAW: (ThawSandbox, lambda r, _e: runtime.node().thaw(r)),
+    NodeTask.DESTROY: (DestroySandbox, lambda r, _e: runtime.node().destroy(r)),
+}
+
+
+def _do(task: NodeTask, args: tuple[str, ...]) -> None:
+    model, handler = _WORK[task]
+    _run(task, model, args, handler)
+
+
+def perform(task: NodeTask, args: tuple[str, ...]) -> None:
+    """Carry out a task that came on the node's inbox (workers/inbox.py) exactly as
+    its Celery task would; raises :class:`KeyError` for a task the inbox does not take."""
+    if task not in VIA_INBOX:
+        raise KeyError(task)
+    _do(task, args)
+
+
+def redo_interrupted() -> int:
+    """Do again the lifecycle and file tasks a previous worker of this node took and
+    never finished (it died): all of them are idempotent, and their trainers wait."""
+    held = runtime.node().claims.held()
+    for task, args in held:
+        try:
+            _do(NodeTask(task), tuple(args))
+        except Exception:  # logged by _run; the others must still be done
+            continue
+    return len(held)
+
+
+@celery.task(name=NodeTask.CREATE)
+def create(*args: str) -> None:
+    """Create and start a sandbox (replaying a trajectory's commands, if given)."""
+    _do(NodeTask.CREATE, args)
+
+
+@celery.task(name=NodeTask.EXEC)
+def exec_command(*args: str) -> None:
+    """Claim a command and start it in its sandbox; it runs off the pool
+    (workers/commands.py), so the task ends as soon as it has started."""
+    _do(NodeTask.EXEC, args)
+
+
 @celery.task(name=NodeTask.KILL_COMMAND)
 def kill_command(*args: str) -> None:
     """Kill a command running (or waiting its turn) in a sandbox."""
-    _run(NodeTask.KILL_COMMAND, KillCommand, args, _kill_command)
-
-
-def _kill_command(request: KillCommand, _envelope: TaskEnvelope) -> None:
-    runtime.node().kill_command(request)
+    _do(NodeTask.KILL_COMMAND, args)
 
 
 @celery.task(name=NodeTask.WRITE_FILE)
 def write_file(*args: str) -> None:
     """Write a file into a sandbox."""
-    _run(NodeTask.WRITE_FILE, WriteFile, args, lambda r, _e: runtime.node().write_file(r))
+    _do(NodeTask.WRITE_FILE, args)
 
 
 @celery.task(name=NodeTask.READ_FILE)
 def read_file(*args: str) -> None:
     """Read a file from a sandbox."""
-    _run(NodeTask.READ_FILE, ReadFile, args, lambda r, _e: runtime.node().read_file(r))
+    _do(NodeTask.READ_FILE, args)
 
 
 @celery.task(name=NodeTask.FREEZE)
 def freeze(*args: str) -> None:
     """Freeze a sandbox (its trainer's lease lapsed, or it was asked)."""
-    _run(NodeTask.FREEZE, FreezeSandbox, args, lambda r, _e: runtime.node().freeze(r))
+    _do(NodeTask.FREEZE, args)
 
 
 @celery.task(name=NodeTask.THAW)
 def thaw(*args: str) -> None:
     """Thaw a frozen sandbox."""
-    _run(NodeTask.THAW, ThawSandbox, args, lambda r, _e: runtime.node().thaw(r))
+    _do(NodeTask.THAW, args)
 
 
 @celery.task(name=NodeTask.DESTROY)
 def destroy(*args: str) -> None:
     """Destroy a sandbox."""
-    _run(NodeTask.DESTROY, DestroySandbox, args, lambda r, _e: runtime.node().destroy(r))
+    _do(NodeTask.DESTROY, args)

@@ -64,3 +64,59 @@ def test_a_command_cut_by_a_worker_crash_is_answered_interrupted(
 
         wait_for(logged, what="the failure in the log")
         assert logged() == [("SandboxFailed", "interrupted")]
+
+
+def test_a_lifecycle_task_cut_by_a_worker_crash_is_done_again(
+    stack: Settings, client: Client, db: Any
+) -> None:
+    import json
+    import uuid
+
+    import redis
+
+    from app import credentials
+    from app.domain.proof import reply_key
+    from app.domain.replies import Done
+    from app.domain.requests import DestroySandbox
+    from app.taskqueue import NodeTask, TaskEnvelope, seal
+
+    worker = next(
+        s
+        for s in stack_mod.services(stack, stack_mod.known_node_ids(stack))
+        if s.name == f"worker-{stack.node_id}"
+    )
+    box = client.create(memory_mb=64, ttl_s=600)
+    # Given a destroy the node's worker had taken, sealed as the scheduler sends it,
+    # and died doing (what a worker records while it does one)
+    destroy = DestroySandbox(
+        **client._common(box.id), tenant=client.tenant, actor=f"{client.tenant}:test"
+    )
+    node_cred = credentials.load(credentials.node_file(stack, stack.node_id))
+    envelope = TaskEnvelope(
+        request=destroy.model_dump_json(),
+        reply_key=reply_key(client.credential.secret, destroy.request_id).hex(),
+    )
+    args = seal(envelope, node_cred.key_id, node_cred.secret)
+    answer = client.expect(destroy.request_id)
+    redis.Redis.from_url(stack.celery_broker_url).hset(
+        f"dsec:inflight-tasks:{stack.node_id}",
+        str(destroy.request_id),
+        json.dumps({"task": NodeTask.DESTROY.value, "args": args}),
+    )
+    before = worker.pid(stack)
+    assert before is not None
+    os.killpg(before, signal.SIGKILL)
+    # Then the next worker does it again: the trainer gets its answer, the log its end
+    reply = answer.result(timeout=90)
+    assert isinstance(reply, Done) and reply.detail == "destroyed"
+
+    def stopped() -> list[str]:
+        with db() as conn:
+            query = text(
+                "SELECT payload->>'request_id' FROM events"
+                " WHERE sandbox_id = :s AND type = 'SandboxStopped'"
+            )
+            return [r[0] for r in conn.execute(query, {"s": box.id})]
+
+    assert wait_for(stopped, what="the sandbox's end") == [str(destroy.request_id)]
+    assert uuid.UUID(stopped()[0]) == destroy.request_id
