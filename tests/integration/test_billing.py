@@ -193,11 +193,14 @@ def rollups_agree_with_the_log(conn: Connection) -> Iterator[None]:
     yield
     today = datetime.now(UTC).date()
     assert billing.differences(conn, DAY - timedelta(days=3), today + timedelta(days=1)) == []
+    # The lives of these tests' tenants (Log's "t-..."): the raw view over the whole
+    # development log (benchmarks and chaos runs included) took ~20 s per test.
+    mine = "WHERE tenant LIKE 't-%'"
     for fast, raw in (("sandbox_lives", "sandbox_lives_from_log"),):
         only = conn.execute(
             text(
-                f"(SELECT * FROM {fast} EXCEPT ALL SELECT * FROM {raw}) UNION ALL "
-                f"(SELECT * FROM {raw} EXCEPT ALL SELECT * FROM {fast})"
+                f"(SELECT * FROM {fast} {mine} EXCEPT ALL SELECT * FROM {raw} {mine}) UNION ALL "
+                f"(SELECT * FROM {raw} {mine} EXCEPT ALL SELECT * FROM {fast} {mine})"
             )
         ).all()
         assert only == []
