@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 from pydantic import ValidationError
@@ -24,6 +25,8 @@ from pydantic import ValidationError
 from app.domain.requests import Exec
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Claims are kept this long (a replay of the same request id within it is skipped).
 DEDUPE_TTL_S = 7 * 86_400
@@ -73,29 +76,29 @@ class Claims:
 
     def held(self) -> list[tuple[str, list[str]]]:
         """Lifecycle and file tasks a worker of this node took and never finished."""
-        found: list[tuple[str, list[str]]] = []
-        entries: dict[bytes, bytes] = self._redis.hgetall(self._tasks)  # type: ignore[assignment]
-        for field, value in entries.items():
-            try:
-                record = json.loads(value)
-                found.append((str(record["task"]), [str(a) for a in record["args"]]))
-            except (ValueError, KeyError, TypeError) as exc:
-                log.error("held task %s unreadable, dropped: %s", field, exc)
-                self._redis.hdel(self._tasks, field)
-        return found
+        return self._read(
+            self._tasks, lambda r: (str(r["task"]), [str(a) for a in r["args"]]), "held task"
+        )
 
     def unanswered(self) -> list[tuple[Exec, bytes | None]]:
         """Commands claimed here and never answered (their worker died)."""
-        found: list[tuple[Exec, bytes | None]] = []
-        entries: dict[bytes, bytes] = self._redis.hgetall(self._in_flight)  # type: ignore[assignment]
+        return self._read(
+            self._in_flight,
+            lambda r: (
+                Exec.model_validate_json(r["request"]),
+                bytes.fromhex(r["reply_key"]) or None,
+            ),
+            "in-flight command",
+        )
+
+    def _read(self, key: str, parse: Callable[[dict[str, Any]], T], what: str) -> list[T]:
+        """Every record of the hash ``key``, parsed; one that cannot be is dropped."""
+        found: list[T] = []
+        entries: dict[bytes, bytes] = self._redis.hgetall(key)  # type: ignore[assignment]
         for field, value in entries.items():
             try:
-                record = json.loads(value)
-                request = Exec.model_validate_json(record["request"])
-                key = bytes.fromhex(record["reply_key"]) or None
+                found.append(parse(json.loads(value)))
             except (ValueError, KeyError, TypeError, ValidationError) as exc:
-                log.error("in-flight record %s unreadable, dropped: %s", field, exc)
-                self._redis.hdel(self._in_flight, field)
-                continue
-            found.append((request, key))
+                log.error("%s %s unreadable, dropped: %s", what, field, exc)
+                self._redis.hdel(key, field)
         return found

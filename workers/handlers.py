@@ -629,11 +629,8 @@ class Node:
         commands. Each gets a failure (reason ``interrupted``), never a second run."""
         stranded = self.claims.unanswered()
         for request, key in stranded:
-            traj, step = request.trajectory_id, request.step
-            if traj is not None and step is not None:
-                self.steps.release(request.tenant, traj, step)
             with self.outlet.answering(request.request_id, key):
-                self._fail(
+                self._exec_failed(
                     request,
                     CommandInterrupted(
                         f"the worker of node {self.node_id} stopped while command"
@@ -649,7 +646,8 @@ class Node:
         owns it: the scheduler checked the sandbox's owner, not the command's."""
         running = self.commands.find(request.command_id)
         found = running is not None and running.sandbox_id == request.sandbox_id
-        if running is not None and found:
+        if found:
+            assert running is not None
             running.kill(request.actor or request.tenant)
         self.outlet.reply(
             request.reply_to,
@@ -690,9 +688,11 @@ class Node:
         self._exec_done(request, result, killed_by)
 
     def _exec_failed(self, request: Exec, exc: Exception) -> None:
+        """Answer a command that did not run to its end; its trajectory step is free
+        again, so a retry may run it."""
         traj, step = request.trajectory_id, request.step
         if traj is not None and step is not None:
-            self.steps.release(request.tenant, traj, step)  # it never ran: a retry may run it
+            self.steps.release(request.tenant, traj, step)
         self._fail(request, exc)
 
     def _exec_done(
