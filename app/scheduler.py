@@ -92,8 +92,10 @@ class Scheduler:
         # Every tenant's replies topic exists before its first answer is sent (a send to
         # a missing topic blocks on metadata).
         self._tenants = self.keyring.tenants()
-        #: Node inbox topics known to exist (see _ensure_inboxes).
+        #: Node inbox topics known to exist (see _ensure_inboxes), and the incarnation
+        #: of the requests topic they were seen with.
         self._inboxes: set[str] = set()
+        self._inboxes_seen_with: uuid.UUID | None = None
         bus.ensure_topics(settings, self._tenants)
         self._topics_checked = time.monotonic()
         self._pruned = time.monotonic()
@@ -190,6 +192,10 @@ class Scheduler:
     def _ensure_inboxes(self, topics: set[str]) -> None:
         """Make nodes' inbox topics that this process has not seen exist yet (a send to
         a missing topic would block on metadata); a node makes its own on start."""
+        if self.requests.topic_id != self._inboxes_seen_with:
+            # A broker that came back empty (a new requests topic) lost them too.
+            self._inboxes.clear()
+            self._inboxes_seen_with = self.requests.topic_id
         missing = topics - self._inboxes
         if missing:
             prefix = f"{self.settings.topic_prefix}.node."
@@ -351,7 +357,6 @@ class Scheduler:
                 handled.prune(conn, cutoff)
         if now - self._topics_checked > 5.0:
             self._topics_checked = now
-            self._inboxes.clear()  # a broker that came back empty lost them: check again
             tenants = self.keyring.tenants()
             if tenants - self._tenants:
                 bus.ensure_topics(self.settings, tenants)
