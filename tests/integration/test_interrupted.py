@@ -20,14 +20,16 @@ from tests.conftest import wait_for
 pytestmark = pytest.mark.integration
 
 
+def _worker(stack: Settings) -> stack_mod.Service:
+    """The stack's service of the configured node's worker."""
+    every = stack_mod.services(stack, stack_mod.known_node_ids(stack))
+    return next(s for s in every if s.name == f"worker-{stack.node_id}")
+
+
 def test_a_command_cut_by_a_worker_crash_is_answered_interrupted(
     stack: Settings, client: Client, db: Any
 ) -> None:
-    worker = next(
-        s
-        for s in stack_mod.services(stack, stack_mod.known_node_ids(stack))
-        if s.name == f"worker-{stack.node_id}"
-    )
+    worker = _worker(stack)
     with client.create(memory_mb=64, ttl_s=600) as box:
         outcome: list[BaseException | object] = []
 
@@ -80,11 +82,7 @@ def test_a_lifecycle_task_cut_by_a_worker_crash_is_done_again(
     from app.domain.requests import DestroySandbox
     from app.taskqueue import NodeTask, TaskEnvelope, seal
 
-    worker = next(
-        s
-        for s in stack_mod.services(stack, stack_mod.known_node_ids(stack))
-        if s.name == f"worker-{stack.node_id}"
-    )
+    worker = _worker(stack)
     box = client.create(memory_mb=64, ttl_s=600)
     # Given a destroy the node's worker had taken, sealed as the scheduler sends it,
     # and died doing (what a worker records while it does one)
