@@ -137,8 +137,13 @@ class Service:
     def start(self, settings: Settings) -> bool:
         """Start unless running this checkout's code; True if it was started now.
         (Under a lock: `dsec up` and the supervisor may both try at once.)"""
+        from app.supervisor import Restarts
+
         with self._locked(settings):
-            return self._start(settings)
+            started = self._start(settings)
+        if started:
+            Restarts.started_by_hand(settings, self.name)
+        return started
 
     def restart_if_died(self, settings: Settings) -> bool:
         """Start it again if it died: its pid file is there (nobody stopped it on
