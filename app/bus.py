@@ -73,11 +73,18 @@ def _admin(settings: Settings) -> KafkaAdminClient:
         raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
 
 
-def drop_topics(settings: Settings) -> None:
-    """Delete every topic of the settings' prefix (a benchmark's or a test's own)."""
+def drop_topics(settings: Settings, names: Iterable[str] | None = None) -> None:
+    """Delete ``names``, or every topic of the settings' prefix (a benchmark's or a
+    test's own)."""
     admin = _admin(settings)
     try:
-        mine = [t for t in admin.list_topics() if t.startswith(f"{settings.topic_prefix}.")]
+        listed = admin.list_topics()
+        wanted = set(names) if names is not None else None
+        mine = [
+            t
+            for t in listed
+            if (t in wanted if wanted is not None else t.startswith(f"{settings.topic_prefix}."))
+        ]
         if mine:
             admin.delete_topics(mine)
     finally:

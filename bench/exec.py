@@ -8,8 +8,12 @@ secure defaults the platform uses). Then, in this order:
   over the sandbox's socket; p50/p99 of the round trip;
 - podman exec: ``exec_run(["true"])`` through the same REST service (what most
   sandbox tools do); fewer samples, each costs ~100 ms;
+- one Kafka hop: a record handed to the platform's Publisher (acknowledged) until a
+  consumer with the platform's settings has it; an exec waits on three of these
+  (request, the node's inbox record, reply), the floor under the platform's figure;
 - platform: the same command through the whole platform from the SDK (Kafka,
-  scheduler, Celery, node, agent, Kafka back), on a sandbox created through it.
+  scheduler, the node's inbox, node, agent, Kafka back), on a sandbox created
+  through it.
 Needs `dsec up`. The last line prints the headline figures.
 """
 
@@ -17,17 +21,14 @@ from __future__ import annotations
 
 import argparse
 import time
-import uuid
 from collections.abc import Callable
+
+from substrate import HOPS_PER_EXEC, kafka_hop, raw_sandbox
 
 from app import tenants
 from app.config import get_settings
 from app.sdk import Client
 from app.stats import percentile
-from workers.agent.client import AgentPool
-from workers.node_setup import set_up_node_user
-from workers.podman_driver import PodmanDriver
-from workers.sandbox_spec import SandboxSpec
 
 
 def measure(n: int, call: Callable[[], object], warmup: int = 10) -> list[float]:
@@ -54,34 +55,16 @@ def main() -> None:
     parser.add_argument("--platform-n", type=int, default=100)
     args = parser.parse_args()
     settings = get_settings()
-    user = set_up_node_user(settings.node_id, settings)
-    driver = PodmanDriver(user.socket_url)
-    sandbox_id = f"sb-bench-{uuid.uuid4().hex[:8]}"
-    run_dir = settings.state_dir / "nodes" / settings.node_id / "bench" / sandbox_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    pool = AgentPool()
-    pool.register(sandbox_id, run_dir)
-    spec = SandboxSpec(
-        sandbox_id=sandbox_id,
-        image=settings.default_image,
-        agent_bin_dir=settings.state_dir / "agent",
-        run_dir=run_dir,
-    )
     results: dict[str, list[float]] = {}
-    try:
-        driver.create_and_start(spec)
-        conn = pool.connection(sandbox_id, 15)
+    with raw_sandbox(settings) as (container, conn):
         results["agent: true"] = measure(args.n, lambda: conn.exec(["true"], timeout_s=10))
         results["agent: sh -c 'echo hi'"] = measure(
             args.n, lambda: conn.exec(["/bin/sh", "-c", "echo hi"], timeout_s=10)
         )
-        container = driver._client().containers.get(spec.container_name)
         results["podman exec: true"] = measure(
             args.podman_n, lambda: container.exec_run(["true"]), warmup=2
         )
-    finally:
-        pool.unregister(sandbox_id)
-        driver.remove(sandbox_id)
+    results["one Kafka hop"] = kafka_hop(settings, args.platform_n)
     with (
         Client(settings, credential=tenants.local(settings, "bench"), job_id="exec") as client,
         client.create() as box,
@@ -94,9 +77,15 @@ def main() -> None:
     agent = percentile(results["agent: true"], 50) * 1000
     podman = percentile(results["podman exec: true"], 50) * 1000
     platform = percentile(results["platform (SDK): true"], 50) * 1000
+    hop = percentile(results["one Kafka hop"], 50) * 1000
+    print(
+        f"Kafka floor: an exec waits on {HOPS_PER_EXEC} hops of {hop:.1f} ms p50 ="
+        f" {HOPS_PER_EXEC * hop:.1f} ms before the node or the agent does anything"
+    )
     print(
         f"RESULT exec p50: agent={agent:.2f}ms podman_exec={podman:.1f}ms "
         f"speedup={podman / agent:.0f}x platform_end_to_end={platform:.1f}ms"
+        f" kafka_hop={hop:.1f}ms"
     )
 
 

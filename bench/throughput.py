@@ -9,31 +9,29 @@ prints commands/s, p50/p99 and a table of CPU milliseconds per command by proces
 (from /proc, over the run): the scheduler, the projector, the node worker, Flower,
 Redis, the broker, Postgres, the node's Podman service and conmon, and this client.
 In the same run, the same `true` through raw `podman exec` (podman-py, 8 in flight)
-and through the in-sandbox agent alone (serially), for the ratios. Needs `dsec up`.
+and through the in-sandbox agent alone (serially), for the ratios; and the floor the
+Kafka client sets: M records of an exec's size produced (acknowledged, as the platform
+does) and consumed through the platform's own Kafka adapters, N in flight, with the
+CPU of this process and of the broker per record. A command is four such records
+(request, the node's inbox record, CommandCompleted, reply). Needs `dsec up`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import threading
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from procstat import HZ, named, ticks
 from rich.console import Console
 from rich.table import Table
+from substrate import RECORDS_PER_COMMAND, kafka_records, raw_sandbox, run
 
 from app import tenants
 from app.config import Settings, get_settings
 from app.sdk import Client
 from app.stats import percentile
-from workers.agent.client import AgentPool
-from workers.node_setup import set_up_node_user
-from workers.podman_driver import PodmanDriver, container_args
-from workers.sandbox_spec import SandboxSpec
 
 
 def _pidfile(settings: Settings, name: str) -> list[int]:
@@ -63,24 +61,6 @@ def cpu(groups: dict[str, list[int]]) -> dict[str, float]:
     return {name: sum(map(ticks, pids)) / HZ for name, pids in groups.items()}
 
 
-def run(n: int, in_flight: int, call: Callable[[int], object]) -> tuple[float, list[float]]:
-    """Wall seconds and per-call seconds of ``n`` calls, ``in_flight`` at a time."""
-    latencies: list[float] = []
-    lock = threading.Lock()
-
-    def one(i: int) -> None:
-        t = time.perf_counter()
-        call(i)
-        took = time.perf_counter() - t
-        with lock:
-            latencies.append(took)
-
-    started = time.perf_counter()
-    with ThreadPoolExecutor(in_flight) as pool:
-        list(pool.map(one, range(n)))
-    return time.perf_counter() - started, latencies
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sandboxes", type=int, default=40)
@@ -89,39 +69,17 @@ def main() -> None:
     parser.add_argument("--podman", type=int, default=200)
     args = parser.parse_args()
     settings = get_settings()
-    # The raw substrate first (the node would take its container for an orphan after
-    # two heartbeats): podman exec and the agent alone.
-    user = set_up_node_user(settings.node_id, settings)
-    driver = PodmanDriver(user.socket_url)
-    sandbox_id = f"sb-raw-{uuid.uuid4().hex[:8]}"
-    run_dir = settings.state_dir / "nodes" / settings.node_id / "bench" / sandbox_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    pool = AgentPool()
-    pool.register(sandbox_id, run_dir)
-    spec = SandboxSpec(
-        sandbox_id=sandbox_id, image=settings.default_image,
-        agent_bin_dir=settings.state_dir / "agent", run_dir=run_dir,
-    )  # fmt: skip
-    container = None
+    # The raw substrate first: podman exec, the agent alone, and Kafka records.
     raw_groups = {"podman + conmon": named("podman") + named("conmon")}
-    try:
-        # Without the sandbox label the node leaves it alone (it is nobody's sandbox).
-        options = container_args(spec)
-        options["labels"] = {}
-        container = driver._client().containers.create(spec.image, list(driver.command), **options)
-        container.start()
-        conn = pool.connection(sandbox_id, 15)
+    with raw_sandbox(settings) as (container, conn):
         raw_before = cpu(raw_groups)
         podman_wall, _ = run(args.podman, 8, lambda _: container.exec_run(["true"]))
         raw_after = cpu(raw_groups)
         agent_cpu = ticks(os.getpid())
         agent_wall, _ = run(args.commands, 1, lambda _: conn.exec(["true"], timeout_s=10))
         agent_ms = (ticks(os.getpid()) - agent_cpu) / HZ / args.commands * 1000
-    finally:
-        pool.close()
-        if container is not None:
-            container.remove(force=True)
     podman_ms = (raw_after["podman + conmon"] - raw_before["podman + conmon"]) / args.podman * 1000
+    floor_client, floor_broker = kafka_records(settings, args.commands, args.in_flight)
     job = f"throughput-{uuid.uuid4().hex[:6]}"
     groups = processes(settings)
     with Client(settings, credential=tenants.local(settings, "bench"), job_id=job) as client:
@@ -159,10 +117,17 @@ def main() -> None:
         f" {agent_ms:.2f} ms CPU of the caller per command"
     )
     print(
+        f"Kafka floor: {floor_client:.2f} ms CPU of the client and {floor_broker:.2f} ms"
+        f" of the broker per record produced and consumed; x{RECORDS_PER_COMMAND}"
+        f" records per command: {floor_client * RECORDS_PER_COMMAND:.2f} ms of clients"
+    )
+    print(
         f"RESULT throughput commands/s={rate:.0f} p50_ms={p50:.1f} p99_ms={p99:.1f}"
         f" platform_cpu_ms={platform:.2f} broker_cpu_ms={per_command['broker']:.2f}"
         f" podman_exec_commands/s={args.podman / podman_wall:.0f}"
         f" agent_commands/s={args.commands / agent_wall:.0f}"
+        f" kafka_floor_client_ms={floor_client * RECORDS_PER_COMMAND:.2f}"
+        f" kafka_floor_broker_ms={floor_broker * RECORDS_PER_COMMAND:.2f}"
     )
 
 
