@@ -6,6 +6,7 @@ nothing is skipped silently.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 import uuid
@@ -53,6 +54,16 @@ def ensure_tenant(settings: Settings, name: str, role: str = "tenant") -> Any:
     from app.domain.proof import Role
 
     return tenants.local(settings, name, Role(role))
+
+
+@contextlib.contextmanager
+def tenant_client(settings: Settings, name: str, job_id: str) -> Iterator[Any]:
+    """An SDK client signing as tenant ``name`` (made if missing), closed after."""
+    from app.sdk import Client
+
+    ensure_tenant(settings, name)
+    with Client(settings, tenant=name, job_id=job_id) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

@@ -18,22 +18,20 @@ from app.config import Settings
 from app.domain.requests import KillCommand
 from app.errors import SandboxRejected
 from app.sdk import Client, Sandbox
-from tests.conftest import ensure_tenant, wait_for
+from tests.conftest import tenant_client, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def carol(stack: Settings) -> Iterator[Client]:
-    ensure_tenant(stack, "carol")
-    with Client(stack, tenant="carol", job_id="background") as c:
+    with tenant_client(stack, "carol", "background") as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def dave(stack: Settings) -> Iterator[Client]:
-    ensure_tenant(stack, "dave")
-    with Client(stack, tenant="dave", job_id="background") as c:
+    with tenant_client(stack, "dave", "background") as c:
         yield c
 
 

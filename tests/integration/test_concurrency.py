@@ -1,5 +1,6 @@
 """Commands in flight are bounded by the node, not by its Celery pool (16 threads):
-long commands run side by side, and lifecycle requests never queue behind them."""
+long commands run side by side, and neither lifecycle requests nor another tenant's
+commands queue behind them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from typing import Any
 
 import pytest
 
+from app.config import Settings
 from app.domain.requests import Exec
+from tests.conftest import tenant_client
 
 pytestmark = pytest.mark.integration
 
@@ -54,6 +57,26 @@ def test_a_create_does_not_wait_behind_long_commands(client: Any, boxes: list[An
         with client.create(memory_mb=32) as fresh:
             assert fresh.exec("echo here").stdout == b"here\n"
             # Then they are answered while the long commands still run
+            assert not any(future.done() for _, future in sent)
+    finally:
+        for request, future in sent:
+            client.wait(request, future, 90)
+
+
+def test_another_tenants_command_does_not_wait_behind_a_flood(
+    stack: Settings, client: Any, boxes: list[Any]
+) -> None:
+    # Given one tenant flooding the node: four long commands in each of its sandboxes
+    sent = [_send(client, box, "sleep 8") for box in boxes for _ in range(4)]
+    try:
+        with (
+            tenant_client(stack, "frank", "fair-share") as frank,
+            frank.create(memory_mb=32) as own,
+        ):
+            # When another tenant runs a short command
+            reply = own.exec("echo mine")
+            # Then it is answered while every one of the flood's still runs
+            assert reply.stdout == b"mine\n"
             assert not any(future.done() for _, future in sent)
     finally:
         for request, future in sent:

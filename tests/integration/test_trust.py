@@ -39,22 +39,20 @@ from app.domain.requests import (
 )
 from app.errors import RequestTimeout, SandboxRejected
 from app.sdk import Client, Sandbox
-from tests.conftest import ensure_tenant, scalar, wait_for
+from tests.conftest import ensure_tenant, scalar, tenant_client, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def alice(stack: Settings) -> Iterator[Client]:
-    ensure_tenant(stack, "alice")
-    with Client(stack, tenant="alice", job_id="trust") as c:
+    with tenant_client(stack, "alice", "trust") as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def bob(stack: Settings) -> Iterator[Client]:
-    ensure_tenant(stack, "bob")
-    with Client(stack, tenant="bob", job_id="trust") as c:
+    with tenant_client(stack, "bob", "trust") as c:
         yield c
 
 
