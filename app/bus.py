@@ -104,14 +104,15 @@ def ensure_topics(
     wanted: dict[str, int] = {}
     if platform:
         wanted = {
-            settings.topic_requests: settings.topic_partitions,
-            settings.topic_events: settings.topic_partitions,
-            settings.topic_dead_letters: 1,
+            settings.topic_requests: settings.partitions_of(settings.topic_partitions),
+            settings.topic_events: settings.partitions_of(settings.topic_partitions),
+            settings.topic_dead_letters: settings.partitions_of(1),
         }
     for tenant in tenants:
-        wanted[settings.replies_topic(tenant)] = settings.reply_partitions
+        wanted[settings.replies_topic(tenant)] = settings.partitions_of(settings.reply_partitions)
     for node in nodes:
-        wanted[settings.node_topic(node)] = 1
+        # Only partition 0 is written (by name), whatever the topic has.
+        wanted[settings.node_topic(node)] = settings.partitions_of(1)
     admin = _admin(settings)
     try:
         existing = set(admin.list_topics())
@@ -146,7 +147,13 @@ class Publisher:
                 # Replies may be large (an exec's output); consumers bound requests and
                 # events themselves, by max_message_bytes.
                 max_request_size=max(settings.max_message_bytes * 2, settings.max_reply_bytes),
-                retries=5,
+                # Retried until delivered or delivery_timeout_ms (2 min): a broker that
+                # restarts is back within seconds, and what was sent meanwhile arrives.
+                **(
+                    {"enable_idempotence": False, "max_in_flight_requests_per_connection": 1}
+                    if settings.embedded_broker
+                    else {"enable_idempotence": True}
+                ),
             )
         except KafkaError as exc:
             raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc

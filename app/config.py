@@ -11,6 +11,9 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 
+#: Partitions the embedded broker gives a topic it makes on a client's question.
+EMBEDDED_BROKER_PARTITIONS = 4
+
 
 class Settings(BaseSettings):
     """Platform configuration, read from ``DSEC_*`` environment variables."""
@@ -19,6 +22,19 @@ class Settings(BaseSettings):
 
     kafka_bootstrap: str = Field(
         "127.0.0.1:19092", description="Kafka bootstrap servers, comma separated."
+    )
+    embedded_broker: bool = Field(
+        True,
+        description=(
+            "The broker is the embedded stack's (Tansu, memory only), and the platform"
+            " works around its quirks. It makes any topic a client asks about, with"
+            f" {EMBEDDED_BROKER_PARTITIONS} partitions, so every topic is made with that"
+            " many: one made by a client's question after a restart is then the same."
+            " It forgets producer ids when it restarts, failing every idempotent producer"
+            " for good, so producers are not idempotent: one request in flight keeps"
+            " their order, and consumers drop duplicates by id."
+            " Set false against Apache Kafka."
+        ),
     )
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         "PLAINTEXT",
@@ -98,8 +114,20 @@ class Settings(BaseSettings):
         Path("/var/lib/dsec/store"), description="Shared read-only Podman image store."
     )
     topic_prefix: str = Field("dsec", description="Prefix of every Kafka topic name.")
-    topic_partitions: int = Field(8, description="Partitions for requests and events topics.")
-    reply_partitions: int = Field(16, description="Partitions of the replies topic.")
+    topic_partitions: int = Field(
+        8,
+        description=(
+            "Partitions for requests and events topics (the embedded broker's topics"
+            " have 4 whatever this says: see embedded_broker)."
+        ),
+    )
+    reply_partitions: int = Field(
+        16,
+        description=(
+            "Partitions of a tenant's replies topic, and the highest a trainer may name"
+            " (the embedded broker's have 4: see embedded_broker)."
+        ),
+    )
     flower_port: int = Field(5555, description="Celery Flower HTTP port.")
     metrics_port: int = Field(9464, description="First Prometheus metrics port of the services.")
     schedulers: int = Field(
@@ -267,6 +295,10 @@ class Settings(BaseSettings):
                 netloc = f":{quote(found, safe='')}@{broker.netloc.rpartition('@')[2]}"
                 self.celery_broker_url = urlunsplit(broker._replace(netloc=netloc))
         return self
+
+    def partitions_of(self, wanted: int) -> int:
+        """How many partitions a topic that should have ``wanted`` is made with."""
+        return EMBEDDED_BROKER_PARTITIONS if self.embedded_broker else wanted
 
     @property
     def topic_requests(self) -> str:

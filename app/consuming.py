@@ -44,21 +44,25 @@ class PositionedConsumer:
         self._consumer = bus.make_consumer(settings, **overrides)
         #: Every partition of the topic (a caller may read only some).
         self.all_partitions = bus.partitions(self._consumer, topic)
-        self.partitions = (
-            [tp for tp in self.all_partitions if tp.partition in set(partitions)]
-            if partitions is not None
-            else self.all_partitions
-        )
+        #: The partitions the caller chose (None: all of them, however many).
+        self._chosen = set(partitions) if partitions is not None else None
+        self.partitions = self._of_choice()
         self._incarnation = bus.Incarnation(self._consumer, topic)
         if self.partitions:
             self._consumer.assign(self.partitions)
+
+    def _of_choice(self) -> list[TopicPartition]:
+        if self._chosen is None:
+            return list(self.all_partitions)
+        return [tp for tp in self.all_partitions if tp.partition in self._chosen]
 
     def reassign(self, partitions: Collection[int], stored: dict[int, StoredOffset]) -> list[str]:
         """Read ``partitions`` from now on: those kept go on from where they stand,
         those new to this consumer start at their ``stored`` offsets (see
         :meth:`seek`); returns its warnings."""
         kept = {tp.partition for tp in self.partitions}
-        self.partitions = [tp for tp in self.all_partitions if tp.partition in set(partitions)]
+        self._chosen = set(partitions)
+        self.partitions = self._of_choice()
         if not self.partitions:
             # kafka-python takes an empty assignment for an unsubscribe.
             self._consumer.assign([])
@@ -109,8 +113,15 @@ class PositionedConsumer:
                 "%s: %s is a new incarnation of the topic (broker restarted empty?): "
                 "reading it from its beginning", self.name, self.topic,
             )  # fmt: skip
+            # It may have other partitions than the one before (the embedded broker
+            # makes a topic a client asks about with its own default).
+            self.all_partitions = bus.partitions(self._consumer, self.topic)
+            self.partitions = self._of_choice()
+            self._consumer.assign(self.partitions)
             for tp in self.partitions:
                 self._consumer.seek_to_beginning(tp)
+            if not self.partitions:
+                return []
         batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
         out: list[ConsumerRecord] = []
         for records in batches.values():
@@ -176,4 +187,6 @@ def dead_letter(
             for name, value in (record.headers or [])[:16]
         ],
     )
-    publisher.publish(settings.topic_dead_letters, key or "", letter)
+    # Partition 0 by name: one partition, in order, however many the topic has
+    # (see Settings.embedded_broker).
+    publisher.publish(settings.topic_dead_letters, key or "", letter, partition=0)

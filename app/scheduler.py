@@ -114,7 +114,6 @@ class Scheduler:
         self._catch_up()
         self.dispatcher.replaying = False
         self.requests = PositionedConsumer(settings, settings.topic_requests, NAME, partitions=[])
-        self.partition_count = len(self.requests.all_partitions)
         self.owner = OwnerSession(settings.database_url, NAME, settings.topic_requests)
         self.dispatcher.keeps_lease = self._keeps_lease
         self._rebalanced = 0.0
@@ -184,10 +183,19 @@ class Scheduler:
         if out.inbox:
             self._ensure_inboxes({topic for topic, _key, _value in out.inbox})
             for topic, key, value in out.inbox:
-                self.publisher.publish(topic, key, value)
+                # Partition 0 by name: the inbox is one partition, but the embedded
+                # broker makes any topic a client asks about, with four partitions,
+                # and after it restarted empty a client may ask before we make it.
+                self.publisher.publish(topic, key, value, partition=0)
             # Acknowledged before the requests' offsets are saved: a crash in between
             # sends them again (the node's claim makes that harmless), never loses one.
             self.publisher.flush()
+
+    @property
+    def partition_count(self) -> int:
+        """Partitions of the requests topic (a broker that came back empty may have
+        made it with another number)."""
+        return len(self.requests.all_partitions)
 
     def _ensure_inboxes(self, topics: set[str]) -> None:
         """Make nodes' inbox topics that this process has not seen exist yet (a send to

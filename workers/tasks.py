@@ -116,7 +116,7 @@ def _unsealed(task: NodeTask, args: tuple[str, ...]) -> TaskEnvelope | None:
         original_truncated=len(kept) < len(raw),
         key=None,
     )
-    node.outlet.publisher.publish(node.settings.topic_dead_letters, "", encode(letter))
+    node.outlet.publisher.publish(node.settings.topic_dead_letters, "", encode(letter), partition=0)
     return None
 
 

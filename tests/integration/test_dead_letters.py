@@ -142,9 +142,9 @@ def test_a_letter_whose_cause_is_gone_replays_into_the_log_once(stack: Settings,
     event = _valid_event()
     raw = event.model_dump_json().encode()
     publisher = PlatformPublisher(stack)
-    publisher.publish(stack.topic_dead_letters, "k", _letter(stack, refused_by, raw))
+    publisher.publish(stack.topic_dead_letters, "k", _letter(stack, refused_by, raw), partition=0)
     cut = _letter(stack, refused_by, raw[:10], original_truncated=True)
-    publisher.publish(stack.topic_dead_letters, "k", cut, wait=True)
+    publisher.publish(stack.topic_dead_letters, "k", cut, partition=0, wait=True)
     publisher.close()
     # When an operator lists and replays what that consumer refused
     listed = runner.invoke(cli, ["deadletters", "ls", "--consumer", refused_by, "--json"])

@@ -1,0 +1,59 @@
+"""The embedded broker dies and comes back empty: the platform serves again by itself.
+
+The stack's own broker is SIGKILLed under a trainer's feet; nobody types `dsec up`.
+The supervisor starts a new one (memory only: every topic is gone), and every
+service and the trainer's client find their way back: the command sent while the
+broker was down is answered, the sandbox made before it kept running with its files,
+and a new sandbox can be made.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from app import stack as stack_mod
+from app.config import Settings
+from app.sdk import Client
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _broker(settings: Settings) -> stack_mod.Service:
+    every = stack_mod.services(settings, stack_mod.known_node_ids(settings))
+    return next(s for s in every if s.name == "broker")
+
+
+def test_a_broker_that_dies_and_comes_back_empty_is_served_again(
+    stack: Settings, client: Client, db: Any
+) -> None:
+    broker = _broker(stack)
+    with client.create(memory_mb=64, ttl_s=600) as box:
+        box.exec("echo kept > /tmp/mark")
+        before = broker.pid(stack)
+        assert before is not None
+        # When the broker dies, topics and all
+        os.killpg(before, signal.SIGKILL)
+        # Then a command sent at once is answered once a new broker is up
+        reply = box.exec("cat /tmp/mark", timeout_s=90)
+        assert reply.stdout == b"kept\n"  # the same sandbox, still running
+        assert (pid := broker.pid(stack)) is not None and pid != before
+        # and the platform makes sandboxes again
+        with client.create(memory_mb=64, timeout_s=120) as fresh:
+            assert fresh.exec("echo new").stdout == b"new\n"
+
+        # And the log has the command once, and the sandbox is not ended
+        def completed() -> list[str]:
+            with db() as conn:
+                query = text(
+                    "SELECT type FROM events WHERE sandbox_id = :s AND (type = 'SandboxStopped'"
+                    " OR payload->>'command' = 'cat /tmp/mark')"
+                )
+                return [r[0] for r in conn.execute(query, {"s": box.id})]
+
+        assert wait_for(completed, 30, "the command in the log") == ["CommandCompleted"]
