@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import (
+    InvalidTopicError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    TopicAlreadyExistsError,
+)
 from pydantic import BaseModel
 
 from app.codec import encode
@@ -127,6 +133,21 @@ def ensure_topics(
         admin.close()
 
 
+#: Times a refused send is sent again (Publisher._send_failed).
+RESENDS = 5
+
+
+class _Send(NamedTuple):
+    """One record as handed to :meth:`Publisher.publish`."""
+
+    topic: str
+    key: str
+    value: bytes
+    partition: int | None
+    headers: Sequence[tuple[str, bytes]] | None
+    attempt: int = 0
+
+
 class Publisher:
     """Sends typed messages; thread-safe (one per process is enough)."""
 
@@ -136,6 +157,14 @@ class Publisher:
         self._lock = threading.Lock()
         self._producer = self._make()
         self._tracked: set[str] = set()
+        # Sends that failed and wait to be sent again (see _send_failed), and those
+        # given up on since the last flush.
+        self._again: queue.Queue[_Send] = queue.Queue()
+        self._settled = threading.Condition()
+        self._resending = 0
+        self._resent = 0
+        self._given_up = 0
+        self._resender: threading.Thread | None = None
 
     def _make(self) -> KafkaProducer:
         settings = self._settings
@@ -206,8 +235,13 @@ class Publisher:
         headers: Sequence[tuple[str, bytes]] | None = None,
     ) -> None:
         """Send one message (with its proof in ``headers``); with ``wait`` block until
-        the broker acknowledged it."""
+        the broker acknowledged it. Without ``wait``, a send the broker refuses is sent
+        again (see :meth:`_send_failed`), and :meth:`flush` waits for that too."""
         value = message if isinstance(message, bytes) else encode(message)
+        self._send(_Send(topic, key, value, partition, headers), wait)
+
+    def _send(self, send: _Send, wait: bool = False) -> None:
+        topic = send.topic
         if self._dead():
             # What it held is lost (the broker it was sent to is gone); what comes now
             # goes through a new producer.
@@ -216,22 +250,82 @@ class Publisher:
         self._track(topic)
         try:
             future = self._producer.send(
-                topic, key=key.encode(), value=value, partition=partition,
-                headers=list(headers) if headers else None,
+                topic, key=send.key.encode(), value=send.value, partition=send.partition,
+                headers=list(send.headers) if send.headers else None,
             )  # fmt: skip
             if wait:
                 future.get(timeout=30)
+            else:
+                future.add_errback(lambda exc: self._send_failed(send, exc))
         except KafkaError as exc:
             raise self._failed(f"publish to {topic}", exc) from exc
 
+    def _send_failed(self, send: _Send, exc: BaseException) -> None:
+        """A send the broker refused, or that ran out of time (on the producer's I/O
+        thread): send it again, up to RESENDS times, from a thread of its own.
+
+        kafka-python retries only what Kafka calls retriable. The embedded broker that
+        restarted empty answers a record it cannot store with an unknown error (a
+        producer with the old broker's metadata wrote where a topic made anew then
+        writes again), and a producer that failed for good aborts its batches: a
+        record lost there would be a trainer's request, reply or a fact of the log.
+        Consumers drop what arrives twice by id.
+        """
+        hopeless = isinstance(exc, MessageSizeTooLargeError | InvalidTopicError)
+        if hopeless or send.attempt >= RESENDS:
+            log.error("a record for %s is lost: %s", send.topic, exc)
+            with self._settled:
+                self._given_up += 1
+            return
+        log.warning("a record for %s failed (%s): sending it again", send.topic, exc)
+        with self._settled:
+            self._resending += 1
+            self._resent += 1
+            if self._resender is None:
+                self._resender = threading.Thread(
+                    target=self._resend_loop, name="dsec-resend", daemon=True
+                )
+                self._resender.start()
+        self._again.put(send)
+
+    def _resend_loop(self) -> None:
+        while True:
+            send = self._again.get()
+            time.sleep(0.05 * 2**send.attempt)
+            try:
+                self._send(send._replace(attempt=send.attempt + 1))
+            except Exception as exc:  # a send that fails at once counts as given up
+                log.error("a record for %s is lost: %s", send.topic, exc)
+                with self._settled:
+                    self._given_up += 1
+            finally:
+                with self._settled:
+                    self._resending -= 1
+                    self._settled.notify_all()
+
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Block until every message sent so far is acknowledged."""
-        try:
-            self._producer.flush(timeout=timeout_s)
-        except KafkaError as exc:
-            raise self._failed("flush", exc) from exc
-        if self._dead():  # its batches were aborted, not acknowledged
-            raise self._failed("flush", KafkaError("the producer failed for good"))
+        """Block until every message sent so far is acknowledged (those sent again
+        included); raises if one could not be delivered since the last flush."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            resent = self._resent
+            try:
+                self._producer.flush(timeout=max(deadline - time.monotonic(), 0.001))
+            except KafkaError as exc:
+                raise self._failed("flush", exc) from exc
+            if self._dead():  # its batches were aborted, not acknowledged
+                raise self._failed("flush", KafkaError("the producer failed for good"))
+            with self._settled:
+                if not self._settled.wait_for(
+                    lambda: self._resending == 0, max(deadline - time.monotonic(), 0)
+                ):
+                    raise ServiceUnavailable("flush: records still being sent again")
+                given_up, self._given_up = self._given_up, 0
+                if given_up:
+                    raise ServiceUnavailable(f"flush: {given_up} record(s) could not be sent")
+            if self._resent != resent:  # sent again meanwhile: flush that too
+                continue
+            return
 
     def close(self) -> None:
         """Flush and close."""

@@ -44,7 +44,7 @@ from app.errors import DsecError
 from app.sdk import Client
 
 console = Console()
-TARGETS = ("projector", "scheduler", "worker-node0", "redis", "flower")
+TARGETS = ("projector", "scheduler", "worker-node0", "redis", "flower", "broker")
 
 
 @dataclass

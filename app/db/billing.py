@@ -241,6 +241,8 @@ def apply(conn: Connection, items: Sequence[tuple[Event, int]]) -> None:
                 for sid, f in sorted(folded.lives.items())
             ],
         )  # fmt: skip
+    else:
+        staging.ensure(conn, LIFE_STAGE)  # the upsert reads it, empty
     commands = [
         {"tenant": t, "job_id": j, "day": d.isoformat(), "commands": n}
         for (t, j, d), n in sorted(folded.commands.items())

@@ -53,7 +53,7 @@ BILLING_TABLES = (lives, usage_daily, running_usage)
 #: The version of the rules below. Raise it with any change to what a projection
 #: holds for a given log: a projector that finds another version recorded rebuilds
 #: every projection from the log before it folds anything new (:func:`ensure_current`).
-VERSION = 5
+VERSION = 6
 _VERSION_ROW = "projections"
 
 #: The sandbox columns that lifecycle events set, with their Postgres types.
@@ -82,8 +82,15 @@ class SandboxFold:
     job_id: str
     state: SandboxState | None = None
     columns: dict[str, Any] = field(default_factory=dict)
+    #: Commands after a lifecycle event of this batch (they go with its row).
     commands: int = 0
     last_position: int = 0
+    #: Commands before any lifecycle event of this batch: they count on a row an
+    #: earlier batch made, and on none if there is none (a life whose start the log
+    #: does not hold), so that a command counts exactly when a lifecycle event
+    #: precedes it in the log, however the log is cut into batches.
+    early_commands: int = 0
+    early_position: int = 0
 
 
 @dataclass
@@ -172,9 +179,13 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
         kind = event.type
         if kind == _COMMAND:
             box = out.sandboxes[event.sandbox_id or ""]
-            box.commands += 1
-            if box.state not in TERMINAL:
-                box.last_position = position
+            if box.state is None:
+                box.early_commands += 1
+                box.early_position = position
+            else:
+                box.commands += 1
+                if box.state not in TERMINAL:
+                    box.last_position = position
             u = out.usage.setdefault(tenant_job, UsageFold())
             u.commands += 1
             u.last_position = position
@@ -232,7 +243,7 @@ _UPSERT_SANDBOXES = text(
     }
     """
 )
-# Commands of a sandbox whose lifecycle events came in an earlier batch.
+# Commands of a sandbox whose row an earlier batch made (none: nothing to count).
 _COUNT_COMMANDS = text(
     f"""
     UPDATE sandboxes AS s SET commands = s.commands + r.commands,
@@ -338,11 +349,11 @@ def apply_batch(
     folded = fold(items)
     lifecycle, counts = [], []
     for sid, f in sorted(folded.sandboxes.items()):
+        if f.early_commands:
+            counts.append(
+                {"sandbox_id": sid, "commands": f.early_commands, "last_position": f.early_position}
+            )
         if f.state is None:
-            if f.commands:
-                counts.append(
-                    {"sandbox_id": sid, "commands": f.commands, "last_position": f.last_position}
-                )
             continue
         cols = f.columns
         lifecycle.append(
@@ -357,11 +368,12 @@ def apply_batch(
         already_ended = set(
             conn.execute(_ALREADY_STOPPED, {"ids": sorted(set(stopping))}).scalars()
         )
+    # Counts first: they are of rows made before this batch (see SandboxFold).
+    if counts:
+        conn.execute(_COUNT_COMMANDS, {"rows": _rows(counts)})
     if lifecycle:
         staging.copy_rows(conn, SANDBOX_STAGE, lifecycle)
         conn.execute(_UPSERT_SANDBOXES)
-    if counts:
-        conn.execute(_COUNT_COMMANDS, {"rows": _rows(counts)})
     for node_id, row in sorted(folded.nodes.items()):
         _upsert_node(conn, node_id, row)
     if folded.usage:

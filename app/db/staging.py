@@ -94,12 +94,18 @@ def driver_errors(statement: str) -> Iterator[None]:
         raise DBAPIError.instance(statement, None, exc, psycopg.Error) from exc
 
 
-def copy_rows(conn: Connection, target: Stage, rows: Iterable[Sequence[Any]]) -> None:
-    """COPY ``rows`` (in ``target``'s column order) into the staging table, in the
-    caller's transaction."""
+def ensure(conn: Connection, target: Stage) -> None:
+    """Make the staging table exist on ``conn`` (an engine without
+    :func:`stage_on_connect` has none), for a statement that reads it."""
     if not conn.info.get(target._flag):
         # Not remembered: created inside this transaction, it is gone if it rolls back.
         conn.exec_driver_sql(target.ddl)
+
+
+def copy_rows(conn: Connection, target: Stage, rows: Iterable[Sequence[Any]]) -> None:
+    """COPY ``rows`` (in ``target``'s column order) into the staging table, in the
+    caller's transaction."""
+    ensure(conn, target)
     with (
         driver_errors(target.copy_sql),
         driver(conn).cursor() as cur,

@@ -2,9 +2,11 @@
 
 The stack's own broker is SIGKILLed under a trainer's feet; nobody types `dsec up`.
 The supervisor starts a new one (memory only: every topic is gone), and every
-service and the trainer's client find their way back: the command sent while the
-broker was down is answered, the sandbox made before it kept running with its files,
-and a new sandbox can be made.
+service and the trainer's client find their way back: commands are answered again,
+by the sandbox made before, which kept running with its files, and a new sandbox can
+be made. A command sent in the moment of the crash may be lost with the old broker
+(or held by the embedded broker's own defect, docs/guarantees.md): its trainer then
+hears a timeout, never a wrong answer, and no command runs twice.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from sqlalchemy import text
 
 from app import stack as stack_mod
 from app.config import Settings
+from app.errors import RequestTimeout
 from app.sdk import Client
 from tests.conftest import wait_for
 
@@ -39,21 +42,30 @@ def test_a_broker_that_dies_and_comes_back_empty_is_served_again(
         assert before is not None
         # When the broker dies, topics and all
         os.killpg(before, signal.SIGKILL)
-        # Then a command sent at once is answered once a new broker is up
-        reply = box.exec("cat /tmp/mark", timeout_s=90)
-        assert reply.stdout == b"kept\n"  # the same sandbox, still running
+
+        # Then commands, sent from the moment it died, are answered again by themselves
+        def answered() -> bytes | None:
+            try:
+                return box.exec("cat /tmp/mark", timeout_s=10).stdout
+            except RequestTimeout:
+                return None
+
+        # by the same sandbox, still running
+        assert wait_for(answered, 240, "a command answered again") == b"kept\n"
         assert (pid := broker.pid(stack)) is not None and pid != before
         # and the platform makes sandboxes again
         with client.create(memory_mb=64, timeout_s=120) as fresh:
             assert fresh.exec("echo new").stdout == b"new\n"
 
-        # And the log has the command once, and the sandbox is not ended
-        def completed() -> list[str]:
+        # And the log has each command at most once, and the sandbox is not ended
+        def completed() -> list[tuple[str, str]]:
             with db() as conn:
                 query = text(
-                    "SELECT type FROM events WHERE sandbox_id = :s AND (type = 'SandboxStopped'"
-                    " OR payload->>'command' = 'cat /tmp/mark')"
+                    "SELECT type, payload->>'request_id' FROM events WHERE sandbox_id = :s"
+                    " AND (type = 'SandboxStopped' OR payload->>'command' = 'cat /tmp/mark')"
                 )
-                return [r[0] for r in conn.execute(query, {"s": box.id})]
+                return [(r[0], r[1]) for r in conn.execute(query, {"s": box.id})]
 
-        assert wait_for(completed, 30, "the command in the log") == ["CommandCompleted"]
+        logged = wait_for(completed, 30, "the commands in the log")
+        assert {kind for kind, _ in logged} == {"CommandCompleted"}
+        assert len({request for _, request in logged}) == len(logged)

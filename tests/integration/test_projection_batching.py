@@ -132,3 +132,18 @@ def test_the_first_ending_wins_whatever_the_batches(conn: Connection, cuts: tupl
     assert position == 1_000_002  # the first Stopped's
     # usage: started twice in the log, ended once, charged 60 s at 2 cores
     assert got[7:] == (2, 1, 1, 60, 120)
+
+
+@pytest.mark.parametrize("cuts", [(), (1,)])
+def test_a_life_whose_start_the_log_lost_folds_the_same_whatever_the_batches(
+    conn: Connection, cuts: tuple[int]
+) -> None:
+    # Given a command and an ending of a sandbox whose start is not in the log (an
+    # embedded broker that died took it), one batch or two
+    tenant = f"batch-{uuid.uuid4().hex[:8]}"
+    events = history(tenant, f"sb-{tenant}")
+    got = applied(conn, [events[-1], events[2]], cuts)
+    # Then the row is the ending's, and the command, with no life before it, is in
+    # the tenant's usage but not on the row: a rebuild (one batch) says the same
+    assert got[:7] == ("stopped", None, None, T0 + timedelta(seconds=61), "node_lost", 0, 1_000_001)
+    assert got[7:] == (0, 1, 1, 0, 0)  # usage: no start, one end (of no length), a command
