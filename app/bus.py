@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import NewTopic
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from kafka.errors import (
     InvalidTopicError,
     KafkaError,
@@ -29,7 +29,8 @@ from kafka.errors import (
 from pydantic import BaseModel
 
 from app.codec import encode
-from app.config import Settings
+from app.config import EMBEDDED_BROKER_PARTITIONS, Settings
+from app.domain.topics import TopicRole, TopicRules, TopicSpec, differences, plan
 from app.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -97,40 +98,101 @@ def drop_topics(settings: Settings, names: Iterable[str] | None = None) -> None:
         admin.close()
 
 
+#: Room for a record's headers and batch framing above its value.
+_RECORD_OVERHEAD = 64 * 1024
+
+
+def topic_rules(settings: Settings) -> TopicRules:
+    """The topic plan's rules, from settings."""
+    hour = 3_600_000
+    log_ms = settings.log_retention_hours * hour
+    largest = settings.max_message_bytes + _RECORD_OVERHEAD
+    return TopicRules(
+        prefix=settings.topic_prefix,
+        partitions=settings.topic_partitions,
+        reply_partitions=settings.reply_partitions,
+        replication=settings.kafka_replication_factor,
+        min_insync_replicas=settings.kafka_min_insync_replicas,
+        retention_ms={
+            TopicRole.REQUESTS: log_ms,
+            TopicRole.EVENTS: log_ms,
+            TopicRole.INBOX: log_ms,
+            TopicRole.REPLIES: settings.replies_retention_hours * hour,
+            TopicRole.DEAD_LETTERS: settings.dead_letters_retention_hours * hour,
+        },
+        max_message_bytes={
+            **dict.fromkeys(TopicRole, largest),
+            TopicRole.REPLIES: max(settings.max_reply_bytes + _RECORD_OVERHEAD, largest),
+        },
+        embedded_partitions=EMBEDDED_BROKER_PARTITIONS if settings.embedded_broker else None,
+    )
+
+
 def ensure_topics(
     settings: Settings,
     tenants: Iterable[str] = (),
     nodes: Iterable[str] = (),
     *,
     platform: bool = True,
-) -> None:
-    """Create the platform's topics (unless ``platform`` is false), each tenant's
-    replies topic and each node's inbox (one partition: its commands in order), if
-    missing."""
-    wanted: dict[str, int] = {}
-    if platform:
-        wanted = {
-            settings.topic_requests: settings.partitions_of(settings.topic_partitions),
-            settings.topic_events: settings.partitions_of(settings.topic_partitions),
-            settings.topic_dead_letters: settings.partitions_of(1),
-        }
-    for tenant in tenants:
-        wanted[settings.replies_topic(tenant)] = settings.partitions_of(settings.reply_partitions)
-    for node in nodes:
-        # Only partition 0 is written (by name), whatever the topic has.
-        wanted[settings.node_topic(node)] = settings.partitions_of(1)
+) -> list[str]:
+    """Make the topics of the plan (:mod:`app.domain.topics`) that are missing: the
+    platform's (unless ``platform`` is false), each tenant's replies topic and each
+    node's inbox. Those that exist are checked against it (not on the embedded broker,
+    which keeps no topic settings); returns how they fall short, each also logged."""
+    specs = plan(topic_rules(settings), tenants, nodes, platform=platform)
     admin = _admin(settings)
     try:
         existing = set(admin.list_topics())
-        for name, partitions in wanted.items():
-            if name in existing:
+        for spec in specs.values():
+            if spec.name in existing:
                 continue
+            new = NewTopic(
+                spec.name, spec.partitions, spec.replication, topic_configs=dict(spec.configs)
+            )
             with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent `up`
-                admin.create_topics([NewTopic(name, partitions, 1)])
+                admin.create_topics([new])
+        found = []
+        if not settings.embedded_broker:
+            found = _check(admin, [spec for spec in specs.values() if spec.name in existing])
     except KafkaError as exc:
         raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
     finally:
         admin.close()
+    for finding in found:
+        log.warning("topic made beforehand differs from the plan: %s", finding)
+    return found
+
+
+def _check(admin: KafkaAdminClient, specs: Sequence[TopicSpec]) -> list[str]:
+    """How the pre-made topics of ``specs`` fall short of them."""
+    if not specs:
+        return []
+    described = {t["name"]: t for t in admin.describe_topics([s.name for s in specs])}
+    resources = [ConfigResource(ConfigResourceType.TOPIC, s.name) for s in specs]
+    configs: dict[str, dict[str, str]] = {}
+    for response in admin.describe_configs(resources) or []:
+        configs.update(_topic_configs(response))
+    found: list[str] = []
+    for spec in specs:
+        parts = described.get(spec.name, {}).get("partitions", [])
+        replication = min((len(p.get("replica_nodes", [])) for p in parts), default=0)
+        found += differences(spec, len(parts), replication, configs.get(spec.name, {}))
+    return found
+
+
+def _topic_configs(response: Any) -> dict[str, dict[str, str]]:
+    """Topic settings by topic from a DescribeConfigs answer, in either of the shapes
+    kafka-python gives it (a dict by resource type, or response objects)."""
+    if isinstance(response, dict):
+        return {
+            name: {k: str(v) for k, v in (values or {}).items()}
+            for name, values in response.get("topic", {}).items()
+        }
+    out: dict[str, dict[str, str]] = {}
+    for resource in getattr(response, "resources", []):
+        _code, _message, _type, name, entries = resource[:5]
+        out[name] = {entry[0]: str(entry[1]) for entry in entries if entry[1] is not None}
+    return out
 
 
 #: Times a refused send is sent again (Publisher._send_failed).

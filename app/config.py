@@ -128,6 +128,29 @@ class Settings(BaseSettings):
             " (the embedded broker's have 4: see embedded_broker)."
         ),
     )
+    kafka_replication_factor: int = Field(
+        1, ge=1, description="Replicas of every topic the platform makes (3 on Apache Kafka)."
+    )
+    kafka_min_insync_replicas: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "min.insync.replicas of every topic the platform makes (2 with 3 replicas:"
+            " an acknowledged record, acks=all, is on two brokers); unset: the broker's."
+        ),
+    )
+    log_retention_hours: int = Field(
+        168,
+        ge=1,
+        description=(
+            "How long Kafka keeps requests, events and node inboxes (the log itself is"
+            " in Postgres: this only bounds how far behind a consumer may fall)."
+        ),
+    )
+    replies_retention_hours: int = Field(24, ge=1, description="How long Kafka keeps replies.")
+    dead_letters_retention_hours: int = Field(
+        720, ge=1, description="How long Kafka keeps dead letters (for `dsec dead-letters`)."
+    )
     flower_port: int = Field(5555, description="Celery Flower HTTP port.")
     metrics_port: int = Field(9464, description="First Prometheus metrics port of the services.")
     schedulers: int = Field(
@@ -295,10 +318,6 @@ class Settings(BaseSettings):
                 netloc = f":{quote(found, safe='')}@{broker.netloc.rpartition('@')[2]}"
                 self.celery_broker_url = urlunsplit(broker._replace(netloc=netloc))
         return self
-
-    def partitions_of(self, wanted: int) -> int:
-        """How many partitions a topic that should have ``wanted`` is made with."""
-        return EMBEDDED_BROKER_PARTITIONS if self.embedded_broker else wanted
 
     @property
     def topic_requests(self) -> str:
