@@ -70,8 +70,11 @@ def trainer(client: Client, commands: int, stop: threading.Event, tally: Tally) 
             continue
         with tally.lock:
             tally.created.add(box.id)
-        ran = 0
+        # Commands sent to this sandbox so far: one that failed (a timeout) may still
+        # have run, so only a count beyond every command sent is one run twice.
+        sent_here = 0
         for _ in range(commands):
+            sent_here += 1
             token = uuid.uuid4().hex
             sent = time.monotonic()
             try:
@@ -84,12 +87,10 @@ def trainer(client: Client, commands: int, stop: threading.Event, tally: Tally) 
                     tally.failed[f"exec: {type(exc).__name__}"] += 1
                 continue
             took = time.monotonic() - sent
-            ran += 1
             with tally.lock:
                 tally.answered[token] = box.id
                 tally.latencies.append((sent, took))
-                # A count beyond the commands answered means one of them ran twice.
-                if int(result.stdout.strip() or 0) > ran:
+                if int(result.stdout.strip() or 0) > sent_here:
                     tally.skipped_counts += 1
         try:
             box.close()
