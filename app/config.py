@@ -153,6 +153,20 @@ class Settings(BaseSettings):
     )
     flower_port: int = Field(5555, description="Celery Flower HTTP port.")
     metrics_port: int = Field(9464, description="First Prometheus metrics port of the services.")
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description=(
+            "Address every service serves its Prometheus metrics on (0.0.0.0 for a"
+            " Prometheus on another host)."
+        ),
+    )
+    node_metrics_port: int | None = Field(
+        None,
+        description=(
+            "This node worker's metrics port (default: metrics_port + 100; the stack"
+            " gives the i-th node metrics_port + 100 + i, 0: none)."
+        ),
+    )
     schedulers: int = Field(
         1,
         ge=1,

@@ -13,7 +13,7 @@ from kafka import TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.partitioner.default import murmur2
 
-from app import bus
+from app import bus, metrics
 from app.codec import DeadLetterReason
 from app.config import Settings
 from app.db.log import StoredOffset
@@ -21,6 +21,10 @@ from app.domain.dead_letter import DeadLetter
 from app.domain.records import Record
 
 log = logging.getLogger(__name__)
+
+
+#: How often a consumer says how far behind it is (metrics.CONSUMER_LAG).
+LAG_EVERY_S = 5.0
 
 
 class PositionedConsumer:
@@ -48,6 +52,7 @@ class PositionedConsumer:
         self._chosen = set(partitions) if partitions is not None else None
         self.partitions = self._of_choice()
         self._incarnation = bus.Incarnation(self._consumer, topic)
+        self._lag_at = 0.0
         if self.partitions:
             self._consumer.assign(self.partitions)
 
@@ -126,7 +131,22 @@ class PositionedConsumer:
         out: list[ConsumerRecord] = []
         for records in batches.values():
             out.extend(records)
+        now = time.monotonic()
+        if now - self._lag_at >= LAG_EVERY_S:
+            self._lag_at = now
+            self._measure_lag()
         return out
+
+    def _measure_lag(self) -> None:
+        """The lag of each partition, from the ends the last fetches reported (no
+        request of its own)."""
+        for tp in self.partitions:
+            end = self._consumer.highwater(tp)
+            if end is None:
+                continue
+            position = self._consumer.position(tp)
+            lag = max(end - position, 0) if position is not None else end
+            metrics.CONSUMER_LAG.labels(self.name, tp.topic, str(tp.partition)).set(lag)
 
     def rewind(self, records: Sequence[ConsumerRecord]) -> None:
         """Read ``records`` again: each partition back to the first of them (they were

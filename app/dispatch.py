@@ -604,6 +604,7 @@ class Dispatcher:
         )
         self._emit(out, event)
         metrics.REQUESTS.labels(request_type[:64], f"rejected:{refusal.reason.value}").inc()
+        metrics.REFUSALS.labels("scheduler", refusal.reason.value).inc()
         if request_id is not None:
             reply = ErrorReply(
                 request_id=request_id,

@@ -25,6 +25,32 @@ COMMANDS_WAITING = Gauge(
     "Claimed commands waiting for their tenant's turn (node or tenant limit reached)",
 )
 
+SANDBOXES = Gauge("dsec_node_sandboxes", "Sandboxes the node runs or is creating")
+WARM_READY = Gauge(
+    "dsec_node_warm_ready", "Started sandboxes waiting in the node's warm pool", ["image"]
+)
+CREATE_SECONDS = Histogram(
+    "dsec_node_create_seconds",
+    "A create on the node, from its task to the sandbox ready",
+    ["warm"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+EXEC_SECONDS = Histogram(
+    "dsec_node_exec_seconds",
+    "A command on the node, from its claim to its answer (the command's own time included)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30, 120, 600),
+)
+REFUSALS = Counter(
+    "dsec_refusals_total",
+    "Requests refused or failed with a reason, by the process that said so",
+    ["process", "reason"],
+)
+CONSUMER_LAG = Gauge(
+    "dsec_consumer_lag",
+    "Records a consumer has still to read in a partition (its end minus its position)",
+    ["consumer", "topic", "partition"],
+)
+
 WAITING = Gauge(
     "dsec_waiting_for_service",
     "1 while a process waits for a backing service to come back",
@@ -32,7 +58,7 @@ WAITING = Gauge(
 )
 
 
-def serve(port: int) -> None:
-    """Expose /metrics on ``port`` (0: do not serve)."""
+def serve(port: int, host: str = "127.0.0.1") -> None:
+    """Expose /metrics on ``host``:``port`` (port 0: do not serve)."""
     if port:
-        start_http_server(port, addr="127.0.0.1")
+        start_http_server(port, addr=host)

@@ -447,7 +447,7 @@ def _quiet_gc() -> None:
 
 def main(settings: Settings, partitions: Sequence[int] | None = None) -> None:
     """Run a projector process until SIGTERM."""
-    metrics.serve(settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.metrics_host)
     projector = Projector(settings, partitions)
     signal.signal(signal.SIGTERM, projector.stop)
     signal.signal(signal.SIGINT, projector.stop)

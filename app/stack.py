@@ -300,12 +300,17 @@ def services(
         ),
     ]
     for node in nodes if isinstance(nodes, list) else node_ids(settings, nodes):
+        # A node serves its metrics on metrics_port + 100 + the number its id ends in.
+        digits = node[len(node.rstrip("0123456789")) :]
+        metrics = settings.metrics_port + 100 + int(digits or 0) if settings.metrics_port else 0
         out.append(
             Service(
                 f"worker-{node}",
                 [py, "-m", "app.cli", "run", "worker", "--node", node],
-                endpoint=f"celery queue {settings.node_queue(node)}",
-                env={"DSEC_NODE_ID": node},
+                endpoint=(
+                    f"celery queue {settings.node_queue(node)}, http://127.0.0.1:{metrics}/metrics"
+                ),
+                env={"DSEC_NODE_ID": node, "DSEC_NODE_METRICS_PORT": str(metrics)},
             )
         )
     out.append(

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from app import metrics
 from app.config import Settings
 from app.credentials import Credential
 from app.domain.base import FailReason, StopReason, derived_id, utcnow
@@ -259,6 +260,7 @@ class Node:
             if ended is not None:
                 reason, detail = FailReason.SANDBOX_NOT_RUNNING, ended
         log.warning("%s %s failed: %s: %s", request.type, request.sandbox_id, reason, detail)
+        metrics.REFUSALS.labels("node", reason.value).inc()
         self.outlet.event(
             SandboxFailed(
                 event_id=derived_id(request.request_id, "failed"),
@@ -347,6 +349,7 @@ class Node:
             self._create(request, restore or [])
 
     def _create(self, request: CreateSandbox, restore: list[str | list[str]]) -> None:
+        began = time.monotonic()
         spec = self.spec_for(request)
         try:
             if spec.network and not self.settings.allow_egress:
@@ -389,6 +392,9 @@ class Node:
             SandboxReady(
                 request_id=request.request_id, sandbox_id=request.sandbox_id, node_id=self.node_id
             ),
+        )
+        metrics.CREATE_SECONDS.labels(str(claimed is not None).lower()).observe(
+            time.monotonic() - began
         )
 
     def _restore(self, request: CreateSandbox, commands: list[str | list[str]]) -> bool:
@@ -611,6 +617,8 @@ class Node:
             and not self.steps.claim(request.tenant, traj, step, str(request.request_id))
         )
 
+        claimed_at = time.monotonic()
+
         def answering(running: Running) -> None:
             try:
                 if replayed:
@@ -620,6 +628,7 @@ class Node:
                     self._run_exec(request, running)
             finally:
                 self.claims.answered(request.request_id)
+                metrics.EXEC_SECONDS.observe(time.monotonic() - claimed_at)
 
         return answering
 

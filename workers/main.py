@@ -6,7 +6,7 @@ import logging
 import resource
 import threading
 
-from app import credentials
+from app import credentials, metrics
 from app.config import get_settings
 from workers import runtime, tasks
 from workers.agent.client import AgentPool, peer_is_sandbox_init
@@ -40,6 +40,8 @@ def run(node_id: str, concurrency: int = 16) -> None:
     """
     _raise_open_files()
     settings = get_settings()
+    port = settings.node_metrics_port
+    metrics.serve(settings.metrics_port + 100 if port is None else port, settings.metrics_host)
     # The node's own credential, nothing more: a node host holds no master key.
     credential = credentials.load(
         settings.node_credential_file or credentials.node_file(settings, node_id)

@@ -33,6 +33,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from app import metrics
 from app.domain.base import StopReason
 from app.domain.events import NodeHeartbeat, NodePayload, NodeRegistered
 from workers.deadlines import Due
@@ -88,6 +89,11 @@ def payload(node: Node, sandboxes: list[str] | None, images: list[str]) -> NodeP
     """The node's capacity and load as a heartbeat carries it."""
     cpus, memory = _capacity(node)
     max_cpus, max_memory, max_pids = _sandbox_max(node)
+    running = len(sandboxes if sandboxes is not None else held(node))
+    metrics.SANDBOXES.set(running)
+    if node.warm is not None:
+        for image in node.warm.sizes:
+            metrics.WARM_READY.labels(image).set(node.warm.ready(image))
     return NodePayload(
         max_sandbox_cpus=max_cpus,
         max_sandbox_memory_mb=max_memory,
@@ -95,7 +101,7 @@ def payload(node: Node, sandboxes: list[str] | None, images: list[str]) -> NodeP
         capacity_sandboxes=node.settings.node_capacity_sandboxes,
         capacity_cpus=cpus,
         capacity_memory_mb=memory,
-        running=len(sandboxes if sandboxes is not None else held(node)),
+        running=running,
         images=images,
         queue=node.settings.node_queue(node.node_id),
         sandboxes=sandboxes,

@@ -1,0 +1,80 @@
+"""Every service says what an operator watches on its Prometheus endpoint: the node
+worker its sandboxes, warm pool, create and command times and its consumer's lag; the
+scheduler its refusals by reason."""
+
+from __future__ import annotations
+
+import urllib.request
+import uuid
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.config import Settings
+from app.errors import SandboxRejected
+from app.sdk import Client
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the endpoint, by name and labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict[Any, float], name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def test_the_node_worker_serves_its_metrics(stack: Settings, client: Client) -> None:
+    port = stack.metrics_port + 100  # the configured node's (node0)
+    before = scrape(port)
+    created = value(before, "dsec_node_create_seconds_count", warm="true") or 0
+    created += value(before, "dsec_node_create_seconds_count", warm="false") or 0
+    commands = value(before, "dsec_node_exec_seconds_count") or 0
+    with client.create(memory_mb=32) as box:
+        box.exec("true")
+
+        def after() -> Any:
+            samples = scrape(port)
+            made = (value(samples, "dsec_node_create_seconds_count", warm="true") or 0) + (
+                value(samples, "dsec_node_create_seconds_count", warm="false") or 0
+            )
+            ran = value(samples, "dsec_node_exec_seconds_count") or 0
+            live = value(samples, "dsec_node_sandboxes") or 0
+            return samples if made > created and ran > commands and live >= 1 else None
+
+        samples = wait_for(after, 30, "the create, the command and the sandbox counted")
+    # The warm pool and the inbox's lag are there too
+    assert value(samples, "dsec_node_warm_ready", image=stack.default_image) is not None
+    assert (
+        value(
+            samples,
+            "dsec_consumer_lag",
+            consumer=f"inbox {stack.node_id}",
+            topic=stack.node_topic(stack.node_id),
+            partition="0",
+        )
+        is not None
+    )
+
+
+def test_the_scheduler_counts_refusals_by_reason(stack: Settings, client: Client) -> None:
+    port = stack.metrics_port + 1  # the first scheduler's
+    label = {"process": "scheduler", "reason": "unknown_sandbox"}
+    before = value(scrape(port), "dsec_refusals_total", **label) or 0
+    with pytest.raises(SandboxRejected):
+        client.sandbox(f"sb-{uuid.uuid4().hex[:20]}").exec("true")
+    wait_for(
+        lambda: (value(scrape(port), "dsec_refusals_total", **label) or 0) > before,
+        10,
+        "the refusal counted",
+    )
