@@ -120,10 +120,8 @@ def topic_rules(settings: Settings) -> TopicRules:
             TopicRole.REPLIES: settings.replies_retention_hours * hour,
             TopicRole.DEAD_LETTERS: settings.dead_letters_retention_hours * hour,
         },
-        max_message_bytes={
-            **dict.fromkeys(TopicRole, largest),
-            TopicRole.REPLIES: max(settings.max_reply_bytes + _RECORD_OVERHEAD, largest),
-        },
+        # Replies too: larger outputs and files travel as pieces (ReplyPiece).
+        max_message_bytes=dict.fromkeys(TopicRole, largest),
         embedded_partitions=EMBEDDED_BROKER_PARTITIONS if settings.embedded_broker else None,
     )
 

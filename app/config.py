@@ -293,7 +293,18 @@ class Settings(BaseSettings):
     )
     max_reply_bytes: int = Field(
         48 << 20,
-        description="Largest reply: an exec's two capped outputs (16 MiB each), base64.",
+        description=(
+            "Largest reply record the SDK accepts (a node sends larger outputs and files as"
+            " pieces of reply_piece_bytes; this admits a whole reply from an older node)."
+        ),
+    )
+    reply_piece_bytes: int = Field(
+        512 << 10,
+        ge=1024,
+        description=(
+            "Most data one reply record carries (its base64 a third more): larger outputs"
+            " and files go first as pieces, so no record exceeds Kafka's default 1 MiB."
+        ),
     )
     step_output_bytes: int = Field(
         256 << 10,

@@ -39,9 +39,12 @@ from app.domain.replies import (
     ErrorReply,
     ExecOutput,
     FileContent,
+    IncompletePieces,
     OutputChunk,
     Reply,
+    ReplyPiece,
     SandboxReady,
+    join_pieces,
 )
 from app.domain.requests import (
     CreateGroup,
@@ -202,6 +205,8 @@ class Client:
         # The key each awaited request's replies are proven with.
         self._reply_keys: dict[uuid.UUID, bytes] = {}
         self._output: dict[uuid.UUID, tuple[OutputHandler, list[int]]] = {}
+        # The pieces of large replies not yet complete (see ReplyPiece).
+        self._pieces: dict[uuid.UUID, list[ReplyPiece]] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_replies, name="dsec-replies", daemon=True)
@@ -231,12 +236,28 @@ class Client:
                     if isinstance(reply, OutputChunk):
                         self._pass_output(reply)
                         continue
+                    if isinstance(reply, ReplyPiece):
+                        with self._lock:
+                            self._pieces.setdefault(reply.request_id, []).append(reply)
+                        continue
                     with self._lock:
                         future = self._waiting.pop(reply.request_id, None)
                         self._output.pop(reply.request_id, None)
                         self._reply_keys.pop(reply.request_id, None)
+                        pieces = self._pieces.pop(reply.request_id, [])
                     if future is not None:
-                        future.set_result(reply)
+                        self._complete(future, reply, pieces)
+
+    @staticmethod
+    def _complete(future: Future[Reply], reply: Reply, pieces: list[ReplyPiece]) -> None:
+        """Hand ``reply`` over, with the data its pieces carried put back in."""
+        if isinstance(reply, ExecOutput | FileContent) and reply.pieces:
+            try:
+                reply = join_pieces(reply, pieces)
+            except IncompletePieces as exc:
+                future.set_exception(TransferFailed(str(exc)))
+                return
+        future.set_result(reply)
 
     def _proven(self, reply: Reply, value: bytes, headers: proof.Headers | None) -> bool:
         """The reply answers a request this client waits for, and the platform made it."""
@@ -308,6 +329,7 @@ class Client:
         with self._lock:
             self._waiting.pop(request_id, None)
             self._output.pop(request_id, None)
+            self._pieces.pop(request_id, None)
             self._reply_keys.pop(request_id, None)
 
     def send(self, request: RequestBase, on_output: OutputHandler | None = None) -> Future[Reply]:

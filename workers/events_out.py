@@ -8,6 +8,8 @@ the trainer knows the platform made it. A reply nobody can verify is not sent.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 import threading
 import uuid
@@ -20,7 +22,7 @@ from app.config import Settings
 from app.credentials import Credential
 from app.domain.events import CommandCompleted, EventBase
 from app.domain.proof import Purpose, headers
-from app.domain.replies import ReplyBase
+from app.domain.replies import ExecOutput, FileContent, ReplyBase, ReplyPiece
 from app.domain.requests import ReplyTo
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,33 @@ class Outlet:
             reply_to.topic, reply.sandbox_id, value, partition=reply_to.partition,
             headers=headers(Purpose.REPLY, None, key, value),
         )  # fmt: skip
+
+    def reply_with_data(
+        self, reply_to: ReplyTo | None, reply: ExecOutput | FileContent, parts: dict[str, bytes]
+    ) -> None:
+        """Answer with ``reply`` and its data (``parts``: stdout and stderr, or a file's
+        data): in the reply itself when small, else first as ReplyPiece records of at
+        most ``reply_piece_bytes`` each, then the reply with their count and digests."""
+        limit = self.settings.reply_piece_bytes
+        if sum(len(data) for data in parts.values()) <= limit:
+            filled = {f"{p}_b64": base64.b64encode(data).decode() for p, data in parts.items()}
+            self.reply(reply_to, reply.model_copy(update=filled))
+            return
+        seq = 0
+        for part, data in parts.items():
+            for start in range(0, len(data), limit):
+                piece = ReplyPiece(
+                    request_id=reply.request_id,
+                    sandbox_id=reply.sandbox_id,
+                    seq=seq,
+                    part=part,
+                    data_b64=base64.b64encode(data[start : start + limit]).decode(),
+                )
+                self.reply(reply_to, piece)
+                seq += 1
+        digests = {part: hashlib.sha256(data).hexdigest() for part, data in parts.items()}
+        empty = {f"{part}_b64": "" for part in parts}
+        self.reply(reply_to, reply.model_copy(update={**empty, "pieces": seq, "sha256": digests}))
 
     def flush(self) -> None:
         """Wait until everything sent is acknowledged."""

@@ -710,8 +710,6 @@ class Node:
         """Record and answer a command that ran (``killed_by``: ended by that kill)."""
         traj, step = request.trajectory_id, request.step
         duration_ms = result.duration_s * 1000
-        stdout_b64 = base64.b64encode(result.stdout).decode()
-        stderr_b64 = base64.b64encode(result.stderr).decode()
         # What a replay of this step will answer, encoded once for Redis and the log.
         kept: StepResult | None = None
         if traj is not None:
@@ -727,20 +725,21 @@ class Node:
         seen.last_command, seen.last_exit_code = command[:200], result.exit_code
         if result.exit_code == -signal.SIGKILL and not result.timed_out and killed_by is None:
             self._end_if_oom(request)
-        self.outlet.reply(
+        self.outlet.reply_with_data(
             request.reply_to,
             ExecOutput(
                 request_id=request.request_id,
                 sandbox_id=request.sandbox_id,
                 exit_code=result.exit_code,
-                stdout_b64=stdout_b64,
-                stderr_b64=stderr_b64,
+                stdout_b64="",
+                stderr_b64="",
                 duration_ms=duration_ms,
                 timed_out=result.timed_out,
                 stdout_truncated=result.stdout_truncated,
                 stderr_truncated=result.stderr_truncated,
                 killed=killed_by is not None,
             ),
+            {"stdout": result.stdout, "stderr": result.stderr},
         )
 
     def _replay_record(self, request: Exec, result: AgentExecResult) -> StepResult:
@@ -900,14 +899,15 @@ class Node:
                 ),
             )
         )
-        self.outlet.reply(
+        self.outlet.reply_with_data(
             request.reply_to,
             FileContent(
                 request_id=request.request_id,
                 sandbox_id=request.sandbox_id,
-                data_b64=base64.b64encode(data).decode(),
+                data_b64="",
                 truncated=truncated,
             ),
+            {"data": data},
         )
 
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import time
+import uuid
 from typing import Any
 
 import pytest
+from kafka import TopicPartition
 
+from app import bus
 from app.config import Settings
-from app.sdk import Chunk
+from app.domain.replies import ExecOutput
+from app.sdk import Chunk, exec_request
 from app.sdk_async import AsyncClient
 
 pytestmark = pytest.mark.integration
@@ -81,8 +87,43 @@ def test_async_stream(stack: Settings) -> None:
     assert stdout == b"a\n"
 
 
-def test_output_larger_than_a_request_comes_back_whole(client: Any) -> None:
-    # Replies may be far larger than requests and events: up to the output caps.
+def test_output_larger_than_a_record_comes_back_whole_in_pieces(client: Any) -> None:
+    # Given a command whose output is three times Kafka's default record size
     with client.create() as box:
-        result = box.exec("head -c 3000000 /dev/urandom", max_output_bytes=4 << 20)
-    assert len(result.stdout) == 3_000_000 and not result.truncated
+        box.exec("head -c 3000000 /dev/urandom > /tmp/out")
+        digest = box.exec("sha256sum /tmp/out").stdout.split()[0].decode()
+        request = exec_request(
+            client._common(box.id), "cat /tmp/out", timeout_s=60, max_output_bytes=4 << 20
+        )
+        reply = client.call(request, 90)
+        # and a file of two MiB read back
+        data = box.read_file("/tmp/out", max_bytes=2 << 20)
+    # Then both come back whole, as the sandbox has them
+    assert isinstance(reply, ExecOutput) and not reply.stdout_truncated
+    stdout = base64.b64decode(reply.stdout_b64)
+    assert len(stdout) == 3_000_000 and hashlib.sha256(stdout).hexdigest() == digest
+    assert data == stdout[: 2 << 20]
+    # and no record of the replies topic was larger than 1 MiB on the way
+    sizes = _reply_record_sizes(client, {request.request_id})
+    assert len(sizes) > 1 and max(sizes) <= 1 << 20, sizes
+
+
+def _reply_record_sizes(client: Any, request_ids: set[uuid.UUID]) -> list[int]:
+    """Sizes of the records on the client's replies partition for ``request_ids``."""
+    reply_to = client._reply_to
+    consumer = bus.make_consumer(client.settings)
+    try:
+        tp = TopicPartition(reply_to.topic, reply_to.partition)
+        consumer.assign([tp])
+        consumer.seek_to_beginning(tp)
+        end = bus.high_watermarks(client.settings, [tp])[tp]
+        sizes = []
+        wanted = {str(r) for r in request_ids}
+        while consumer.position(tp) < end:
+            for records in consumer.poll(timeout_ms=500).values():
+                for record in records:
+                    if any(r.encode() in (record.value or b"")[:200] for r in wanted):
+                        sizes.append(len(record.value or b""))
+        return sizes
+    finally:
+        consumer.close()
