@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 from datetime import UTC, date, datetime
@@ -49,11 +48,9 @@ def _table(title: str, rows: list[dict[str, Any]], as_json: bool) -> None:
 
 
 def _logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from app import logs
+
+    logs.configure(get_settings().log_format)
 
 
 @cli.command()

@@ -153,6 +153,9 @@ class Settings(BaseSettings):
     )
     flower_port: int = Field(5555, description="Celery Flower HTTP port.")
     metrics_port: int = Field(9464, description="First Prometheus metrics port of the services.")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="How the services log: text, or one JSON object per line."
+    )
     metrics_host: str = Field(
         "127.0.0.1",
         description=(
