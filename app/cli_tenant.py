@@ -161,3 +161,56 @@ def node_revoke(target: str, as_json: JsonOpt = False) -> None:
     from app import tenants
 
     _print(tenants.revoke(get_settings(), target), as_json, "revoked")
+
+
+NodeOpt = Annotated[
+    str | None, typer.Option("--node", help="The node's id (default: DSEC_NODE_ID).")
+]
+
+
+@node_cli.command("up")
+def node_up(
+    node: NodeOpt = None,
+    agent: Annotated[
+        Path | None,
+        typer.Option(help="The release's agent binary (`dsec node agent`): no compiler here."),
+    ] = None,
+) -> None:
+    """Set this host up as a node and start its worker, from settings alone: Kafka and
+    Redis of the control plane, the node's credential (DSEC_NODE_CREDENTIAL_FILE)."""
+    from app import node_host
+    from workers.errors import NodeError
+
+    settings = get_settings()
+    try:
+        node_host.up(settings, node or settings.node_id, agent, _log)
+    except (DsecError, NodeError) as exc:
+        console.print(f"[red]dsec:[/] {exc}")
+        raise typer.Exit(2) from exc
+
+
+@node_cli.command("down")
+def node_down(node: NodeOpt = None) -> None:
+    """Stop this host's node worker (its sandboxes wait for the next one)."""
+    from app import node_host
+
+    settings = get_settings()
+    node_host.down(settings, node or settings.node_id, _log)
+
+
+@node_cli.command("agent")
+def node_agent(
+    out: Annotated[Path, typer.Option(help="Where to write the agent binary.")],
+) -> None:
+    """Compile the in-sandbox agent once (static): a release's binary for node hosts
+    without a compiler (`dsec node up --agent FILE`)."""
+    from workers.agent.build import build_agent
+
+    try:
+        console.print(f"agent: {build_agent(out)}")
+    except DsecError as exc:
+        _fail(exc)
+
+
+def _log(message: str) -> None:
+    console.print(f"[green]✓[/] {message}")

@@ -273,11 +273,15 @@ def services(
     schedulers: how many, default :func:`known_schedulers`)."""
     py = sys.executable
     host, port = _host_port(settings.kafka_bootstrap.split(",")[0])
+    try:
+        broker = broker_binary()
+    except ConfigError:  # a node host has no dev extra; `up` says so if it needs one
+        broker = "tansu"
     out = [
         Service(
             "broker",
             [
-                broker_binary(),
+                broker,
                 "broker",
                 "--listener-url",
                 f"tcp://{host}:{port}",
@@ -506,6 +510,7 @@ def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -
     started_at = time.time()
     write_redis_conf(settings)
     secret_files.ensure(settings.secrets_dir / "flower.password", text=True)
+    broker_binary()  # the embedded broker: the dev extra, or a clear error now
     stack = services(settings, nodes)
     broker, redis, rest = stack[0], stack[1], stack[2:]
     for backing, what in ((broker, "the Kafka-protocol broker"), (redis, "Redis")):

@@ -89,14 +89,21 @@ def _compile(source: Path, dest: Path, cc: str) -> None:
 
 
 def ensure_agent_dir(
-    dest: Path, *, cc: str = "gcc", busybox: Path = SYSTEM_BUSYBOX, source: Path = AGENT_SOURCE
+    dest: Path,
+    *,
+    cc: str = "gcc",
+    busybox: Path = SYSTEM_BUSYBOX,
+    source: Path = AGENT_SOURCE,
+    prebuilt: Path | None = None,
 ) -> Path:
     """Make ``dest`` hold an up-to-date ``dsec-agent`` and a static ``busybox``.
 
     The agent is recompiled only when the source (or compiler flags) changed since the
     last build, recorded in ``dsec-agent.sha256``; files are replaced atomically, so a
-    running sandbox keeps its old binary and concurrent callers are safe. Raises
-    :class:`AgentBuildError` when gcc or a static busybox is missing.
+    running sandbox keeps its old binary and concurrent callers are safe. With
+    ``prebuilt`` (a node host without a compiler: see :func:`build_agent`), that binary
+    is installed instead. Raises :class:`AgentBuildError` when gcc, a static agent or a
+    static busybox is missing.
     """
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -104,16 +111,22 @@ def ensure_agent_dir(
 
     agent = dest / AGENT_BINARY
     stamp = dest / f"{AGENT_BINARY}.sha256"
-    compiler = shutil.which(cc)
-    if compiler is None:
-        raise AgentBuildError(f"{cc} not found: install gcc (apt-get install gcc libc6-dev)")
-    wanted = _source_hash(source, cc)
     current = stamp.read_text().strip() if stamp.exists() else ""
-    if current != wanted or not agent.exists():
-        _compile(source, agent, compiler)
-        stamp.write_text(wanted + "\n")
-        _own(stamp)
-        os.chmod(stamp, 0o644)
+    if prebuilt is not None:
+        if not prebuilt.is_file() or not is_static_elf(prebuilt):
+            raise AgentBuildError(f"{prebuilt} is not a static agent binary (dsec node agent)")
+        wanted = f"prebuilt:{_file_hash(prebuilt)}"
+        if current != wanted or not agent.exists():
+            _install(prebuilt, agent)
+            _stamp(stamp, wanted)
+    else:
+        compiler = shutil.which(cc)
+        if compiler is None:
+            raise AgentBuildError(f"{cc} not found: install gcc (apt-get install gcc libc6-dev)")
+        wanted = _source_hash(source, cc)
+        if current != wanted or not agent.exists():
+            _compile(source, agent, compiler)
+            _stamp(stamp, wanted)
 
     if not busybox.exists():
         raise AgentBuildError(f"{busybox} not found: apt-get install busybox-static")
@@ -126,6 +139,23 @@ def ensure_agent_dir(
     if not staged.exists() or _file_hash(staged) != _file_hash(busybox):
         _install(busybox, staged)
     return dest
+
+
+def build_agent(out: Path, *, cc: str = "gcc", source: Path = AGENT_SOURCE) -> Path:
+    """Compile the agent once, to ``out``: a release's binary for node hosts that have
+    no compiler (``dsec node up --agent``)."""
+    compiler = shutil.which(cc)
+    if compiler is None:
+        raise AgentBuildError(f"{cc} not found: install gcc (apt-get install gcc libc6-dev)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _compile(source, out, compiler)
+    return out
+
+
+def _stamp(stamp: Path, value: str) -> None:
+    stamp.write_text(value + "\n")
+    _own(stamp)
+    os.chmod(stamp, 0o644)
 
 
 def _file_hash(path: Path) -> str:
