@@ -10,8 +10,8 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
+from app import cli_render
 from app.cli_log import log_cli
 from app.cli_tenant import node_cli, tenant_cli
 from app.config import get_settings, redact
@@ -30,21 +30,13 @@ cli.add_typer(deadletters_cli, name="deadletters")
 cli.add_typer(tenant_cli, name="tenant")
 cli.add_typer(node_cli, name="node")
 cli.add_typer(log_cli, name="log")
-console = Console()
+console = cli_render.console
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
 def _table(title: str, rows: list[dict[str, Any]], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(rows, default=str, indent=2))
-        return
-    table = Table(title=title)
-    for column in rows[0].keys() if rows else ["(none)"]:
-        table.add_column(str(column))
-    for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row.values()))
-    console.print(table)
+    cli_render.rows(title, rows, as_json)
 
 
 def _logging() -> None:

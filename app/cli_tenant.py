@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
+from app import cli_render
 from app.config import get_settings
 from app.db.credentials import CredentialRow
 from app.domain.proof import Role
@@ -24,7 +23,7 @@ tenant_cli = typer.Typer(
     no_args_is_help=True, help="Tenants and operators: credentials that sign requests."
 )
 node_cli = typer.Typer(no_args_is_help=True, help="Nodes: credentials that prove their events.")
-console = Console()
+console = cli_render.console
 
 OutOpt = Annotated[
     Path | None,
@@ -46,16 +45,7 @@ def _row(row: CredentialRow) -> dict[str, Any]:
 
 
 def _print(rows: list[CredentialRow], as_json: bool, title: str) -> None:
-    found = [_row(r) for r in rows]
-    if as_json:
-        print(json.dumps(found, indent=2))
-        return
-    table = Table(title=title)
-    for column in found[0] if found else ["(none)"]:
-        table.add_column(column)
-    for row in found:
-        table.add_row(*("" if v is None else str(v) for v in row.values()))
-    console.print(table)
+    cli_render.rows(title, [_row(r) for r in rows], as_json)
 
 
 def _fail(exc: DsecError) -> None:

@@ -132,7 +132,7 @@ def build_debian(
 @image_cli.command("ls")
 def ls(as_json: JsonOpt = False) -> None:
     """Images in the store: name, id, size, created."""
-    from app.cli import _table
+    from app import cli_render
     from workers.image_store import list_images
 
     rows: list[dict[str, Any]] = []
@@ -149,7 +149,7 @@ def ls(as_json: JsonOpt = False) -> None:
                     {"name": short, "id": image.id[:12], "size": size, "created": image.created}
                 )
     rows.sort(key=lambda r: str(r["name"]))
-    _table(f"layer store {get_settings().layer_store}", rows, as_json)
+    cli_render.rows(f"layer store {get_settings().layer_store}", rows, as_json)
 
 
 @image_cli.command("rm")
