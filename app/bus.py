@@ -86,12 +86,10 @@ def drop_topics(settings: Settings, names: Iterable[str] | None = None) -> None:
     admin = _admin(settings)
     try:
         listed = admin.list_topics()
-        wanted = set(names) if names is not None else None
-        mine = [
-            t
-            for t in listed
-            if (t in wanted if wanted is not None else t.startswith(f"{settings.topic_prefix}."))
-        ]
+        if names is None:
+            mine = [t for t in listed if t.startswith(f"{settings.topic_prefix}.")]
+        else:
+            mine = sorted(set(listed) & set(names))
         if mine:
             admin.delete_topics(mine)
     finally:
@@ -167,9 +165,7 @@ def _check(admin: KafkaAdminClient, specs: Sequence[TopicSpec]) -> list[str]:
         return []
     described = {t["name"]: t for t in admin.describe_topics([s.name for s in specs])}
     resources = [ConfigResource(ConfigResourceType.TOPIC, s.name) for s in specs]
-    configs: dict[str, dict[str, str]] = {}
-    for response in admin.describe_configs(resources) or []:
-        configs.update(_topic_configs(response))
+    configs = _topic_configs(admin.describe_configs(resources))
     found: list[str] = []
     for spec in specs:
         parts = described.get(spec.name, {}).get("partitions", [])
@@ -178,19 +174,16 @@ def _check(admin: KafkaAdminClient, specs: Sequence[TopicSpec]) -> list[str]:
     return found
 
 
-def _topic_configs(response: Any) -> dict[str, dict[str, str]]:
-    """Topic settings by topic from a DescribeConfigs answer, in either of the shapes
-    kafka-python gives it (a dict by resource type, or response objects)."""
-    if isinstance(response, dict):
-        return {
-            name: {k: str(v) for k, v in (values or {}).items()}
-            for name, values in response.get("topic", {}).items()
+def _topic_configs(answer: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """Topic settings by topic from kafka-python's DescribeConfigs answer,
+    ``{"topic": {name: {key: {"value": ...}}}}`` (only those set on the topic)."""
+    return {
+        name: {
+            key: str(data.get("value") if isinstance(data, dict) else data)
+            for key, data in (entries or {}).items()
         }
-    out: dict[str, dict[str, str]] = {}
-    for resource in getattr(response, "resources", []):
-        _code, _message, _type, name, entries = resource[:5]
-        out[name] = {entry[0]: str(entry[1]) for entry in entries if entry[1] is not None}
-    return out
+        for name, entries in (answer or {}).get("topic", {}).items()
+    }
 
 
 #: Times a refused send is sent again (Publisher._send_failed).
@@ -333,9 +326,7 @@ class Publisher:
         """
         hopeless = isinstance(exc, MessageSizeTooLargeError | InvalidTopicError)
         if hopeless or send.attempt >= RESENDS:
-            log.error("a record for %s is lost: %s", send.topic, exc)
-            with self._settled:
-                self._given_up += 1
+            self._give_up(send, exc)
             return
         log.warning("a record for %s failed (%s): sending it again", send.topic, exc)
         with self._settled:
@@ -348,6 +339,12 @@ class Publisher:
                 self._resender.start()
         self._again.put(send)
 
+    def _give_up(self, send: _Send, exc: BaseException) -> None:
+        """The record is lost: say so, and let the next flush raise."""
+        log.error("a record for %s is lost: %s", send.topic, exc)
+        with self._settled:
+            self._given_up += 1
+
     def _resend_loop(self) -> None:
         while True:
             send = self._again.get()
@@ -355,9 +352,7 @@ class Publisher:
             try:
                 self._send(send._replace(attempt=send.attempt + 1))
             except Exception as exc:  # a send that fails at once counts as given up
-                log.error("a record for %s is lost: %s", send.topic, exc)
-                with self._settled:
-                    self._given_up += 1
+                self._give_up(send, exc)
             finally:
                 with self._settled:
                     self._resending -= 1
