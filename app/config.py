@@ -166,8 +166,8 @@ class Settings(BaseSettings):
     node_metrics_port: int | None = Field(
         None,
         description=(
-            "This node worker's metrics port (default: metrics_port + 100; the stack"
-            " gives the i-th node metrics_port + 100 + i, 0: none)."
+            "This node worker's metrics port (default: metrics_port + 100 + the number"
+            " its id ends in, see node_metrics_port_of; 0: none)."
         ),
     )
     schedulers: int = Field(
@@ -346,6 +346,12 @@ class Settings(BaseSettings):
                 netloc = f":{quote(found, safe='')}@{broker.netloc.rpartition('@')[2]}"
                 self.celery_broker_url = urlunsplit(broker._replace(netloc=netloc))
         return self
+
+    def node_metrics_port_of(self, node_id: str) -> int:
+        """Node ``node_id``'s metrics port unless ``node_metrics_port`` says otherwise:
+        metrics_port + 100 + the number its id ends in (0 when metrics are off)."""
+        digits = node_id[len(node_id.rstrip("0123456789")) :]
+        return self.metrics_port + 100 + int(digits or 0) if self.metrics_port else 0
 
     @property
     def topic_requests(self) -> str:

@@ -304,9 +304,7 @@ def services(
         ),
     ]
     for node in nodes if isinstance(nodes, list) else node_ids(settings, nodes):
-        # A node serves its metrics on metrics_port + 100 + the number its id ends in.
-        digits = node[len(node.rstrip("0123456789")) :]
-        metrics = settings.metrics_port + 100 + int(digits or 0) if settings.metrics_port else 0
+        metrics = settings.node_metrics_port_of(node)
         out.append(
             Service(
                 f"worker-{node}",

@@ -41,7 +41,9 @@ def run(node_id: str, concurrency: int = 16) -> None:
     _raise_open_files()
     settings = get_settings()
     port = settings.node_metrics_port
-    metrics.serve(settings.metrics_port + 100 if port is None else port, settings.metrics_host)
+    metrics.serve(
+        settings.node_metrics_port_of(node_id) if port is None else port, settings.metrics_host
+    )
     # The node's own credential, nothing more: a node host holds no master key.
     credential = credentials.load(
         settings.node_credential_file or credentials.node_file(settings, node_id)

@@ -35,7 +35,7 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float | None:
 
 
 def test_the_node_worker_serves_its_metrics(stack: Settings, client: Client) -> None:
-    port = stack.metrics_port + 100  # the configured node's (node0)
+    port = stack.node_metrics_port_of(stack.node_id)
     before = scrape(port)
     created = value(before, "dsec_node_create_seconds_count", warm="true") or 0
     created += value(before, "dsec_node_create_seconds_count", warm="false") or 0

@@ -120,9 +120,7 @@ def ensure_agent_dir(
             _install(prebuilt, agent)
             _stamp(stamp, wanted)
     else:
-        compiler = shutil.which(cc)
-        if compiler is None:
-            raise AgentBuildError(f"{cc} not found: install gcc (apt-get install gcc libc6-dev)")
+        compiler = _compiler(cc)
         wanted = _source_hash(source, cc)
         if current != wanted or not agent.exists():
             _compile(source, agent, compiler)
@@ -144,12 +142,17 @@ def ensure_agent_dir(
 def build_agent(out: Path, *, cc: str = "gcc", source: Path = AGENT_SOURCE) -> Path:
     """Compile the agent once, to ``out``: a release's binary for node hosts that have
     no compiler (``dsec node up --agent``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _compile(source, out, _compiler(cc))
+    return out
+
+
+def _compiler(cc: str) -> str:
+    """The path of ``cc``; raises if the host has none."""
     compiler = shutil.which(cc)
     if compiler is None:
         raise AgentBuildError(f"{cc} not found: install gcc (apt-get install gcc libc6-dev)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _compile(source, out, compiler)
-    return out
+    return compiler
 
 
 def _stamp(stamp: Path, value: str) -> None:
