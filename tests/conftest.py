@@ -172,3 +172,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_for_node(db: Callable[[], Any], node_id: str, state: str, timeout_s: float) -> None:
+    """Wait until the ``nodes`` projection shows ``node_id`` in ``state``."""
+    with db() as conn:
+        wait_for(
+            lambda: scalar(
+                conn,
+                "SELECT state FROM nodes WHERE node_id = :n AND state = :s",
+                n=node_id,
+                s=state,
+            ),
+            timeout_s=timeout_s,
+            what=f"{node_id} {state} in the log",
+        )
+
+
+def declare_lost(settings: Settings, node_ids: list[str]) -> None:
+    """Append NodeLost for nodes the tests stopped, so that later tests (and the next
+    `make test`) place sandboxes on the configured node only."""
+    from app.domain.events import NodeLost, NodeLostPayload
+
+    publisher = PlatformPublisher(settings)
+    for node in node_ids:
+        lost = NodeLost(node_id=node, payload=NodeLostPayload(detail="stopped by the tests"))
+        publisher.publish(settings.topic_events, lost.key, lost)
+    publisher.flush()
+    publisher.close()
+    time.sleep(1.0)

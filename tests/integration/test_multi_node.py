@@ -12,9 +12,8 @@ import pytest
 
 from app import stack as stack_mod
 from app.config import Settings
-from app.domain.events import NodeLost, NodeLostPayload
 from app.errors import SandboxRejected
-from tests.conftest import PlatformPublisher, scalar, wait_for
+from tests.conftest import declare_lost, scalar, wait_for, wait_for_node
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -38,14 +37,9 @@ def three_nodes(stack: Settings) -> Iterator[Settings]:
 def _retire_extra_nodes(stack: Settings) -> None:
     # Also after a failed `up`: a live extra node would take later tests' sandboxes.
     extra = stack_mod.node_ids(stack, NODES)[1:]
-    publisher = PlatformPublisher(stack)
     for node in extra:
         _worker(stack, node).stop(stack)
-        lost = NodeLost(node_id=node, payload=NodeLostPayload(detail="stopped by the tests"))
-        publisher.publish(stack.topic_events, lost.key, lost)
-    publisher.flush()
-    publisher.close()
-    time.sleep(1.0)
+    declare_lost(stack, extra)
 
 
 def _worker(settings: Settings, node: str) -> stack_mod.Service:
@@ -72,14 +66,8 @@ def test_sandboxes_spread_and_a_killed_node_is_declared_lost(
     os.killpg(pid, signal.SIGKILL)
     try:
         # Then the scheduler declares it lost and its sandboxes end with node_lost
+        wait_for_node(db, victim, "lost", timeout_s=60)
         with db() as conn:
-            wait_for(
-                lambda: scalar(
-                    conn, "SELECT state FROM nodes WHERE node_id = :n AND state = 'lost'", n=victim
-                ),
-                timeout_s=60,
-                what=f"{victim} declared lost",
-            )
             for box in doomed:
                 reason = wait_for(
                     lambda b=box: scalar(
@@ -113,11 +101,4 @@ def test_sandboxes_spread_and_a_killed_node_is_declared_lost(
         # The node comes back; its reconciler removes the sandboxes the log ended.
         worker.start(settings)
         time.sleep(0.5)
-    with db() as conn:
-        wait_for(
-            lambda: scalar(
-                conn, "SELECT state FROM nodes WHERE node_id = :n AND state = 'alive'", n=victim
-            ),
-            timeout_s=60,
-            what=f"{victim} back",
-        )
+    wait_for_node(db, victim, "alive", timeout_s=60)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,8 @@ import pytest
 
 from app import tenants
 from app.config import Settings
-from app.domain.events import NodeLost, NodeLostPayload
 from app.domain.proof import Role
-from tests.conftest import PlatformPublisher, scalar, wait_for
+from tests.conftest import declare_lost, wait_for_node
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -48,26 +46,13 @@ def test_a_node_host_comes_up_from_settings_alone(stack: Settings, db: Any, tmp_
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"worker-{NODE}: started" in done.stdout
         # Then it joins the platform: its heartbeats reach the log through Kafka
-        with db() as conn:
-            wait_for(
-                lambda: scalar(
-                    conn, "SELECT state FROM nodes WHERE node_id = :n AND state = 'alive'", n=NODE
-                ),
-                timeout_s=120,
-                what=f"{NODE} alive in the log",
-            )
+        wait_for_node(db, NODE, "alive", timeout_s=120)
         # And `dsec node down` stops its worker
         stopped = _dsec("node", "down", "--node", NODE)
         assert stopped.returncode == 0 and f"worker-{NODE}: stopped" in stopped.stdout
     finally:
         _dsec("node", "down", "--node", NODE)
-        # Declared lost at once: later tests place sandboxes on the configured node only.
-        publisher = PlatformPublisher(stack)
-        lost = NodeLost(node_id=NODE, payload=NodeLostPayload(detail="stopped by the tests"))
-        publisher.publish(stack.topic_events, lost.key, lost)
-        publisher.flush()
-        publisher.close()
-        time.sleep(1.0)
+        declare_lost(stack, [NODE])
 
 
 def test_a_node_without_its_credential_is_told_what_to_do(stack: Settings) -> None:
