@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 
@@ -18,7 +18,7 @@ EMBEDDED_BROKER_PARTITIONS = 4
 class Settings(BaseSettings):
     """Platform configuration, read from ``DSEC_*`` environment variables."""
 
-    model_config = SettingsConfigDict(env_prefix="DSEC_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="DSEC_", extra="ignore", populate_by_name=True)
 
     kafka_bootstrap: str = Field(
         "127.0.0.1:19092", description="Kafka bootstrap servers, comma separated."
@@ -96,6 +96,8 @@ class Settings(BaseSettings):
     )
     credentials_file: Path | None = Field(
         None,
+        # The documented name; DSEC_CREDENTIALS_FILE, the prefix's, works too.
+        validation_alias=AliasChoices("DSEC_CREDENTIALS", "DSEC_CREDENTIALS_FILE"),
         description="The credential a trainer's client signs with (DSEC_CREDENTIALS).",
     )
     default_tenant: str = Field(
@@ -152,6 +154,10 @@ class Settings(BaseSettings):
         720, ge=1, description="How long Kafka keeps dead letters (for `dsec dead-letters`)."
     )
     flower_port: int = Field(5555, description="Celery Flower HTTP port.")
+    flower_host: str = Field(
+        "127.0.0.1",
+        description="Address Flower serves on (behind its password; 0.0.0.0 for any).",
+    )
     metrics_port: int = Field(9464, description="First Prometheus metrics port of the services.")
     log_format: Literal["text", "json"] = Field(
         "text", description="How the services log: text, or one JSON object per line."
