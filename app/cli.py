@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from app import cli_render
+from app.cli_control import control_cli
 from app.cli_log import log_cli
 from app.cli_tenant import node_cli, tenant_cli
 from app.config import get_settings, redact
@@ -29,6 +30,7 @@ deadletters_cli = typer.Typer(
 cli.add_typer(deadletters_cli, name="deadletters")
 cli.add_typer(tenant_cli, name="tenant")
 cli.add_typer(node_cli, name="node")
+cli.add_typer(control_cli, name="control")
 cli.add_typer(log_cli, name="log")
 console = cli_render.console
 

@@ -261,7 +261,7 @@ def scheduler_service(settings: Settings, index: int) -> Service:
     return Service(
         scheduler_names(index + 1)[-1],
         [sys.executable, "-m", "app.cli", "run", "scheduler"],
-        endpoint=f"http://127.0.0.1:{port}/metrics" if port else "",
+        endpoint=f"http://{settings.metrics_host}:{port}/metrics" if port else "",
         env={"DSEC_SCHEDULER_METRICS_PORT": str(port)},
     )
 
@@ -296,7 +296,7 @@ def services(
         Service(
             "projector",
             [py, "-m", "app.cli", "run", "projector"],
-            endpoint=f"http://127.0.0.1:{settings.metrics_port}/metrics",
+            endpoint=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics",
         ),
         *(
             scheduler_service(settings, i)
@@ -310,7 +310,8 @@ def services(
                 f"worker-{node}",
                 [py, "-m", "app.cli", "run", "worker", "--node", node],
                 endpoint=(
-                    f"celery queue {settings.node_queue(node)}, http://127.0.0.1:{metrics}/metrics"
+                    f"celery queue {settings.node_queue(node)},"
+                    f" http://{settings.metrics_host}:{metrics}/metrics"
                 ),
                 env={"DSEC_NODE_ID": node, "DSEC_NODE_METRICS_PORT": str(metrics)},
             )
@@ -327,14 +328,14 @@ def services(
                 "app.flower_app",
                 "flower",
                 f"--port={settings.flower_port}",
-                "--address=127.0.0.1",
+                f"--address={settings.flower_host}",
                 "dsec-flower",
             ],
-            endpoint=f"http://127.0.0.1:{settings.flower_port}",
+            endpoint=f"http://{settings.flower_host}:{settings.flower_port}",
             # Basic auth from a root-only file, passed in the environment (which only
             # its user reads); its HTTP API then needs the same credentials.
             env={"FLOWER_BASIC_AUTH": f"{FLOWER_USER}:{flower_password(settings)}"},
-            ready=lambda: port_open("127.0.0.1", settings.flower_port),
+            ready=lambda: port_open(settings.flower_host, settings.flower_port),
         )
     )
     # Last up, first down: it must not start again what `dsec down` is stopping.
@@ -446,11 +447,7 @@ def ensure_credentials(settings: Settings, nodes: list[str]) -> None:
     tenants.ensure(settings, Role.OPERATOR, OPERATOR)
     for node in nodes:
         tenants.ensure(settings, Role.NODE, node)
-    live = {
-        r.subject for r in tenants.listing(settings)
-        if r.revoked_at is None and r.role in (Role.TENANT, Role.OPERATOR)
-    }  # fmt: skip
-    bus.ensure_topics(settings, live)
+    bus.ensure_topics(settings, tenants.reply_subjects(settings))
 
 
 def scheduler_partitions(settings: Settings) -> dict[int, list[int]] | None:
@@ -498,6 +495,18 @@ def node_alive(settings: Settings, node: str, since: float) -> bool:
     return seen is not None and seen.timestamp() >= since - 1
 
 
+def start_all(settings: Settings, each: list[Service], log: Callable[[str], None]) -> None:
+    """Start ``each`` service (again where it runs other code) and wait until ready."""
+    for service in each:
+        replaced = service.stale(settings)
+        started = service.start(settings)
+        said = "restarted: it ran other code" if replaced else "started"
+        log(f"{service.name}: {said if started else 'already running'}")
+    for service in each:
+        if service.ready is not None:
+            wait_until(service.ready, 60, service.name)
+
+
 def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -> list[Service]:
     """Bring the whole embedded stack up; reuse whatever already runs."""
     from app import bus, secret_files
@@ -528,14 +537,7 @@ def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -
     log(f"credentials: in {settings.secrets_dir} (root only); kafka: topics ready")
     prepare_node_store(settings)
     log(f"layer store: {settings.layer_store} has {settings.default_image}")
-    for service in rest:
-        replaced = service.stale(settings)
-        started = service.start(settings)
-        said = "restarted: it ran other code" if replaced else "started"
-        log(f"{service.name}: {said if started else 'already running'}")
-    for service in rest:
-        if service.ready is not None:
-            wait_until(service.ready, 60, service.name)
+    start_all(settings, rest, log)
     workers = {s.name: s for s in rest}
     for node in node_ids(settings, nodes):
         try:

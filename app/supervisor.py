@@ -112,14 +112,8 @@ class Restarts:
 def _recreate_topics(settings: Settings) -> None:
     """The embedded broker came back empty: the platform's topics, and every tenant's."""
     from app import bus, tenants
-    from app.domain.proof import Role
 
-    subjects = {
-        row.subject
-        for row in tenants.listing(settings)
-        if row.role in (Role.TENANT, Role.OPERATOR) and row.revoked_at is None
-    }
-    bus.ensure_topics(settings, sorted(subjects))
+    bus.ensure_topics(settings, tenants.reply_subjects(settings))
 
 
 def tend(settings: Settings, now: float | None = None) -> list[str]:

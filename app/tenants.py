@@ -115,3 +115,14 @@ def listing(settings: Settings, role: Role | None = None) -> list[CredentialRow]
     """Every credential (no secrets)."""
     with transaction(settings.database_url) as conn:
         return stored.load(conn, role)
+
+
+def reply_subjects(settings: Settings) -> list[str]:
+    """Tenants and operators with a live key: those whose replies topics must exist."""
+    return sorted(
+        {
+            row.subject
+            for row in listing(settings)
+            if row.role in (Role.TENANT, Role.OPERATOR) and row.revoked_at is None
+        }
+    )

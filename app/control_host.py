@@ -1,0 +1,76 @@
+"""A control host, brought up and down from settings alone (`dsec control up`,
+`dsec control down`): the projector, the schedulers, Flower and the supervisor that
+restarts them, against a Kafka, a Postgres and a Redis that an operator runs elsewhere.
+
+Unlike `dsec up` it starts no broker, no Redis and no node, and it makes no database
+roles: docs/deploy.md has the operator make those. It migrates the schema (as the
+owner role of ``admin_database_url``), makes the master key and the operator's
+credential where missing, and makes or checks the platform's topics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import redis
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+
+from app import stack
+from app.config import Settings
+from app.errors import ServiceUnavailable, first_line
+
+#: The services of the embedded stack that are not a control host's: an operator's.
+NOT_OURS = ("broker", "redis")
+
+
+def check(settings: Settings) -> None:
+    """Postgres and Redis answer; raises with the one that does not (Kafka is checked
+    when the topics are made)."""
+    from app.db.engine import engine_for
+
+    where = make_url(settings.database_url)
+    try:
+        with engine_for(settings.database_url).connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except SQLAlchemyError as exc:
+        cause = getattr(exc, "orig", None) or exc
+        raise ServiceUnavailable(
+            f"Postgres at {where.host}:{where.port or 5432}/{where.database} refused"
+            f" {where.username} or did not answer: {first_line(cause)}"
+        ) from exc
+    try:
+        redis.Redis.from_url(settings.celery_broker_url, socket_timeout=5).ping()
+    except redis.RedisError as exc:
+        raise ServiceUnavailable(f"Redis (the nodes' task queue) does not answer: {exc}") from exc
+
+
+def services(settings: Settings, schedulers: int | None = None) -> list[stack.Service]:
+    """A control host's services, in start order."""
+    every = stack.services(settings, [], schedulers)
+    return [s for s in every if s.name not in NOT_OURS]
+
+
+def up(settings: Settings, schedulers: int, log: Callable[[str], None]) -> None:
+    """Set the control host up and start its services (reusing those that run)."""
+    from app import bus, secret_files, tenants
+    from app.db.setup import migrate
+    from app.domain.proof import Role
+
+    check(settings)
+    migrate(settings)
+    log("postgres: schema at head")
+    secret_files.ensure(settings.master_key_path)
+    secret_files.ensure(settings.secrets_dir / "flower.password", text=True)
+    tenants.ensure(settings, Role.OPERATOR, stack.OPERATOR)
+    findings = bus.ensure_topics(settings, tenants.reply_subjects(settings))
+    log(f"kafka: topics ready at {settings.kafka_bootstrap}" + (" (see the log)" * bool(findings)))
+    stack.start_all(settings, services(settings, schedulers), log)
+
+
+def down(settings: Settings, log: Callable[[str], None]) -> None:
+    """Stop the control host's services, the supervisor first."""
+    for service in reversed(services(settings)):
+        if service.stop(settings):
+            log(f"{service.name}: stopped")
