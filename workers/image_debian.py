@@ -29,6 +29,7 @@ from workers.errors import NodeError
 from workers.file_lock import file_lock
 from workers.image_build import build_image, import_image
 from workers.image_store import image_exists, remove_image
+from workers.mounts import remove_tree
 
 #: The image trainers ask for.
 DEBIAN_IMAGE = "dsec/debian-python:12"
@@ -128,7 +129,7 @@ def rootfs_tarball(
             raise NodeError("debootstrap is not installed: apt-get install debootstrap")
         started = time.monotonic()
         root = cache / f"root-{key[:12]}"
-        _remove_tree(root)
+        remove_tree(root)
         try:
             log(f"debootstrap {suite} (minbase + {', '.join(packages)}) from {mirror}")
             _debootstrap(root, suite, packages, mirror, cache / f"{tarball.stem}.log")
@@ -141,7 +142,7 @@ def rootfs_tarball(
             )
             partial.rename(tarball)
         finally:
-            _remove_tree(root)
+            remove_tree(root)
         took = time.monotonic() - started
         log(f"root filesystem ready in {took:.1f}s: {tarball}")
         return tarball, took
@@ -223,15 +224,3 @@ def _trim(root: Path) -> None:
                 path.unlink()
     (root / "etc" / "hostname").write_text("sandbox\n")
     (root / "etc" / "resolv.conf").unlink(missing_ok=True)
-
-
-def _remove_tree(root: Path) -> None:
-    """Remove a scratch root, unmounting first whatever a failed debootstrap left mounted."""
-    if not root.exists():
-        return
-    prefix = str(root.resolve()) + "/"
-    with open("/proc/self/mountinfo") as fh:
-        mounts = [line.split()[4] for line in fh]
-    for point in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
-        subprocess.run(["umount", "-l", point], check=False, capture_output=True)
-    shutil.rmtree(root, ignore_errors=True)

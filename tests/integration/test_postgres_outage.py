@@ -9,16 +9,13 @@ scheduler's key, as bench/ingest.py proves them.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -37,79 +34,17 @@ from app.errors import SandboxRejected
 from app.keyring import Keyring
 from app.sdk import Client
 from tests.conftest import free_port, wait_for
+from tests.pg_cluster import Cluster, own_cluster
 
 pytestmark = pytest.mark.integration
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
 REPO = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Cluster:
-    """A throwaway Postgres cluster run by the postgres system user."""
-
-    home: Path
-    port: int
-
-    @property
-    def data(self) -> Path:
-        return self.home / "data"
-
-    def ctl(self, *args: str, check: bool = True) -> None:
-        subprocess.run(
-            ["runuser", "-u", "postgres", "--", str(PG_BIN / "pg_ctl"), "-D", str(self.data),
-             "-l", str(self.home / "server.log"), *args],
-            check=check, capture_output=True, timeout=60,
-        )  # fmt: skip
-
-    def start(self) -> None:
-        opts = f"-p {self.port} -k {self.home / 'run'} -c listen_addresses=127.0.0.1 -c fsync=on"
-        self.ctl("-o", opts, "-w", "start")
-
-    def crash(self) -> None:
-        """Stop as a crash does: no checkpoint, WAL replayed on the next start."""
-        self.ctl("-m", "immediate", "stop")
-
-
-@contextmanager
-def own_cluster(data_mb: int | None = None) -> Iterator[Cluster]:
-    """A cluster of the test's own; with ``data_mb``, its data directory (not its WAL)
-    is a filesystem of that size, to be filled."""
-    # Not under pytest's temporary directory: the postgres user cannot enter root's.
-    home = Path(tempfile.mkdtemp(prefix="dsec-pg-outage-"))
-    os.chmod(home, 0o755)
-    found = Cluster(home, free_port())
-    found.data.mkdir()
-    if data_mb is not None:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={data_mb}m,mode=0700", "tmpfs",
-             str(found.data)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-    (home / "wal").mkdir()
-    (home / "run").mkdir()
-    (home / "server.log").touch()
-    for path in (found.data, home / "wal", home / "run", home / "server.log"):
-        shutil.chown(path, "postgres", "postgres")
-    subprocess.run(
-        ["runuser", "-u", "postgres", "--", str(PG_BIN / "initdb"), "-D", str(found.data),
-         "--waldir", str(home / "wal"), "--auth=trust", "-U", "postgres"],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
-    found.start()
-    try:
-        yield found
-    finally:
-        found.ctl("-m", "immediate", "stop", check=False)
-        if data_mb is not None:
-            subprocess.run(["umount", str(found.data)], capture_output=True)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @contextmanager
 def settings_for(cluster: Cluster, stack: Settings) -> Iterator[Settings]:
     """The stack's settings with ``cluster`` as the database and topics of their own."""
-    base = f"127.0.0.1:{cluster.port}"
+    base = f"{cluster.host}:{cluster.port}"
     su = create_engine(
         f"postgresql+psycopg://postgres@{base}/postgres", isolation_level="AUTOCOMMIT"
     )
