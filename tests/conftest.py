@@ -189,6 +189,25 @@ def wait_for_node(db: Callable[[], Any], node_id: str, state: str, timeout_s: fl
         )
 
 
+def flower_workers(base_url: str, password: str) -> dict[str, Any]:
+    """The workers Flower at ``base_url`` knows ({} while it does not answer)."""
+    import json
+    import urllib.request
+    from base64 import b64encode
+
+    from app.stack import FLOWER_USER
+
+    token = b64encode(f"{FLOWER_USER}:{password}".encode()).decode()
+    request = urllib.request.Request(
+        f"{base_url}/api/workers?refresh=1", headers={"Authorization": f"Basic {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return dict(json.load(response))
+    except OSError:
+        return {}
+
+
 def declare_lost(settings: Settings, node_ids: list[str]) -> None:
     """Append NodeLost for nodes the tests stopped, so that later tests (and the next
     `make test`) place sandboxes on the configured node only."""

@@ -27,9 +27,10 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
+from app import secret_files
 from app.config import Settings
 from app.stack import broker_binary, port_open
-from tests.conftest import wait_for
+from tests.conftest import flower_workers, wait_for
 from tests.pg_cluster import own_cluster
 from workers.mounts import remove_tree
 
@@ -47,6 +48,7 @@ ADDRESS = {
 }
 #: The test's own place on the bridge.
 HERE = f"{SUBNET}.254"
+NODES = (NODE_A, NODE_B)
 KAFKA = f"{ADDRESS[CONTROL]}:9092"
 PG_PORT = 5432
 
@@ -128,7 +130,7 @@ def network() -> Iterator[None]:
             _ip("-n", ns, "link", "set", "lo", "up")
         yield
     finally:
-        for node in (NODE_A, NODE_B):
+        for node in NODES:
             _node_user_processes(node)
         _remove_network()
 
@@ -233,7 +235,7 @@ def test_nodes_on_other_hosts_serve_a_trainer_on_another_and_a_lost_host_ends_it
             assert "projector: started" in said and "scheduler: started" in said, said
             agent = root / "dsec-agent"
             _dsec(CONTROL, envs[CONTROL], "node", "agent", "--out", str(agent))
-            for node in (NODE_A, NODE_B):
+            for node in NODES:
                 cred = root / node / "node.json"
                 _dsec(CONTROL, envs[CONTROL], "node", "add", node, "--out", str(cred))
                 envs[node] = {
@@ -250,10 +252,10 @@ def test_nodes_on_other_hosts_serve_a_trainer_on_another_and_a_lost_host_ends_it
             envs[TRAINER]["DSEC_CREDENTIALS"] = str(trainer_cred)
 
             # When two node hosts join over the bridge
-            for node in (NODE_A, NODE_B):
+            for node in NODES:
                 said = _dsec(node, envs[node], "node", "up", "--agent", str(agent))
                 assert f"worker-{node}: started" in said, said
-            for node in (NODE_A, NODE_B):
+            for node in NODES:
                 wait_for(
                     lambda n=node: _query(
                         log, "SELECT 1 FROM nodes WHERE node_id = :n AND state = 'alive'", n=n
@@ -261,6 +263,16 @@ def test_nodes_on_other_hosts_serve_a_trainer_on_another_and_a_lost_host_ends_it
                     120,
                     f"{node} alive in the log",
                 )
+
+            # And Flower on the control host shows both node workers
+            flower = f"http://{control}:{stack.flower_port}"
+            password = secret_files.read_text(root / CONTROL / "secrets" / "flower.password")
+
+            def both_in_flower() -> bool:
+                names = flower_workers(flower, password or "")
+                return all(any(n.startswith(f"{node}@") for n in names) for node in NODES)
+
+            wait_for(both_in_flower, 60, "both node workers in Flower")
 
             # Then a trainer on a fourth host gets sandboxes on both, and they answer
             made = _trainer(envs[TRAINER], MH_CREATE="4")
@@ -289,7 +301,7 @@ def test_nodes_on_other_hosts_serve_a_trainer_on_another_and_a_lost_host_ends_it
             again = _trainer(envs[TRAINER], MH_IDS=",".join(kept))
             assert all(box.get("stdout", "").endswith("42\n") for box in again), again
         finally:
-            for node in (NODE_A, NODE_B):
+            for node in NODES:
                 subprocess.run(
                     [*_in(node), str(REPO / ".venv" / "bin" / "dsec"), "node", "down"],
                     env=envs[node], capture_output=True, timeout=60, check=False,
