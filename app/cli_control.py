@@ -3,6 +3,7 @@ their supervisor) against an operator's Kafka, Postgres and Redis."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -29,6 +30,27 @@ def control_up(
     settings = get_settings()
     control_host.up(
         settings, schedulers or settings.schedulers, lambda m: console.print(f"[green]✓[/] {m}")
+    )
+
+
+@control_cli.command("prepare")
+def control_prepare(
+    node: Annotated[
+        list[str] | None, typer.Option(help="Make (or keep) this node's credential; repeatable.")
+    ] = None,
+    node_credentials: Annotated[
+        Path | None, typer.Option(help="Copy each node's credential here, as <id>.json.")
+    ] = None,
+) -> None:
+    """Migrate the schema, make the keys and the topics, and start nothing: the first
+    step of a deployment whose services a container runtime or systemd runs."""
+    from app import control_host
+
+    control_host.prepare(
+        get_settings(),
+        lambda m: console.print(f"[green]✓[/] {m}"),
+        node or (),
+        node_credentials,
     )
 
 

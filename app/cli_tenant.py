@@ -165,6 +165,10 @@ def node_up(
         Path | None,
         typer.Option(help="The release's agent binary (`dsec node agent`): no compiler here."),
     ] = None,
+    foreground: Annotated[
+        bool,
+        typer.Option("--foreground", help="Become the worker (a container's or a unit's process)."),
+    ] = False,
 ) -> None:
     """Set this host up as a node and start its worker, from settings alone: Kafka and
     Redis of the control plane, the node's credential (DSEC_NODE_CREDENTIAL_FILE)."""
@@ -173,7 +177,7 @@ def node_up(
 
     settings = get_settings()
     try:
-        node_host.up(settings, node or settings.node_id, agent, _log)
+        node_host.up(settings, node or settings.node_id, agent, _log, foreground=foreground)
     except (DsecError, NodeError) as exc:
         console.print(f"[red]dsec:[/] {exc}")
         raise typer.Exit(2) from exc

@@ -94,6 +94,13 @@ class Settings(BaseSettings):
         None,
         description="This node's credential (default: <secrets_dir>/nodes/<node_id>.json).",
     )
+    node_agent: Path | None = Field(
+        None,
+        description=(
+            "The release's agent binary (`dsec node agent`) that `dsec node up` installs;"
+            " unset: compiled on the node."
+        ),
+    )
     credentials_file: Path | None = Field(
         None,
         # The documented name; DSEC_CREDENTIALS_FILE, the prefix's, works too.

@@ -10,7 +10,8 @@ credential where missing, and makes or checks the platform's topics.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import redis
 from sqlalchemy import text
@@ -52,9 +53,17 @@ def services(settings: Settings, schedulers: int | None = None) -> list[stack.Se
     return [s for s in every if s.name not in NOT_OURS]
 
 
-def up(settings: Settings, schedulers: int, log: Callable[[str], None]) -> None:
-    """Set the control host up and start its services (reusing those that run)."""
-    from app import bus, secret_files, tenants
+def prepare(
+    settings: Settings,
+    log: Callable[[str], None],
+    nodes: Sequence[str] = (),
+    node_credentials: Path | None = None,
+) -> None:
+    """What the control services need before they start, each step idempotent: the
+    schema at head, the master key, Flower's password, the operator's credential, the
+    topics, and a credential for each of ``nodes`` (copied into ``node_credentials``,
+    one ``<id>.json`` each, where given)."""
+    from app import bus, credentials, secret_files, tenants
     from app.db.setup import migrate
     from app.domain.proof import Role
 
@@ -64,8 +73,19 @@ def up(settings: Settings, schedulers: int, log: Callable[[str], None]) -> None:
     secret_files.ensure(settings.master_key_path)
     secret_files.ensure(settings.secrets_dir / "flower.password", text=True)
     tenants.ensure(settings, Role.OPERATOR, stack.OPERATOR)
+    for node in nodes:
+        tenants.ensure(settings, Role.NODE, node)
+        if node_credentials is not None:
+            held = credentials.load(credentials.node_file(settings, node))
+            out = credentials.save(held, node_credentials / f"{node}.json")
+            log(f"node {node}: credential in {out}")
     findings = bus.ensure_topics(settings, tenants.reply_subjects(settings))
     log(f"kafka: topics ready at {settings.kafka_bootstrap}" + (" (see the log)" * bool(findings)))
+
+
+def up(settings: Settings, schedulers: int, log: Callable[[str], None]) -> None:
+    """Prepare the control host and start its services (reusing those that run)."""
+    prepare(settings, log)
     stack.start_all(settings, services(settings, schedulers), log)
 
 

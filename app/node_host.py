@@ -11,6 +11,7 @@ the embedded stack's services (app/supervisor.py), which restarts what dies.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,20 +41,34 @@ def check(settings: Settings, node_id: str) -> Path:
     return path
 
 
-def up(settings: Settings, node_id: str, agent: Path | None, log: Callable[[str], None]) -> None:
-    """Set the node host up and start its worker (and the supervisor)."""
+def up(
+    settings: Settings,
+    node_id: str,
+    agent: Path | None,
+    log: Callable[[str], None],
+    *,
+    foreground: bool = False,
+) -> None:
+    """Set the node host up and start its worker (and the supervisor); with
+    ``foreground``, become the worker instead (a container's or a unit's process)."""
     from app import stack
     from workers.agent.build import ensure_agent_dir
     from workers.image_store import import_busybox_image
 
     path = check(settings, node_id)
     log(f"node {node_id}: credential {path}; Kafka at {settings.kafka_bootstrap} and Redis answer")
+    agent = agent or settings.node_agent
     ensure_agent_dir(settings.state_dir / "agent", prebuilt=agent)
     log(f"agent: {'the release binary ' + str(agent) if agent else 'compiled here'}")
     import_busybox_image(settings=settings, refresh=False)
     log(f"layer store: {settings.layer_store} has {settings.default_image}")
     env_credential = {"DSEC_NODE_CREDENTIAL_FILE": str(path)}
     for service in stack.services(settings, [node_id]):
+        if foreground and service.name == f"worker-{node_id}":
+            log(f"{service.name}: running in the foreground")
+            os.execve(
+                service.argv[0], service.argv, {**os.environ, **service.env, **env_credential}
+            )
         if service.name not in (f"worker-{node_id}", stack.SUPERVISOR):
             continue
         service.env = {**service.env, **env_credential}
