@@ -129,6 +129,28 @@ def build_debian(
     console.print(f"[green]✓[/] {done.image} {'was there' if done.skipped else 'is ready'}")
 
 
+@image_cli.command("build-platform")
+def build_platform(
+    tag: Annotated[str, typer.Option(help="Tag of both images (default: the version).")] = "",
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Remove the images first and build them again.")
+    ] = False,
+) -> None:
+    """The platform's own images from this checkout: dsec/control and dsec/node."""
+    from workers.errors import NodeError
+    from workers.image_platform import build_platform_images
+
+    try:
+        build_platform_images(
+            get_settings(),
+            tag=tag or None,
+            fresh=fresh,
+            log=lambda m: console.print(f"[green]·[/] {m}", markup=True, highlight=False),
+        )
+    except NodeError as exc:
+        raise _fail(str(exc)) from exc
+
+
 @image_cli.command("ls")
 def ls(as_json: JsonOpt = False) -> None:
     """Images in the store: name, id, size, created."""

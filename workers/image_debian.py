@@ -77,21 +77,9 @@ def build_debian_image(
     if image_exists(image, settings):
         log(f"{image} is already in the store")
         return DebianBuild(image)
-    tarball, debootstrap_s, import_s = None, None, None
-    if fresh or not image_exists(DEBOOTSTRAP_IMAGE, settings):
-        tarball, debootstrap_s = rootfs_tarball(settings, mirror=mirror, fresh=fresh, log=log)
-        started = time.monotonic()
-        if fresh and image_exists(DEBOOTSTRAP_IMAGE, settings):
-            remove_image(DEBOOTSTRAP_IMAGE, settings, refresh=False)
-        import_image(
-            DEBOOTSTRAP_IMAGE,
-            tarball,
-            settings,
-            changes=(f"ENV PATH={_PATH}", 'CMD ["/bin/bash"]', f"LABEL dsec.suite={SUITE}"),
-            refresh=False,
-        )
-        import_s = time.monotonic() - started
-        log(f"imported {DEBOOTSTRAP_IMAGE} in {import_s:.1f}s")
+    tarball, debootstrap_s, import_s = ensure_debootstrap_image(
+        settings, mirror=mirror, fresh=fresh, log=log
+    )
     if not CONTAINERFILE.is_file():
         raise NodeError(f"{CONTAINERFILE} is missing (it ships in the repository's docker/)")
     started = time.monotonic()
@@ -99,6 +87,34 @@ def build_debian_image(
     build_s = time.monotonic() - started
     log(f"built {image} from {CONTAINERFILE.name} in {build_s:.1f}s")
     return DebianBuild(image, debootstrap_s, import_s, build_s, tarball)
+
+
+def ensure_debootstrap_image(
+    settings: Settings,
+    *,
+    mirror: str | None = None,
+    fresh: bool = False,
+    log: Callable[[str], None] = lambda _m: None,
+) -> tuple[Path | None, float | None, float | None]:
+    """Make ``dsec/debootstrap:bookworm`` exist in the store (the FROM of the Debian
+    sandbox image and of the platform's own); (tarball, debootstrap s, import s), each
+    None when skipped."""
+    if not fresh and image_exists(DEBOOTSTRAP_IMAGE, settings):
+        return None, None, None
+    tarball, debootstrap_s = rootfs_tarball(settings, mirror=mirror, fresh=fresh, log=log)
+    started = time.monotonic()
+    if fresh and image_exists(DEBOOTSTRAP_IMAGE, settings):
+        remove_image(DEBOOTSTRAP_IMAGE, settings, refresh=False)
+    import_image(
+        DEBOOTSTRAP_IMAGE,
+        tarball,
+        settings,
+        changes=(f"ENV PATH={_PATH}", 'CMD ["/bin/bash"]', f"LABEL dsec.suite={SUITE}"),
+        refresh=False,
+    )
+    import_s = time.monotonic() - started
+    log(f"imported {DEBOOTSTRAP_IMAGE} in {import_s:.1f}s")
+    return tarball, debootstrap_s, import_s
 
 
 def rootfs_tarball(

@@ -1,0 +1,109 @@
+"""The platform's own images, built from this checkout: ``dsec/control`` (projector,
+schedulers, Flower, the CLI) and ``dsec/node`` (a node host in a container).
+
+Both come FROM the debootstrap import of bookworm (:mod:`workers.image_debian`), so no
+registry is involved. Their RUN steps take Debian packages from the mirror apt is
+configured with (the host's network); Python packages come from a wheelhouse that
+this host's pip fills first (``build/wheels``), with the host's package index and
+certificates, so that the build itself installs offline. The build context is the
+repository, narrowed by its ``.containerignore`` to the package, its migrations and
+the wheelhouse. They go into the shared store like any image, from where
+``podman save`` ships them to other hosts (docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+from app.config import Settings
+from workers.errors import NodeError
+from workers.image_build import build_image
+from workers.image_debian import DEBOOTSTRAP_IMAGE, ensure_debootstrap_image
+from workers.image_store import image_exists, remove_image
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKER = REPO / "docker"
+#: Wheels the image's Python (Debian's 3.11.2) needs where this host's does not: redis
+#: asks for async-timeout below Python 3.11.3.
+IMAGE_PYTHON_EXTRAS = ("async-timeout>=4.0.3",)
+#: The wheels the images install from (the package's dependencies and its build's).
+WHEELHOUSE = REPO / "build" / "wheels"
+
+
+@dataclass(frozen=True)
+class PlatformImage:
+    """One image of the platform: its name and the Containerfile it is built from."""
+
+    repository: str
+    containerfile: Path
+
+    def name(self, tag: str) -> str:
+        return f"{self.repository}:{tag}"
+
+
+CONTROL = PlatformImage("dsec/control", DOCKER / "control.Containerfile")
+NODE = PlatformImage("dsec/node", DOCKER / "node.Containerfile")
+
+
+def default_tag() -> str:
+    """The package's version: what a release's images are tagged with."""
+    return version("dsec")
+
+
+def build_platform_images(
+    settings: Settings,
+    *,
+    tag: str | None = None,
+    fresh: bool = False,
+    log: Callable[[str], None] = lambda _m: None,
+) -> dict[str, float | None]:
+    """Build ``dsec/control:TAG`` then ``dsec/node:TAG`` (FROM the first); seconds each
+    took, None for one already in the store. ``fresh`` removes them first."""
+    tag = tag or default_tag()
+    ensure_debootstrap_image(settings, log=log)
+    fill_wheelhouse(log)
+    took: dict[str, float | None] = {}
+    base = DEBOOTSTRAP_IMAGE
+    for image in (CONTROL, NODE):
+        name = image.name(tag)
+        if fresh and image_exists(name, settings):
+            remove_image(name, settings, refresh=False)
+        started = time.monotonic()
+        built = build_image(
+            name,
+            image.containerfile,
+            REPO,
+            settings,
+            network="host",
+            build_args={"BASE": base},
+            refresh=False,
+        )
+        took[name] = None if built is None else time.monotonic() - started
+        log(
+            f"{name}: "
+            + ("already in the store" if built is None else f"built in {took[name]:.0f}s")
+        )
+        base = name
+    return took
+
+
+def fill_wheelhouse(log: Callable[[str], None] = lambda _m: None) -> Path:
+    """Wheels of the package, its dependencies and its build backend in
+    :data:`WHEELHOUSE` (pip skips what is there)."""
+    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(WHEELHOUSE),
+         str(REPO), "setuptools>=68", "wheel", *IMAGE_PYTHON_EXTRAS],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise NodeError(f"pip wheel failed:\n{done.stderr.strip()[-2000:]}")
+    log(f"wheelhouse {WHEELHOUSE}: ready in {time.monotonic() - started:.0f}s")
+    return WHEELHOUSE
