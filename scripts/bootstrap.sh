@@ -6,7 +6,9 @@ set -euo pipefail
 need_pkgs=()
 want() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed" || need_pkgs+=("$1"); }
 
-for p in podman runc uidmap slirp4netns fuse-overlayfs busybox-static gcc libc6-dev debootstrap; do want "$p"; done
+# docker-compose only checks the deployment file (`docker-compose config`); it runs nothing.
+for p in podman runc uidmap slirp4netns fuse-overlayfs busybox-static gcc libc6-dev debootstrap \
+    docker-compose; do want "$p"; done
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
