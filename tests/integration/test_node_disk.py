@@ -1,0 +1,153 @@
+"""A node whose disk is full refuses creates with the reason ``no_space``, and serves
+again once there is room: a refusal, not a half-made sandbox or a broken node.
+
+The node's home (its container layers, its sandboxes' run directories, its Podman
+service's state) is a small filesystem of its own, filled by the test with a file.
+So that its creates cannot land on the stack's node, the node and a scheduler run on
+topics of their own (as the benchmarks do); the broker, Redis and Postgres are the
+stack's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app import bus, tenants
+from app.config import Settings
+from app.domain.proof import Role
+from app.errors import SandboxError
+from app.sdk import Client
+from tests.conftest import ensure_tenant, wait_for
+from workers.agent.build import AGENT_BINARY, ensure_agent_dir
+from workers.mounts import remove_tree
+from workers.node_setup import user_name
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = "node5"
+HOME_MB = 128
+#: What the node keeps free: well below the filesystem, so that only the filler
+#: (not the node's own files) decides whether there is room.
+MIN_FREE_MB = 24
+
+
+@contextmanager
+def _process(args: list[str], env: dict[str, str], log: Path) -> Iterator[None]:
+    with open(log, "wb") as out:
+        process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture
+def small_node(stack: Settings) -> Iterator[tuple[Settings, Path]]:
+    """Settings of a scheduler and a node on topics of their own, the node's home a
+    filesystem of HOME_MB; yields them and the home."""
+    state = Path(tempfile.mkdtemp(prefix="dsec-disk-"))
+    os.chmod(state, 0o755)  # the node user walks through it to its home
+    home = state / "nodes" / NODE
+    home.mkdir(parents=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={HOME_MB}m,mode=0700", "tmpfs", str(home)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    settings = stack.model_copy(
+        update={"state_dir": state, "topic_prefix": f"disk{uuid.uuid4().hex[:6]}"}
+    )
+    ensure_tenant(stack, "tests")
+    bus.ensure_topics(settings, ["tests"], [NODE])
+    tenants.ensure(stack, Role.NODE, NODE)
+    # The stack's agent binary, as a node host is given a release's.
+    ensure_agent_dir(state / "agent", prebuilt=stack.state_dir / "agent" / AGENT_BINARY)
+    env = {
+        **os.environ,
+        "DSEC_STATE_DIR": str(state),
+        "DSEC_TOPIC_PREFIX": settings.topic_prefix,
+        "DSEC_DATABASE_URL": stack.database_url,
+        "DSEC_ADMIN_DATABASE_URL": stack.admin_database_url,
+        "DSEC_CELERY_BROKER_URL": stack.celery_broker_url,
+        "DSEC_SCHEDULER_METRICS_PORT": "0",
+        "DSEC_NODE_METRICS_PORT": "0",
+        "DSEC_NODE_ID": NODE,
+        "DSEC_NODE_MIN_FREE_MB": str(MIN_FREE_MB),
+        "DSEC_WARM_POOL": "{}",  # every create makes its container, and checks for room
+    }
+    dsec = str(REPO / ".venv" / "bin" / "dsec")
+    try:
+        with ExitStack() as running:
+            running.enter_context(
+                _process([dsec, "run", "scheduler"], env, state / "scheduler.log")
+            )
+            running.enter_context(
+                _process([dsec, "run", "worker", "--node", NODE], env, state / "worker.log")
+            )
+            yield settings, home
+    finally:
+        subprocess.run(["pkill", "-KILL", "-u", user_name(NODE)], capture_output=True)
+        bus.drop_topics(settings)
+        remove_tree(state)  # its tmpfs and the node's view of the store unmounted first
+
+
+def _create(client: Client) -> Any:
+    """A sandbox, or the error that refused it."""
+    try:
+        return client.create(timeout_s=60)
+    except SandboxError as exc:
+        return exc
+
+
+def _created(client: Client) -> Any:
+    """A sandbox, or None while the scheduler knows no node with room yet."""
+    made = _create(client)
+    return None if isinstance(made, SandboxError) else made
+
+
+def test_a_node_with_a_full_disk_refuses_creates_then_serves_again(
+    small_node: tuple[Settings, Path],
+) -> None:
+    settings, home = small_node
+    with Client(settings, tenant="tests", job_id="node-disk") as client:
+        # Given the node serving (once its heartbeat reached the scheduler)
+        first = wait_for(lambda: _created(client), timeout_s=120, what=f"a sandbox on {NODE}")
+        assert first.node_id == NODE and first.exec("echo ok").text == "ok\n"
+
+        # When its disk fills up (the sandbox already running keeps running)
+        filler = home / "filler"
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={filler}", "bs=1M", f"count={HOME_MB}"],
+            capture_output=True,
+        )  # fmt: skip
+        assert os.statvfs(home).f_bavail * os.statvfs(home).f_frsize < MIN_FREE_MB << 20
+
+        # Then a create is refused with the reason no_space, and says where
+        refused = _create(client)
+        assert isinstance(refused, SandboxError), refused
+        assert refused.reason == "no_space", refused
+        assert str(home) in (refused.detail or "")
+
+        # And once there is room again, the node serves as before
+        filler.unlink()
+        again = _create(client)
+        assert not isinstance(again, SandboxError), again
+        assert again.exec("echo ok").text == "ok\n"
+        assert first.exec("echo still").text == "still\n"
+        for box in (first, again):
+            box.close()
