@@ -11,51 +11,29 @@ stack's.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import tempfile
-import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from app import bus, tenants
 from app.config import Settings
-from app.domain.proof import Role
 from app.errors import SandboxError
 from app.sdk import Client
-from tests.conftest import ensure_tenant, wait_for
-from workers.agent.build import AGENT_BINARY, ensure_agent_dir
+from tests.conftest import wait_for
+from tests.side_platform import side_platform
 from workers.mounts import remove_tree
-from workers.node_setup import user_name
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 NODE = "node5"
 HOME_MB = 128
 #: What the node keeps free: well below the filesystem, so that only the filler
 #: (not the node's own files) decides whether there is room; 0 leaves it to Podman's
 #: own "no space left on device", which the node reports with the same reason.
 MIN_FREE_MB = (24, 0)
-
-
-@contextmanager
-def _process(args: list[str], env: dict[str, str], log: Path) -> Iterator[None]:
-    with open(log, "wb") as out:
-        process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 @pytest.fixture(params=MIN_FREE_MB, ids=lambda mb: f"min_free_{mb}MB")
@@ -70,40 +48,14 @@ def small_node(stack: Settings, request: pytest.FixtureRequest) -> Iterator[tupl
         ["mount", "-t", "tmpfs", "-o", f"size={HOME_MB}m,mode=0700", "tmpfs", str(home)],
         check=True, capture_output=True,
     )  # fmt: skip
-    settings = stack.model_copy(
-        update={"state_dir": state, "topic_prefix": f"disk{uuid.uuid4().hex[:6]}"}
-    )
-    ensure_tenant(stack, "tests")
-    bus.ensure_topics(settings, ["tests"], [NODE])
-    tenants.ensure(stack, Role.NODE, NODE)
-    # The stack's agent binary, as a node host is given a release's.
-    ensure_agent_dir(state / "agent", prebuilt=stack.state_dir / "agent" / AGENT_BINARY)
     env = {
-        **os.environ,
-        "DSEC_STATE_DIR": str(state),
-        "DSEC_TOPIC_PREFIX": settings.topic_prefix,
-        "DSEC_DATABASE_URL": stack.database_url,
-        "DSEC_ADMIN_DATABASE_URL": stack.admin_database_url,
-        "DSEC_CELERY_BROKER_URL": stack.celery_broker_url,
-        "DSEC_SCHEDULER_METRICS_PORT": "0",
-        "DSEC_NODE_METRICS_PORT": "0",
-        "DSEC_NODE_ID": NODE,
         "DSEC_NODE_MIN_FREE_MB": str(request.param),
         "DSEC_WARM_POOL": "{}",  # every create makes its container, and checks for room
     }
-    dsec = str(REPO / ".venv" / "bin" / "dsec")
     try:
-        with ExitStack() as running:
-            running.enter_context(
-                _process([dsec, "run", "scheduler"], env, state / "scheduler.log")
-            )
-            running.enter_context(
-                _process([dsec, "run", "worker", "--node", NODE], env, state / "worker.log")
-            )
+        with side_platform(stack, NODE, state, env=env) as settings:
             yield settings, home
     finally:
-        subprocess.run(["pkill", "-KILL", "-u", user_name(NODE)], capture_output=True)
-        bus.drop_topics(settings)
         remove_tree(state)  # its tmpfs and the node's view of the store unmounted first
 
 

@@ -9,7 +9,6 @@ scheduler's key, as bench/ingest.py proves them.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 import uuid
@@ -35,10 +34,9 @@ from app.keyring import Keyring
 from app.sdk import Client
 from tests.conftest import free_port, wait_for
 from tests.pg_cluster import Cluster, own_cluster
+from tests.side_platform import dsec_service
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @contextmanager
@@ -92,19 +90,8 @@ def service(settings: Settings, name: str, log_path: Path) -> Iterator[subproces
         "DSEC_TOPIC_PREFIX": settings.topic_prefix,
         "DSEC_METRICS_PORT": str(free_port()),
     }
-    with open(log_path, "wb") as out:
-        process = subprocess.Popen(
-            [str(REPO / ".venv" / "bin" / "dsec"), "run", name],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
+    with dsec_service(["run", name], env, log_path) as process:
         yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def publish(settings: Settings, tenant: str, first: int, count: int, labels: int = 0) -> None:
