@@ -17,6 +17,7 @@ from workers.inbox import READY_WAIT_S, Inbox
 from workers.limits import CgroupLimiter
 from workers.node_setup import ensure_node_user, ensure_podman_service
 from workers.podman_driver import PodmanDriver
+from workers.podman_watch import PodmanWatch
 from workers.upkeep import Upkeep
 from workers.warm_pool import WarmPool
 
@@ -50,16 +51,19 @@ def run(node_id: str, concurrency: int = 16) -> None:
     )
     user = ensure_node_user(node_id, allow_egress=settings.allow_egress)
     socket_url = ensure_podman_service(user)
+    watch = PodmanWatch(user, settings)
     driver = PodmanDriver(
         socket_url,
         limiter=CgroupLimiter.detect(node_id),
         store_lock=store_lock_path(settings),
+        revive=watch.revive,
     )
     node = Node(settings, node_id, driver, AgentPool(verify=peer_is_sandbox_init), credential)
     runtime.install(node)
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()
     node.deadlines.start()
+    watch.start()
     stranded = node.answer_interrupted()
     if stranded:
         log.warning("node %s: answered %d commands a previous worker left", node_id, stranded)

@@ -26,7 +26,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +125,7 @@ class PodmanDriver:
         timeout_s: float = 60.0,
         limiter: CgroupLimiter | None = None,
         store_lock: Path | None = None,
+        revive: Callable[[], object] | None = None,
     ) -> None:
         self.socket_url = socket_url
         self.command = list(command)
@@ -134,6 +135,9 @@ class PodmanDriver:
         # imports (holding it exclusive) never interleave with them: see
         # workers.image_store.store_lock. None: the caller coordinates.
         self.store_lock = store_lock
+        # Starts the node's Podman service again when it does not answer (a create
+        # that meets a dead service revives it and tries once more; see podman_watch).
+        self.revive = revive
         self._local = threading.local()
 
     # --- sandboxes -----------------------------------------------------------------
@@ -143,8 +147,18 @@ class PodmanDriver:
 
         Idempotent: a container of that name is reused (started if it is not running).
         A container this call created and could not start is removed again, with its
-        cgroups.
+        cgroups. A service that does not answer is revived (``revive``) and the create
+        tried once more, which its idempotence makes safe.
         """
+        try:
+            return self._create_and_start(spec, command)
+        except PodmanUnavailable:
+            if self.revive is None:
+                raise
+            self.revive()
+            return self._create_and_start(spec, command)
+
+    def _create_and_start(self, spec: SandboxSpec, command: Sequence[str] | None) -> str:
         name = spec.container_name
         with self._reading_store(), self._mapped(SandboxCreateFailed, f"create {name}"):
             client = self._client()

@@ -1,0 +1,71 @@
+"""A node's Podman service dies: its running sandboxes keep answering (their agent
+channel does not go through Podman), and the node starts a new service by itself, so
+the next create succeeds and the one after the loss is not refused for good.
+
+The node and a scheduler run on topics of their own (tests/side_platform.py), so that
+the stack's node, which other tests use, keeps its service.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.config import Settings
+from app.errors import SandboxError
+from app.sdk import Client
+from tests.conftest import wait_for
+from tests.side_platform import side_platform
+from workers.mounts import remove_tree
+from workers.node_setup import _service_pids, find_node_user
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NODE = "node4"
+
+
+@pytest.fixture
+def side(stack: Settings) -> Iterator[Settings]:
+    state = Path(tempfile.mkdtemp(prefix="dsec-podman-loss-"))
+    os.chmod(state, 0o755)  # the node user walks through it to its home
+    try:
+        with side_platform(stack, NODE, state, env={"DSEC_WARM_POOL": "{}"}) as settings:
+            yield settings
+    finally:
+        remove_tree(state)
+
+
+def _created(client: Client) -> Any:
+    try:
+        return client.create(timeout_s=60)
+    except SandboxError:
+        return None
+
+
+def test_a_node_whose_podman_service_died_starts_another_and_serves(side: Settings) -> None:
+    with Client(side, tenant="tests", job_id="podman-loss") as client:
+        box = wait_for(lambda: _created(client), 120, f"a sandbox on {NODE}")
+        user = find_node_user(NODE, side)
+        assert user is not None
+        before = _service_pids(user)
+        assert before
+
+        # When the node's Podman service is killed
+        for pid in before:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not _service_pids(user), 10, "the Podman service gone")
+
+        # Then the running sandbox still answers
+        assert box.exec("echo alive").text == "alive\n"
+        # And a create succeeds: the node started a new service by itself
+        made = client.create(timeout_s=60)
+        assert made.exec("echo new").text == "new\n"
+        assert _service_pids(user) and set(_service_pids(user)).isdisjoint(before)
+        for sandbox in (box, made):
+            sandbox.close()
