@@ -6,9 +6,10 @@ brought back by the supervisor alone.
 
 ``--trainers`` threads each loop: create a sandbox, run ``--commands`` commands in it,
 destroy it. Every ``--every`` seconds one of ``--targets`` (services of the embedded
-stack) is killed with SIGKILL, process group and all; nobody types `dsec up`. Each
-command appends to a counter file in its sandbox and prints the count, so a command
-that ran twice shows on the node's side (a count that skips) as well as in the log.
+stack, or ``podman-<node>``: the node's Podman service) is killed with SIGKILL, process
+group and all; nobody types `dsec up`. Each command appends to a counter file in its
+sandbox and prints the count, so a command that ran twice shows on the node's side (a
+count that skips) as well as in the log.
 
 At the end, after ``--settle`` seconds, the log is read back and it prints:
 commands answered and failed (an error or a timeout: the trainer heard nothing or a
@@ -22,6 +23,7 @@ a kill every 30 s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -42,9 +44,12 @@ from app.config import Settings, get_settings
 from app.db.engine import transaction
 from app.errors import DsecError
 from app.sdk import Client
+from workers.node_setup import find_node_user, service_pids
 
 console = Console()
-TARGETS = ("projector", "scheduler", "worker-node0", "redis", "flower", "broker")
+TARGETS = ("projector", "scheduler", "worker-node0", "redis", "flower", "broker", "podman-node0")
+#: A target named so is a node's Podman service (its worker starts another by itself).
+PODMAN = "podman-"
 
 
 @dataclass
@@ -103,6 +108,13 @@ def kill_one(settings: Settings, targets: list[str], rng: random.Random) -> tupl
     """SIGKILL one target's process group; (name, pid) or None if it was not running."""
     services = {s.name: s for s in stack_mod.services(settings, stack_mod.known_node_ids(settings))}
     name = rng.choice(targets)
+    if name.startswith(PODMAN):
+        user = find_node_user(name.removeprefix(PODMAN), settings)
+        pids = service_pids(user) if user is not None else []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return (name, pids[0]) if pids else None
     pid = services[name].pid(settings) if name in services else None
     if pid is None:
         return None

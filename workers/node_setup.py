@@ -184,7 +184,7 @@ def ensure_node_user(
     if allow_egress:
         _open_tun()
         _fence_host(user)
-    if changed and _service_pids(user):
+    if changed and service_pids(user):
         log.info("node %s: podman configuration changed, stopping its service", node_id)
         stop_podman_service(user, settings)
     return user
@@ -310,7 +310,7 @@ def refresh_podman_services(
     settings = settings or get_settings()
     refreshed = []
     for user in node_users(settings):
-        if not _service_pids(user):
+        if not service_pids(user):
             continue
         if image is not None and service_sees_image(user.socket_path, image) is present:
             continue
@@ -426,7 +426,7 @@ def _ensure_service(user: NodeUser, settings: Settings, timeout_s: float) -> str
 
 
 def _stop_service(user: NodeUser, settings: Settings, grace_s: float = 5.0) -> bool:
-    pids = _service_pids(user)
+    pids = service_pids(user)
     ran = bool(pids)
     for pid in pids:
         _signal(pid, signal.SIGTERM)
@@ -443,7 +443,7 @@ def _stop_service(user: NodeUser, settings: Settings, grace_s: float = 5.0) -> b
     return ran
 
 
-def _service_pids(user: NodeUser) -> list[int]:
+def service_pids(user: NodeUser) -> list[int]:
     """Pids of this user's ``podman system service`` on its socket (found in /proc).
 
     Rootless podman may run as two processes (one outside, one inside the user

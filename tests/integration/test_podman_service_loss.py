@@ -23,7 +23,7 @@ from app.sdk import Client
 from tests.conftest import wait_for
 from tests.side_platform import side_platform
 from workers.mounts import remove_tree
-from workers.node_setup import _service_pids, find_node_user
+from workers.node_setup import find_node_user, service_pids
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -53,19 +53,19 @@ def test_a_node_whose_podman_service_died_starts_another_and_serves(side: Settin
         box = wait_for(lambda: _created(client), 120, f"a sandbox on {NODE}")
         user = find_node_user(NODE, side)
         assert user is not None
-        before = _service_pids(user)
+        before = service_pids(user)
         assert before
 
         # When the node's Podman service is killed
         for pid in before:
             os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not _service_pids(user), 10, "the Podman service gone")
+        wait_for(lambda: not service_pids(user), 10, "the Podman service gone")
 
         # Then the running sandbox still answers
         assert box.exec("echo alive").text == "alive\n"
         # And a create succeeds: the node started a new service by itself
         made = client.create(timeout_s=60)
         assert made.exec("echo new").text == "new\n"
-        assert _service_pids(user) and set(_service_pids(user)).isdisjoint(before)
+        assert service_pids(user) and set(service_pids(user)).isdisjoint(before)
         for sandbox in (box, made):
             sandbox.close()
