@@ -40,6 +40,7 @@ lint: venv
 	$(BIN)/ruff check app workers tests bench migrations
 	$(BIN)/ruff format --check app workers tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 fmt: venv
 	$(BIN)/ruff format app workers tests bench

@@ -28,8 +28,8 @@ from kafka.errors import (
 )
 from pydantic import BaseModel
 
-from app.codec import encode
 from app.config import EMBEDDED_BROKER_PARTITIONS, Settings
+from app.domain.codec import encode
 from app.domain.topics import TopicRole, TopicRules, TopicSpec, differences, plan
 from app.errors import ServiceUnavailable
 

@@ -76,7 +76,7 @@ def down(
 def status(as_json: JsonOpt = False) -> None:
     """What runs, where, and how to reach it."""
     from app import stack
-    from app.supervisor import Restarts
+    from app.restarts import Restarts
 
     settings = get_settings()
     rows = []

@@ -5,11 +5,10 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import SplitResult, quote, urlsplit, urlunsplit
 
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from sqlalchemy.engine import make_url
 
 #: Partitions the embedded broker gives a topic it makes on a client's question.
 EMBEDDED_BROKER_PARTITIONS = 4
@@ -347,17 +346,16 @@ class Settings(BaseSettings):
         files are readable: root's, on a host that has them). ``dsec up`` calls it
         again once it has made them."""
         for name in ("database_url", "admin_database_url"):
-            url = make_url(getattr(self, name))
+            url = urlsplit(getattr(self, name))
             if url.password is None and url.username:
                 found = _secret(self.secrets_dir / f"postgres-{url.username}.password")
                 if found is not None:
-                    setattr(self, name, url.set(password=found).render_as_string(False))
+                    setattr(self, name, with_password(url, found))
         broker = urlsplit(self.celery_broker_url)
         if broker.scheme.startswith("redis") and broker.password is None:
             found = _secret(self.secrets_dir / "redis.password")
             if found is not None:
-                netloc = f":{quote(found, safe='')}@{broker.netloc.rpartition('@')[2]}"
-                self.celery_broker_url = urlunsplit(broker._replace(netloc=netloc))
+                self.celery_broker_url = with_password(broker, found)
         return self
 
     def node_metrics_port_of(self, node_id: str) -> int:
@@ -404,6 +402,13 @@ def _secret(path: Path) -> str | None:
         return path.read_text().strip() or None
     except OSError:  # missing, or not ours to read
         return None
+
+
+def with_password(url: SplitResult, password: str) -> str:
+    """``url`` with ``password`` (quoted) for its user (none: Redis's bare password)."""
+    host = url.netloc.rpartition("@")[2]
+    user = quote(url.username or "", safe="")
+    return urlunsplit(url._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
 
 
 def redact(url: str) -> str:

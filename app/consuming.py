@@ -14,9 +14,9 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.partitioner.default import murmur2
 
 from app import bus, metrics
-from app.codec import DeadLetterReason
 from app.config import Settings
 from app.db.log import StoredOffset
+from app.domain.codec import DeadLetterReason
 from app.domain.dead_letter import DeadLetter
 from app.domain.records import Record
 

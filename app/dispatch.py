@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from app import metrics
-from app.codec import DeadLetterReason, DecodeError, decode_event, encode
 from app.config import Settings
 from app.domain.base import RejectReason, StopReason, derived_id, new_id, utcnow
+from app.domain.codec import DeadLetterReason, DecodeError, decode_event, encode
 from app.domain.events import (
     CommandCompleted,
     LastState,

@@ -155,7 +155,7 @@ def build_platform(
 def ls(as_json: JsonOpt = False) -> None:
     """Images in the store: name, id, size, created."""
     from app import cli_render
-    from workers.image_store import list_images
+    from workers.layer_store import list_images
 
     rows: list[dict[str, Any]] = []
     for image in list_images(get_settings()):
@@ -183,7 +183,8 @@ def rm(
 ) -> None:
     """Remove images from the store (refused while a sandbox runs one, unless --force)."""
     from workers.errors import NodeError
-    from workers.image_store import image_exists, image_users, remove_image
+    from workers.image_store import image_users, remove_image
+    from workers.layer_store import image_exists
 
     settings = get_settings()
     failed = False

@@ -27,12 +27,12 @@ from sqlalchemy.exc import DBAPIError
 
 from app import metrics
 from app.bus import Publisher
-from app.codec import DeadLetterReason, DecodeError, decode_event
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
 from app.db import log as event_log
 from app.db import projections, staging
 from app.db.engine import engine_for, transaction
+from app.domain.codec import DeadLetterReason, DecodeError, decode_event
 from app.domain.events import Event
 from app.domain.proof import KeyInfo, KeyLookup, ProofError, Purpose, Role, verify
 from app.domain.records import Record

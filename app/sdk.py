@@ -29,11 +29,11 @@ from typing import Any, Literal, Self
 from kafka import TopicPartition
 
 from app import bus, credentials, transfer
-from app.codec import DecodeError, decode_reply, encode
 from app.config import Settings, get_settings
 from app.credentials import Credential
 from app.domain import proof
 from app.domain.base import RejectReason, new_sandbox_id
+from app.domain.codec import DecodeError, decode_reply, encode
 from app.domain.replies import (
     Done,
     ErrorReply,

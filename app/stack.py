@@ -137,7 +137,7 @@ class Service:
     def start(self, settings: Settings) -> bool:
         """Start unless running this checkout's code; True if it was started now.
         (Under a lock: `dsec up` and the supervisor may both try at once.)"""
-        from app.supervisor import Restarts
+        from app.restarts import Restarts
 
         with self._locked(settings):
             started = self._start(settings)

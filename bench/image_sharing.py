@@ -39,12 +39,8 @@ from app import tenants
 from app.config import Settings, get_settings
 from app.sdk import Client, Sandbox
 from workers.image_debian import DEBIAN_IMAGE, build_debian_image
-from workers.image_store import (
-    find_image,
-    refresh_nodes,
-    remove_image,
-    store_podman,
-)
+from workers.image_store import refresh_nodes, remove_image
+from workers.layer_store import find_image, store_podman
 from workers.node_setup import set_up_node_user
 
 MB = 1e6

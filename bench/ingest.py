@@ -28,11 +28,11 @@ from procstat import named, ticks
 from sqlalchemy import text
 
 from app import bus
-from app.codec import encode
 from app.config import Settings, get_settings
 from app.db.engine import engine_for
 from app.db.setup import drop_database, ensure_database, migrate
 from app.domain.base import StopReason, utcnow
+from app.domain.codec import encode
 from app.domain.events import (
     CommandCompleted,
     CommandPayload,

@@ -23,9 +23,9 @@ import os
 import time
 import uuid
 
-from app.codec import encode
 from app.config import get_settings
 from app.dispatch import Dispatcher, Outbox
+from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.proof import KeyInfo, Purpose, Role, StaticKeys, headers
 from app.domain.records import Inbound

@@ -92,7 +92,7 @@ class PlatformPublisher:
         partition: int | None = None,
     ) -> None:  # fmt: skip
         from app import credentials
-        from app.codec import encode
+        from app.domain.codec import encode
         from app.domain.proof import Purpose, headers
         from app.domain.trust import NODE_ONLY_EVENTS
 

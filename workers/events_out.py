@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from app.bus import Publisher
-from app.codec import encode
 from app.config import Settings
 from app.credentials import Credential
+from app.domain.codec import encode
 from app.domain.events import CommandCompleted, EventBase
 from app.domain.proof import Purpose, headers
 from app.domain.replies import ExecOutput, FileContent, ReplyBase, ReplyPiece

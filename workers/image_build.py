@@ -28,10 +28,10 @@ from typing import BinaryIO, Literal
 
 from app.config import Settings, get_settings
 from workers.errors import NodeError
-from workers.image_store import (
+from workers.image_store import refresh_nodes
+from workers.layer_store import (
     image_exists,
     normalize_name,
-    refresh_nodes,
     store_conf_dir,
     store_lock,
     store_podman,

@@ -28,7 +28,8 @@ from app.config import Settings, get_settings
 from workers.errors import NodeError
 from workers.file_lock import file_lock
 from workers.image_build import build_image, import_image
-from workers.image_store import image_exists, remove_image
+from workers.image_store import remove_image
+from workers.layer_store import image_exists
 from workers.mounts import remove_tree
 
 #: The image trainers ask for.

@@ -25,7 +25,8 @@ from app.config import Settings
 from workers.errors import NodeError
 from workers.image_build import build_image
 from workers.image_debian import DEBOOTSTRAP_IMAGE, ensure_debootstrap_image
-from workers.image_store import image_exists, remove_image
+from workers.image_store import remove_image
+from workers.layer_store import image_exists
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"

@@ -22,10 +22,10 @@ import redis
 from kafka.errors import KafkaError
 
 from app import bus, metrics
-from app.codec import DeadLetterReason
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
 from app.db.log import StoredOffset
+from app.domain.codec import DeadLetterReason
 from app.domain.records import Record
 from app.errors import ServiceUnavailable
 from app.taskqueue import read_inbox_record

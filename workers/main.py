@@ -12,8 +12,8 @@ from workers import runtime, tasks
 from workers.agent.client import AgentPool, peer_is_sandbox_init
 from workers.celery_app import celery
 from workers.handlers import Node
-from workers.image_store import store_lock_path
 from workers.inbox import READY_WAIT_S, Inbox
+from workers.layer_store import store_lock_path
 from workers.limits import CgroupLimiter
 from workers.node_setup import ensure_node_user, ensure_podman_service
 from workers.podman_driver import PodmanDriver

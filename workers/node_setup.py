@@ -46,7 +46,7 @@ from pathlib import Path
 from app.config import Settings, get_settings
 from workers.errors import NodeError, PodmanUnavailable
 from workers.file_lock import file_lock
-from workers.image_store import ensure_store
+from workers.layer_store import ensure_store, store_lock_path
 
 log = logging.getLogger(__name__)
 
@@ -337,8 +337,6 @@ def _service_reads_store(user: NodeUser, settings: Settings, timeout_s: float = 
     storage lock (a restart frees it; its sandboxes keep running). Asked with the
     store's lock held shared, so a root import in progress is waited for, not taken
     for a hang."""
-    from workers.image_store import store_lock_path  # the store module imports this one
-
     with file_lock(store_lock_path(settings), shared=True):
         return _http_status(user.socket_path, "/v4.0.0/libpod/images/json", timeout_s) == 200
 

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from app import metrics
-from app.codec import DeadLetterReason, encode, peek
 from app.domain.base import FailReason, derived_id
+from app.domain.codec import DeadLetterReason, encode, peek
 from app.domain.dead_letter import DeadLetter
 from app.domain.events import FailedPayload, SandboxFailed
 from app.domain.replies import ErrorReply

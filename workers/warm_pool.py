@@ -73,15 +73,29 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from app.domain.requests import SandboxShape
+from workers.agent.client import AgentPool
 from workers.errors import NodeError
-from workers.podman_driver import LABEL_SANDBOX_ID, LABEL_WARM, SandboxContainer
+from workers.podman_driver import LABEL_SANDBOX_ID, LABEL_WARM, PodmanDriver, SandboxContainer
 from workers.sandbox_spec import SandboxSpec
 
-if TYPE_CHECKING:
-    from workers.handlers import Node
+
+class PoolHost(Protocol):
+    """What a warm pool needs of its node (:class:`workers.handlers.Node` is one)."""
+
+    node_id: str
+    driver: PodmanDriver
+    agents: AgentPool
+    agent_dir: Path
+    sandbox_root: Path
+    #: When a create, destroy or stop last ran (time.monotonic()).
+    last_transition: float
+
+    def run_dir(self, sandbox_id: str) -> Path: ...
+    def busy_ids(self) -> set[str]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +174,7 @@ class WarmPool:
     """
 
     def __init__(
-        self, node: Node, sizes: Mapping[str, int], *, idle_s: float = REFILL_IDLE_S
+        self, node: PoolHost, sizes: Mapping[str, int], *, idle_s: float = REFILL_IDLE_S
     ) -> None:
         self.node = node
         self.sizes = {image: n for image, n in sizes.items() if n > 0}

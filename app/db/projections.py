@@ -486,8 +486,8 @@ def rebuild(conn: Connection, chunk: int = 5000) -> int:
     they are, not rebuilt, and ``dsec bill --verify`` checks them against the days
     the log still holds.
     """
-    from app.codec import decode_event
     from app.db.tables import events
+    from app.domain.codec import decode_event
 
     lock(conn)
     with_billing = not billing.archived(conn)

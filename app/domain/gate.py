@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from app.codec import DecodeError, decode_request, peek
 from app.domain.base import RejectReason
+from app.domain.codec import DecodeError, decode_request, peek
 from app.domain.proof import (
     KeyInfo,
     KeyLookup,

@@ -11,8 +11,8 @@ import pytest
 from kafka import TopicPartition
 
 from app import bus
-from app.codec import encode
 from app.config import Settings
+from app.domain.codec import encode
 from app.domain.proof import Purpose, headers
 from app.domain.requests import CreateSandbox, Exec, WriteFile
 from app.errors import SandboxRejected

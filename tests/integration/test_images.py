@@ -24,7 +24,7 @@ from typer.testing import CliRunner, Result
 from app.cli import cli
 from app.config import Settings
 from tests.conftest import wait_for
-from workers import image_store
+from workers import image_store, layer_store
 from workers.image_build import tarball_kind
 from workers.image_debian import DEBIAN_IMAGE, build_debian_image, debian_mirror
 
@@ -104,7 +104,7 @@ def test_import_from_stdin_and_from_a_podman_save_archive(
     assert dsec("image", "import", name, "-", input=_rootfs(name)).exit_code == 0
     # When `podman save` writes it to an archive and that archive is imported again
     archive = tmp_path / "saved.tar"
-    image_store.store_podman(store, "save", "--output", str(archive), name)
+    layer_store.store_podman(store, "save", "--output", str(archive), name)
     assert tarball_kind(archive) == "archive"
     copy = name.replace(":1", ":copy")
     try:

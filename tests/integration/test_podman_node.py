@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from app.config import Settings, get_settings
-from workers import image_store
+from workers import image_store, layer_store
 from workers.errors import ImageNotFound, PodmanUnavailable
 from workers.node_setup import (
     NodeUser,
@@ -101,8 +101,8 @@ def test_node_setup_is_idempotent(cfg: Settings, node: NodeUser) -> None:
 
 def test_busybox_image_is_in_store_and_seen_by_node(cfg: Settings, driver: PodmanDriver) -> None:
     assert image_store.import_busybox_image(settings=cfg) is False, "second import is a no-op"
-    assert image_store.image_exists(IMAGE, cfg)
-    assert any(f"localhost/{IMAGE}" in i.names for i in image_store.list_images(cfg))
+    assert layer_store.image_exists(IMAGE, cfg)
+    assert any(f"localhost/{IMAGE}" in i.names for i in layer_store.list_images(cfg))
     assert driver.ping()
     assert driver.image_exists(IMAGE)
     assert IMAGE in driver.list_images()
@@ -178,9 +178,9 @@ def test_no_service_raises_podman_unavailable(workdir: Path) -> None:
 def test_a_node_does_not_read_the_store_while_root_writes_it(node: NodeUser, cfg: Settings) -> None:
     # Root's import and a node's create take Podman's store locks in opposite orders
     # and can wait for each other for ever; the store lock keeps them apart.
-    guarded = PodmanDriver(node.socket_url, store_lock=image_store.store_lock_path(cfg))
+    guarded = PodmanDriver(node.socket_url, store_lock=layer_store.store_lock_path(cfg))
     listed: list[list[str]] = []
-    with image_store.store_lock(cfg):
+    with layer_store.store_lock(cfg):
         reader = threading.Thread(target=lambda: listed.append(guarded.list_images()))
         reader.start()
         reader.join(1.0)

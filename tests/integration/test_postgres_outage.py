@@ -22,11 +22,11 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from app import bus, tenants
-from app.codec import encode
 from app.config import Settings
 from app.db.engine import engine_for
 from app.db.setup import migrate
 from app.domain.base import RejectReason, utcnow
+from app.domain.codec import encode
 from app.domain.events import RequestedPayload, SandboxRequested
 from app.domain.proof import Purpose, headers
 from app.errors import SandboxRejected

@@ -22,10 +22,10 @@ from kafka import TopicPartition
 from sqlalchemy import text
 
 from app import bus
-from app.codec import encode
 from app.config import Settings
 from app.credentials import Credential
 from app.domain.base import utcnow
+from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload, SandboxStopped, StoppedPayload
 from app.domain.proof import Purpose, Role, headers, reply_key
 from app.domain.replies import ExecOutput

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from app.codec import encode
+from app.domain.codec import encode
 from app.domain.proof import SCHEDULER_KEY_ID, KeyInfo, Purpose, Role, StaticKeys, headers
 from app.domain.records import Inbound
 from app.domain.requests import ReplyTo

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from app.codec import (
+from app.domain.codec import (
     DeadLetterReason,
     DecodeError,
     decode_event,

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from app.codec import (
+from app.domain.base import StopReason
+from app.domain.codec import (
     MAX_DEPTH,
     DeadLetterReason,
     DecodeError,
@@ -30,7 +31,6 @@ from app.codec import (
     encode,
     peek,
 )
-from app.domain.base import StopReason
 from app.domain.events import (
     CommandCompleted,
     CommandPayload,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from app.codec import decode_event
 from app.config import Settings
 from app.dispatch import Dispatcher, LiveSandbox, Outbox
+from app.domain.codec import decode_event
 from app.domain.lease import LeaseState
 from app.domain.requests import GROUP_LABEL, LEASE_LABEL, CreateSandbox, RenewLease
 from app.taskqueue import TASK_FOR_REQUEST

@@ -6,10 +6,10 @@ import json
 import uuid
 from datetime import timedelta
 
-from app.codec import encode
 from app.config import Settings
 from app.dispatch import Dispatcher, Outbox
 from app.domain.base import RejectReason, utcnow
+from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload, SandboxStopped, StoppedPayload
 from app.domain.gate import Admitted, Gate, GateRules, Refusal
 from app.domain.proof import Principal, Role

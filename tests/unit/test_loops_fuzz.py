@@ -15,9 +15,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.codec import DecodeError, encode
 from app.config import Settings
 from app.dispatch import Dispatcher, Outbox
+from app.domain.codec import DecodeError, encode
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.proof import Purpose, headers
 from app.domain.records import Inbound

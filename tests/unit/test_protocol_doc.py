@@ -7,7 +7,7 @@ import re
 import uuid
 from pathlib import Path
 
-from app.codec import decode_reply, decode_request
+from app.domain.codec import decode_reply, decode_request
 from app.domain.proof import Purpose, check_mac, mac, reply_key
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
