@@ -17,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Protocol
 
-from app import metrics
 from app.config import Settings
 from app.domain.base import RejectReason, StopReason, derived_id, new_id, utcnow
 from app.domain.codec import DeadLetterReason, DecodeError, decode_event, encode
@@ -44,6 +44,7 @@ from app.domain.events import (
 )
 from app.domain.gate import Admitted, Gate, GateRules, Refusal, Sender
 from app.domain.lease import Lease, LeaseAction, LeaseState
+from app.domain.node_tasks import TASK_FOR_REQUEST, VIA_INBOX, TaskEnvelope, inbox_record, seal
 from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement, SandboxMax
 from app.domain.proof import KeyLookup, Principal, ProofError, Purpose, Role, verify
 from app.domain.reconcile import NodeLedger
@@ -67,7 +68,6 @@ from app.domain.requests import (
 )
 from app.domain.trajectory import TrajectoryLog, replay_answer
 from app.domain.trust import EVENT_SENDERS, event_refusal, may_act_on
-from app.taskqueue import TASK_FOR_REQUEST, VIA_INBOX, TaskEnvelope, inbox_record, seal
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,28 @@ class Outbox:
     dead: list[tuple[Record, DecodeError]] = field(default_factory=list)
 
 
+class Tally(Protocol):
+    """Where the dispatcher counts what it did (the scheduler's Prometheus metrics:
+    :class:`app.metrics.SchedulerTally`); counting is all it may do."""
+
+    def handled(self, request_type: str, outcome: str) -> None: ...
+    def refused(self, reason: str) -> None: ...
+    def unproven(self, kind: str) -> None: ...
+
+
+class NoTally:
+    """Counts nothing (unit tests, benchmarks of the rules alone)."""
+
+    def handled(self, request_type: str, outcome: str) -> None:
+        pass
+
+    def refused(self, reason: str) -> None:
+        pass
+
+    def unproven(self, kind: str) -> None:
+        pass
+
+
 class Dispatcher:
     """The scheduler's state and rules."""
 
@@ -144,10 +166,12 @@ class Dispatcher:
         keys: KeyLookup,
         heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT,
         trajectory: TrajectoryLog | None = None,
+        tally: Tally | None = None,
     ) -> None:
         self.settings = settings
         self.keys = keys
         self.trajectory = trajectory
+        self.tally: Tally = tally or NoTally()
         self.gate = Gate(
             GateRules(
                 max_age=timedelta(seconds=settings.request_max_age_s),
@@ -255,12 +279,12 @@ class Dispatcher:
             event = decode_event(raw, self.settings.max_message_bytes)
         except (ProofError, DecodeError) as exc:
             log.warning("scheduler: ignoring an event at %s: %s", record.offset, exc)
-            metrics.FORGED.labels(NAME, "event").inc()
+            self.tally.unproven("event")
             return None
         refusal = event_refusal(sender, event)
         if refusal is not None:
             log.warning("scheduler: ignoring an event at %s: %s", record.offset, refusal)
-            metrics.FORGED.labels(NAME, "event").inc()
+            self.tally.unproven("event")
             return None
         return sender, event
 
@@ -603,8 +627,8 @@ class Dispatcher:
             ),
         )
         self._emit(out, event)
-        metrics.REQUESTS.labels(request_type[:64], f"rejected:{refusal.reason.value}").inc()
-        metrics.REFUSALS.labels("scheduler", refusal.reason.value).inc()
+        self.tally.handled(request_type[:64], f"rejected:{refusal.reason.value}")
+        self.tally.refused(refusal.reason.value)
         if request_id is not None:
             reply = ErrorReply(
                 request_id=request_id,
@@ -724,7 +748,7 @@ class Dispatcher:
             steps = self.trajectory.steps(request.tenant, request.restore_trajectory)
             restore = [s.command for s in steps]
         self._task(out, node, request, sender, restore)
-        metrics.REQUESTS.labels(request.type, "scheduled").inc()
+        self.tally.handled(request.type, "scheduled")
 
     def _create(self, out: Outbox, admitted: Admitted, record: Record) -> None:
         request = admitted.request
@@ -825,7 +849,7 @@ class Dispatcher:
         if isinstance(request, Exec) and self._replay(out, admitted):
             return
         self._task(out, node, request, sender)
-        metrics.REQUESTS.labels(request.type, "routed").inc()
+        self.tally.handled(request.type, "routed")
 
     # --- leases and groups ----------------------------------------------------------
 
@@ -926,7 +950,7 @@ class Dispatcher:
         )
         out.events.append((event.key, encode(event)))
         self._reply(out, admitted.sender, request.reply_to, reply)
-        metrics.REQUESTS.labels(request.type, "replayed").inc()
+        self.tally.handled(request.type, "replayed")
         return True
 
 

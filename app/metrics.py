@@ -62,3 +62,16 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
     """Expose /metrics on ``host``:``port`` (port 0: do not serve)."""
     if port:
         start_http_server(port, addr=host)
+
+
+class SchedulerTally:
+    """The dispatcher's counts (:class:`app.dispatch.Tally`) as the scheduler's metrics."""
+
+    def handled(self, request_type: str, outcome: str) -> None:
+        REQUESTS.labels(request_type, outcome).inc()
+
+    def refused(self, reason: str) -> None:
+        REFUSALS.labels("scheduler", reason).inc()
+
+    def unproven(self, kind: str) -> None:
+        FORGED.labels("scheduler", kind).inc()

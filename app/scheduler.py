@@ -90,7 +90,11 @@ class Scheduler:
         self.settings = settings
         self.keyring = Keyring.from_settings(settings)
         self.dispatcher = Dispatcher(
-            settings, self.keyring, heartbeat_timeout, PostgresTrajectoryLog(settings.database_url)
+            settings,
+            self.keyring,
+            heartbeat_timeout,
+            PostgresTrajectoryLog(settings.database_url),
+            metrics.SchedulerTally(),
         )
         self.placement = self.dispatcher.placement
         # Every tenant's replies topic exists before its first answer is sent (a send to

@@ -23,6 +23,7 @@ from app.domain.base import FailReason, derived_id
 from app.domain.codec import DeadLetterReason, encode, peek
 from app.domain.dead_letter import DeadLetter
 from app.domain.events import FailedPayload, SandboxFailed
+from app.domain.node_tasks import VIA_INBOX, NodeTask, TaskEnvelope, unseal
 from app.domain.replies import ErrorReply
 from app.domain.requests import (
     CreateSandbox,
@@ -35,7 +36,6 @@ from app.domain.requests import (
     ThawSandbox,
     WriteFile,
 )
-from app.taskqueue import VIA_INBOX, NodeTask, TaskEnvelope, unseal
 from workers import runtime
 from workers.celery_app import celery
 from workers.commands import Running

@@ -77,10 +77,10 @@ def test_a_lifecycle_task_cut_by_a_worker_crash_is_done_again(
     import redis
 
     from app import credentials
+    from app.domain.node_tasks import NodeTask, TaskEnvelope, seal
     from app.domain.proof import reply_key
     from app.domain.replies import Done
     from app.domain.requests import DestroySandbox
-    from app.taskqueue import NodeTask, TaskEnvelope, seal
 
     worker = _worker(stack)
     box = client.create(memory_mb=64, ttl_s=600)

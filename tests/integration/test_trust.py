@@ -429,7 +429,8 @@ def test_forged_platform_events_change_nothing(stack: Settings, box: Sandbox, db
 
 
 def test_a_forged_node_task_is_refused(stack: Settings, db: Any) -> None:
-    from app.taskqueue import NodeTask, TaskEnvelope, make_celery, seal
+    from app.domain.node_tasks import NodeTask, TaskEnvelope, seal
+    from app.taskqueue import make_celery
 
     # Given someone who can write to the node's queue, but has no key of the node's
     sandbox_id = f"sb-forged-{uuid.uuid4().hex[:8]}"
@@ -451,7 +452,7 @@ def test_a_forged_node_task_is_refused(stack: Settings, db: Any) -> None:
 
 def test_a_forged_or_malformed_inbox_record_runs_nothing(stack: Settings, box: Sandbox) -> None:
     from app import credentials, dead_letters
-    from app.taskqueue import NodeTask, TaskEnvelope, inbox_record, seal
+    from app.domain.node_tasks import NodeTask, TaskEnvelope, inbox_record, seal
 
     # Given someone who can write to a node's inbox topic, but has no key of the node's
     node_key = credentials.load(credentials.node_file(stack, stack.node_id)).key_id

@@ -9,10 +9,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from app.domain.codec import encode
+from app.domain.node_tasks import read_inbox_record
 from app.domain.proof import SCHEDULER_KEY_ID, KeyInfo, Purpose, Role, StaticKeys, headers
 from app.domain.records import Inbound
 from app.domain.requests import ReplyTo
-from app.taskqueue import read_inbox_record
 
 MASTER = bytes(range(32))
 

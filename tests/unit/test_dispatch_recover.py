@@ -9,8 +9,8 @@ from app.config import Settings
 from app.dispatch import Dispatcher, LiveSandbox, Outbox
 from app.domain.codec import decode_event
 from app.domain.lease import LeaseState
+from app.domain.node_tasks import TASK_FOR_REQUEST
 from app.domain.requests import GROUP_LABEL, LEASE_LABEL, CreateSandbox, RenewLease
-from app.taskqueue import TASK_FOR_REQUEST
 from tests.unit.signing import KEYS, task_request
 from tests.unit.test_dispatch_groups import _record
 

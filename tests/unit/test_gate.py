@@ -206,3 +206,34 @@ def test_event_rules() -> None:
     assert event_refusal(node, beat.model_copy(update={"node_id": "n0"})) is None
     assert event_refusal(scheduler, beat) is not None  # only a node says it is alive
     assert event_refusal(tenant, beat) is not None
+
+
+class Counted:
+    """A Tally that remembers (the scheduler's is Prometheus's)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, ...]] = []
+
+    def handled(self, request_type: str, outcome: str) -> None:
+        self.seen.append(("handled", request_type, outcome))
+
+    def refused(self, reason: str) -> None:
+        self.seen.append(("refused", reason))
+
+    def unproven(self, kind: str) -> None:
+        self.seen.append(("unproven", kind))
+
+
+def test_the_dispatcher_counts_what_it_did_through_its_tally_only() -> None:
+    tally = Counted()
+    dispatcher = Dispatcher(Settings(), KEYS, tally=tally)
+    beat = NodeHeartbeat(node_id="n0", payload=_payload(None))
+    dispatcher.observe(Outbox(), record(beat))
+    dispatcher.handle(Outbox(), record(CreateSandbox(sandbox_id="sb-a"), offset=100))
+    attack = DestroySandbox(sandbox_id="sb-a", reply_to=reply_to("u"))
+    dispatcher.handle(Outbox(), record(attack, offset=101, key_id="k-tenant-u"))
+    assert tally.seen == [
+        ("handled", "CreateSandbox", "scheduled"),
+        ("handled", "DestroySandbox", "rejected:forbidden"),
+        ("refused", "forbidden"),
+    ]

@@ -1,0 +1,105 @@
+"""What the scheduler hands a node: the task for each request, sealed so that a node
+runs only what the scheduler sent it, even if someone else can write to Redis or to
+its inbox topic. Pure: Celery carries it (:mod:`app.taskqueue`), Kafka carries the
+inbox's share (:data:`VIA_INBOX`).
+
+A task's arguments are a :class:`TaskEnvelope` (the request's own JSON, which the node
+validates again, and what the node needs to answer it), the id of the node key it is
+proven with, and the proof.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+
+from pydantic import Field
+
+from app.domain.base import Message
+from app.domain.proof import Purpose, check_mac, mac
+
+
+class NodeTask(StrEnum):
+    """Names of the tasks a node worker runs."""
+
+    CREATE = "dsec.node.create"
+    EXEC = "dsec.node.exec"
+    KILL_COMMAND = "dsec.node.kill_command"
+    WRITE_FILE = "dsec.node.write_file"
+    READ_FILE = "dsec.node.read_file"
+    DESTROY = "dsec.node.destroy"
+    FREEZE = "dsec.node.freeze"
+    THAW = "dsec.node.thaw"
+
+
+#: Which task carries out each request type.
+TASK_FOR_REQUEST = {
+    "CreateSandbox": NodeTask.CREATE,
+    "Exec": NodeTask.EXEC,
+    "KillCommand": NodeTask.KILL_COMMAND,
+    "WriteFile": NodeTask.WRITE_FILE,
+    "ReadFile": NodeTask.READ_FILE,
+    "DestroySandbox": NodeTask.DESTROY,
+    "FreezeSandbox": NodeTask.FREEZE,
+    "ThawSandbox": NodeTask.THAW,
+}
+
+
+#: Tasks the scheduler hands a node on its inbox topic rather than through Celery:
+#: the data plane, thousands per second per node, where Celery's per-task work (Redis
+#: round trips, task events for Flower) cost more than the command itself. Creates,
+#: destroys, freezes and file transfers stay Celery tasks.
+VIA_INBOX = frozenset({NodeTask.EXEC, NodeTask.KILL_COMMAND})
+
+
+def inbox_record(task: NodeTask, args: list[str]) -> bytes:
+    """A sealed task as the value of a record on a node's inbox topic."""
+    return json.dumps({"task": task.value, "args": args}, separators=(",", ":")).encode()
+
+
+def read_inbox_record(value: bytes) -> tuple[NodeTask, list[str]] | str:
+    """The task and its sealed arguments from an inbox record; else why not."""
+    try:
+        doc = json.loads(value)
+        task = NodeTask(doc["task"])
+        args = doc["args"]
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        return f"not an inbox record: {str(exc)[:200]}"
+    if task not in VIA_INBOX:
+        return f"{task.value} does not come on the inbox"
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        return "inbox record arguments are not a list of strings"
+    return task, args
+
+
+class TaskEnvelope(Message):
+    """What the scheduler hands a node with a request."""
+
+    request: str = Field(description="The request's JSON, its tenant and actor set.")
+    reply_key: str | None = Field(
+        None, description="Hex key the node proves its replies with (None: nobody waits)."
+    )
+    restore: list[str | list[str]] | None = Field(
+        None, description="A trajectory's commands to replay into a new sandbox first."
+    )
+
+
+def seal(envelope: TaskEnvelope, key_id: str, secret: bytes) -> list[str]:
+    """A task's arguments: the envelope, the node key's id, and the proof."""
+    body = envelope.model_dump_json()
+    return [body, key_id, mac(secret, Purpose.TASK, body.encode())]
+
+
+def unseal(args: list[str], key_id: str, secret: bytes) -> TaskEnvelope | str:
+    """The envelope if the proof holds under this node's key; else why not."""
+    if len(args) != 3 or not all(isinstance(a, str) for a in args):
+        return "not a sealed task (expected [envelope, key id, proof])"
+    body, their_key, proof = args
+    if their_key != key_id:
+        return f"proven for key {their_key[:40]!r}, this node holds {key_id}"
+    if not check_mac(secret, Purpose.TASK, body.encode(), proof):
+        return "the task does not match its proof"
+    try:
+        return TaskEnvelope.model_validate(json.loads(body))
+    except (ValueError, RecursionError) as exc:
+        return f"unreadable envelope: {str(exc)[:200]}"
