@@ -37,8 +37,8 @@ unit: venv
 	$(BIN)/pytest -q -m "not integration"
 
 lint: venv
-	$(BIN)/ruff check app workers tests bench migrations
-	$(BIN)/ruff format --check app workers tests bench
+	$(BIN)/ruff check app workers tests bench migrations scripts
+	$(BIN)/ruff format --check app workers tests bench scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

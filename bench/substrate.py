@@ -80,7 +80,8 @@ def raw_sandbox(settings: Settings) -> Iterator[tuple[Any, AgentConnection]]:
 
 @contextmanager
 def _topic(settings: Settings) -> Iterator[str]:
-    """A one-partition topic of its own (made like a node's inbox), dropped after."""
+    """A topic of its own, made like a node's inbox, dropped after. Written and read
+    at partition 0 only, as an inbox is: on the embedded broker it has 4 partitions."""
     node = f"bench-{uuid.uuid4().hex[:8]}"
     bus.ensure_topics(settings, nodes=[node], platform=False)
     topic = settings.node_topic(node)
@@ -98,7 +99,7 @@ def kafka_records(settings: Settings, n: int, in_flight: int) -> tuple[float, fl
         publisher = bus.Publisher(settings)
         consumer = bus.make_consumer(settings)
         consumer.assign([TopicPartition(topic, 0)])
-        publisher.publish(topic, "warm", VALUE, wait=True)
+        publisher.publish(topic, "warm", VALUE, wait=True, partition=0)
         seen = 0
 
         def consume() -> None:
@@ -111,7 +112,7 @@ def kafka_records(settings: Settings, n: int, in_flight: int) -> tuple[float, fl
         before = (ticks(os.getpid()), sum(map(ticks, broker)))
         reader = threading.Thread(target=consume)
         reader.start()
-        run(n, in_flight, lambda i: publisher.publish(topic, str(i), VALUE, wait=True))
+        run(n, in_flight, lambda i: publisher.publish(topic, str(i), VALUE, wait=True, partition=0))
         reader.join()
         after = (ticks(os.getpid()), sum(map(ticks, broker)))
         consumer.close()
@@ -147,7 +148,7 @@ def kafka_hop(settings: Settings, n: int) -> list[float]:
         for i in range(total):
             time.sleep(pace.uniform(0.005, 0.025))
             sent[str(i)] = time.perf_counter()
-            publisher.publish(topic, str(i), VALUE, wait=True)
+            publisher.publish(topic, str(i), VALUE, wait=True, partition=0)
         reader.join()
         consumer.close()
         publisher.close()
