@@ -50,3 +50,23 @@ def test_the_doc_python_snippet_agrees() -> None:
     rid = uuid.UUID("6f1c2a50-8d2e-4b7a-9c1e-2f3a4b5c6d7e")
     proven = scope["reply_is_proven"]  # type: ignore[assignment]
     assert proven(key, rid, ex["reply"].encode(), ex["reply mac"].encode())  # type: ignore[operator]
+
+
+def _named_in_doc() -> set[str]:
+    """Every word the doc sets in backticks outside its code blocks."""
+    prose = re.sub(r"```.*?```", "", DOC.read_text(), flags=re.S)
+    return {
+        word for quoted in re.findall(r"`([^`]+)`", prose) for word in re.findall(r"[\w.]+", quoted)
+    }
+
+
+def test_the_doc_names_every_request_event_reply_and_reason() -> None:
+    from app.domain import base
+    from app.domain.codec import DeadLetterReason
+    from app.domain.events import EVENT_TYPES
+    from app.domain.replies import REPLY_KINDS
+    from app.domain.requests import REQUEST_TYPES
+
+    reasons = [base.RejectReason, base.FailReason, base.StopReason, DeadLetterReason]
+    wanted = {*REQUEST_TYPES, *EVENT_TYPES, *REPLY_KINDS} | {r.value for e in reasons for r in e}
+    assert wanted - _named_in_doc() == set()
