@@ -69,6 +69,7 @@ from app.domain.requests import (
     WriteFile,
 )
 from app.domain.trajectory import replay_answer
+from workers import label
 from workers.agent.client import AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
 from workers.agent.protocol import ExecResult as AgentExecResult
@@ -95,12 +96,6 @@ AGENT_CONNECT_S = 15.0
 RESTORE_COMMAND_TIMEOUT_S = 300.0
 #: How long an exec waits for a sandbox's agent (reconnecting after a worker restart).
 AGENT_WAIT_S = 10.0
-
-LABEL_SANDBOX = "dsec.sandbox_id"
-LABEL_TENANT = "dsec.tenant"
-LABEL_JOB = "dsec.job_id"
-LABEL_EXPIRES = "dsec.expires_at"
-LABEL_NODE = "dsec.node_id"
 
 
 class EgressDisabled(SandboxCreateFailed, PermissionError):
@@ -329,11 +324,11 @@ class Node:
             network=request.network,
             env=dict(request.env),
             labels={
-                LABEL_SANDBOX: request.sandbox_id,
-                LABEL_TENANT: request.tenant,
-                LABEL_JOB: request.job_id,
-                LABEL_EXPIRES: expires.isoformat(),
-                LABEL_NODE: self.node_id,
+                label.SANDBOX_ID: request.sandbox_id,
+                label.TENANT: request.tenant,
+                label.JOB: request.job_id,
+                label.EXPIRES: expires.isoformat(),
+                label.NODE: self.node_id,
             },
             agent_bin_dir=self.agent_dir,
             run_dir=self.run_dir(request.sandbox_id),
@@ -382,7 +377,7 @@ class Node:
             )
         )
         self.deadlines.watch(
-            Due(expires_at(spec.labels) or utcnow(), request.sandbox_id, request.tenant,
+            Due(label.expires_at(spec.labels) or utcnow(), request.sandbox_id, request.tenant,
                 request.job_id)
         )  # fmt: skip
         if restore and not self._restore(request, restore):
@@ -913,14 +908,3 @@ class Node:
 
 #: Namespace of ids for facts the node finds on its own (no request behind them).
 _NS = uuid.uuid5(uuid.NAMESPACE_URL, "dsec-node")
-
-
-def expires_at(labels: dict[str, str]) -> datetime | None:
-    """The sandbox's TTL deadline, from its labels."""
-    raw = labels.get(LABEL_EXPIRES)
-    if not raw:
-        return None
-    try:
-        return datetime.fromisoformat(raw)
-    except ValueError:
-        return None

@@ -36,6 +36,7 @@ import podman
 import podman.errors
 import requests
 
+from workers import label
 from workers.errors import ImageNotFound, NodeError, PodmanUnavailable, SandboxCreateFailed
 from workers.file_lock import file_lock
 from workers.limits import CPU_PERIOD_US, CgroupLimiter, Limits, View
@@ -49,11 +50,6 @@ from workers.sandbox_spec import (
 
 log = logging.getLogger(__name__)
 
-#: Label every sandbox container carries; the value is the sandbox id it was created
-#: for (for a warm one, its slot id: labels cannot change when it is claimed).
-LABEL_SANDBOX_ID = "dsec.sandbox_id"
-#: Label of warm-pool containers; the value is the pool's image (workers/warm_pool.py).
-LABEL_WARM = "dsec.warm"
 #: What a sandbox runs unless told otherwise: the in-sandbox agent calling home.
 DEFAULT_COMMAND: tuple[str, ...] = (
     f"{AGENT_BIN_MOUNT}/dsec-agent",
@@ -100,13 +96,13 @@ class SandboxContainer:
     @property
     def warm(self) -> bool:
         """A warm-pool container nobody has claimed (still named after its slot)."""
-        return LABEL_WARM in self.labels and self.labels.get(LABEL_SANDBOX_ID) == self.sandbox_id
+        return label.WARM in self.labels and self.labels.get(label.SANDBOX_ID) == self.sandbox_id
 
     @property
     def claimed(self) -> bool:
         """A warm-pool container renamed to the sandbox that claimed it: its labels
         still describe the slot, the node's claim record describes the sandbox."""
-        return LABEL_WARM in self.labels and self.labels.get(LABEL_SANDBOX_ID) != self.sandbox_id
+        return label.WARM in self.labels and self.labels.get(label.SANDBOX_ID) != self.sandbox_id
 
 
 class PodmanDriver:
@@ -253,7 +249,7 @@ class PodmanDriver:
         with self._mapped(NodeError, "list sandboxes"):
             client = self._client()
             found = []
-            for c in client.containers.list(all=True, filters={"label": LABEL_SANDBOX_ID}):
+            for c in client.containers.list(all=True, filters={"label": label.SANDBOX_ID}):
                 attrs = c.attrs
                 state = str(attrs.get("State", ""))
                 oom = False
@@ -500,7 +496,7 @@ def container_args(spec: SandboxSpec, cgroup_views: Sequence[View] = ()) -> dict
     """
     return {
         "name": spec.container_name,
-        "labels": {**spec.labels, LABEL_SANDBOX_ID: spec.sandbox_id},
+        "labels": {**spec.labels, label.SANDBOX_ID: spec.sandbox_id},
         "environment": dict(spec.env),
         "working_dir": WORKDIR,
         "network_mode": "slirp4netns" if spec.network else "none",
@@ -564,7 +560,7 @@ def _sandbox_id(name: str, labels: dict[str, str]) -> str:
     # The name, not the label: a claimed warm container was renamed to its sandbox's
     # name, while its labels, fixed at create, still name the warm slot.
     name = name.lstrip("/")
-    return name[len("dsec-") :] if name.startswith("dsec-") else labels.get(LABEL_SANDBOX_ID, "")
+    return name[len("dsec-") :] if name.startswith("dsec-") else labels.get(label.SANDBOX_ID, "")
 
 
 def _from_list(attrs: dict[str, Any], oom_killed: bool) -> SandboxContainer:

@@ -36,8 +36,9 @@ from pathlib import Path
 from app import metrics
 from app.domain.base import StopReason
 from app.domain.events import NodeHeartbeat, NodePayload, NodeRegistered
+from workers import label
 from workers.deadlines import Due
-from workers.handlers import LABEL_JOB, LABEL_TENANT, Node, expires_at
+from workers.handlers import Node
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +133,9 @@ def reconcile(node: Node) -> list[str]:
             live.add(box.sandbox_id)
             continue
         labels = node.warm.labels_of(box) if node.warm is not None else box.labels
-        tenant = labels.get(LABEL_TENANT, "unknown")
-        job = labels.get(LABEL_JOB, "default")
-        deadline = expires_at(labels)
+        tenant = labels.get(label.TENANT, "unknown")
+        job = labels.get(label.JOB, "default")
+        deadline = label.expires_at(labels)
         if box.running and deadline is not None and deadline <= datetime.now(UTC):
             # Missed by the deadlines thread (the worker was down): billed to the deadline.
             node.stop(

@@ -76,9 +76,10 @@ from pathlib import Path
 from typing import Protocol
 
 from app.domain.requests import SandboxShape
+from workers import label
 from workers.agent.client import AgentPool
 from workers.errors import NodeError
-from workers.podman_driver import LABEL_SANDBOX_ID, LABEL_WARM, PodmanDriver, SandboxContainer
+from workers.podman_driver import PodmanDriver, SandboxContainer
 from workers.sandbox_spec import SandboxSpec
 
 
@@ -301,7 +302,7 @@ class WarmPool:
         record = self.record(box.sandbox_id)
         if record is None:
             log.warning("claimed sandbox %s has no claim record", box.sandbox_id)
-            return {**box.labels, LABEL_SANDBOX_ID: box.sandbox_id}
+            return {**box.labels, label.SANDBOX_ID: box.sandbox_id}
         return record.labels
 
     def env_of(self, box: SandboxContainer) -> dict[str, str]:
@@ -334,7 +335,7 @@ class WarmPool:
         with self._lock:
             if w == self._filling or w in self._claiming:
                 return
-            ready = self._ready.get(box.labels.get(LABEL_WARM, ""), deque())
+            ready = self._ready.get(box.labels.get(label.WARM, ""), deque())
             slot = next((s for s in ready if s.slot_id == w), None)
             if slot is not None:
                 if box.running and not box.oom_killed:
@@ -384,9 +385,9 @@ class WarmPool:
             pids_limit=POOL_SHAPE.pids_limit,
             disk_mb=POOL_SHAPE.disk_mb,
             labels={
-                LABEL_SANDBOX_ID: slot_id,
-                LABEL_WARM: image,
-                "dsec.node_id": self.node.node_id,
+                label.SANDBOX_ID: slot_id,
+                label.WARM: image,
+                label.NODE: self.node.node_id,
             },
             agent_bin_dir=self.node.agent_dir,
             run_dir=self.node.run_dir(slot_id),

@@ -15,10 +15,10 @@ import pytest
 from app import stack as stack_mod
 from app.config import Settings
 from tests.conftest import wait_for
-from workers.handlers import LABEL_EXPIRES, LABEL_JOB, LABEL_NODE, LABEL_TENANT
+from workers import label
 from workers.limits import CgroupLimiter
 from workers.node_setup import find_node_user
-from workers.podman_driver import LABEL_SANDBOX_ID, LABEL_WARM, PodmanDriver
+from workers.podman_driver import PodmanDriver
 from workers.sandbox_spec import SandboxSpec
 
 pytestmark = pytest.mark.integration
@@ -87,7 +87,7 @@ def test_a_create_claims_a_started_container_that_obeys_the_request(
     info = driver.inspect(box.id)
     assert info is not None and info["Name"] == f"dsec-{box.id}"
     labels = info["Config"]["Labels"]
-    assert labels[LABEL_WARM] and labels[LABEL_SANDBOX_ID] in before
+    assert labels[label.WARM] and labels[label.SANDBOX_ID] in before
     # And it is a sandbox of the request: its env, with exec's own env on top
     assert box.exec("echo $ROLE").text == "solver\n"
     assert box.exec("echo $ROLE", env={"ROLE": "critic"}).text == "critic\n"
@@ -181,10 +181,10 @@ def test_an_orphan_container_is_removed(stack: Settings, db: Any, driver: Podman
         sandbox_id=orphan,
         image=stack.default_image,
         labels={
-            LABEL_TENANT: "nobody",
-            LABEL_JOB: "none",
-            LABEL_EXPIRES: expires,
-            LABEL_NODE: stack.node_id,
+            label.TENANT: "nobody",
+            label.JOB: "none",
+            label.EXPIRES: expires,
+            label.NODE: stack.node_id,
         },
         agent_bin_dir=stack.state_dir / "agent",
         run_dir=run_dir,

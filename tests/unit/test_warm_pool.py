@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
+from workers import label
 from workers import limits as limits_mod
 from workers.errors import NodeError
 from workers.limits import CgroupLayout, CgroupLimiter, Hierarchy, Limits
-from workers.podman_driver import LABEL_SANDBOX_ID, LABEL_WARM, SandboxContainer, _from_list
+from workers.podman_driver import SandboxContainer, _from_list
 from workers.sandbox_spec import SandboxSpec
 from workers.upkeep import held
 from workers.warm_pool import RECORD_NAME, ClaimRecord, WarmPool, read_record, write_record
@@ -24,7 +25,7 @@ IMAGE = "dsec/busybox:latest"
 
 
 def _box(name: str, label_id: str, warm: bool) -> SandboxContainer:
-    labels = {LABEL_SANDBOX_ID: label_id, **({LABEL_WARM: IMAGE} if warm else {})}
+    labels = {label.SANDBOX_ID: label_id, **({label.WARM: IMAGE} if warm else {})}
     return _from_list({"Names": [name], "Labels": labels, "State": "running", "Id": "c1"}, False)
 
 
