@@ -21,3 +21,8 @@ class SandboxCreateFailed(NodeError):
 
 class NoSpace(SandboxCreateFailed, OSError):
     """The node's disk is too full to hold another sandbox."""
+
+
+class StaleCreate(SandboxCreateFailed, TimeoutError):
+    """A create reached the node after its trainer gave up on it (a task held by a worker
+    that died, given back late): making the sandbox then would leave it to nobody."""

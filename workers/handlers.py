@@ -77,7 +77,7 @@ from workers.agent.protocol import Output as AgentOutput
 from workers.claims import Claims
 from workers.commands import Commands, Job, Running
 from workers.deadlines import Deadlines, Due
-from workers.errors import ImageNotFound, NodeError, NoSpace, SandboxCreateFailed
+from workers.errors import ImageNotFound, NodeError, NoSpace, SandboxCreateFailed, StaleCreate
 from workers.events_out import Outlet
 from workers.podman_driver import PodmanDriver
 from workers.sandbox_spec import AGENT_BIN_MOUNT, AGENT_SOCKET_NAME, SandboxSpec
@@ -149,7 +149,7 @@ def _reason_for(exc: Exception) -> FailReason:
         return FailReason.NO_SPACE
     if isinstance(exc, ImageNotFound):
         return FailReason.IMAGE_NOT_FOUND
-    if isinstance(exc, AgentTimeout):
+    if isinstance(exc, AgentTimeout | StaleCreate):
         return FailReason.TIMEOUT
     if isinstance(exc, AgentRefused):
         return FailReason.REFUSED
@@ -303,6 +303,17 @@ class Node:
 
     # --- lifecycle --------------------------------------------------------------
 
+    def check_fresh(self, request: CreateSandbox) -> None:
+        """Raise :class:`StaleCreate` for a create sent longer ago than
+        ``request_max_age_s``: its trainer has given up waiting (the gate refuses such a
+        request at the door; this is one that waited in a dead worker's hands)."""
+        waited = (utcnow() - request.sent_at).total_seconds()
+        if waited > self.settings.request_max_age_s:
+            raise StaleCreate(
+                f"sent {waited:.0f}s ago, longer than DSEC_REQUEST_MAX_AGE_S"
+                f" ({self.settings.request_max_age_s:g}s): no one waits for it"
+            )
+
     def check_room(self) -> None:
         """Raise :class:`NoSpace` while the node's disk has less free than
         ``node_min_free_mb``: a create refused with that reason beats one that fills
@@ -347,6 +358,7 @@ class Node:
         began = time.monotonic()
         spec = self.spec_for(request)
         try:
+            self.check_fresh(request)
             if spec.network and not self.settings.allow_egress:
                 raise EgressDisabled(
                     f"node {self.node_id} gives no sandbox network (DSEC_ALLOW_EGRESS=false)"

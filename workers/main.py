@@ -10,7 +10,7 @@ from app import credentials, metrics
 from app.config import get_settings
 from workers import runtime, tasks
 from workers.agent.client import AgentPool, peer_is_sandbox_init
-from workers.celery_app import celery
+from workers.celery_app import celery, restore_unacked
 from workers.handlers import Node
 from workers.inbox import READY_WAIT_S, Inbox
 from workers.layer_store import store_lock_path
@@ -80,6 +80,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
         "node %s: podman at %s, queue %s, warm pools %s",
         node_id, socket_url, settings.node_queue(node_id), node.warm.sizes or "off",
     )  # fmt: skip
+    restore_unacked(settings.node_queue(node_id))
     try:
         _serve(settings.node_queue(node_id), node_id, concurrency)
     finally:

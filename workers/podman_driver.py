@@ -255,7 +255,15 @@ class PodmanDriver:
                 oom = False
                 if state not in ("running", "created"):
                     # Only a full inspect says whether the kernel OOM-killed it.
-                    full = self._inspect_if_there(client, c.id)
+                    try:
+                        full = self._inspect_if_there(client, c.id)
+                    except podman.errors.APIError as exc:
+                        # A Podman service killed while removing it leaves a container
+                        # listed but not inspectable ("container not known"): list it as
+                        # ended, for the reconciler to remove, rather than let it hide
+                        # every other container of the node.
+                        log.warning("container %s cannot be inspected: %s", c.id[:12], exc)
+                        full = {}
                     if full is None:
                         continue  # removed since the listing (a concurrent destroy)
                     oom = bool(full.get("State", {}).get("OOMKilled"))

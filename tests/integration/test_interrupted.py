@@ -118,3 +118,53 @@ def test_a_lifecycle_task_cut_by_a_worker_crash_is_done_again(
 
     assert wait_for(stopped, what="the sandbox's end") == [str(destroy.request_id)]
     assert uuid.UUID(stopped()[0]) == destroy.request_id
+
+
+def test_a_create_given_back_after_its_trainer_gave_up_is_refused_not_made(
+    stack: Settings, client: Client, db: Any
+) -> None:
+    import uuid
+    from datetime import timedelta
+
+    from app import credentials
+    from app.domain.base import utcnow
+    from app.domain.node_tasks import NodeTask, TaskEnvelope, seal
+    from app.domain.proof import reply_key
+    from app.domain.replies import ErrorReply
+    from app.domain.requests import CreateSandbox
+    from app.taskqueue import make_celery
+
+    # Given a create the scheduler sealed for the node long ago, which a dead worker
+    # held until its node's next worker gave it back (restore_unacked)
+    sandbox_id = f"sb-stale-{uuid.uuid4().hex[:8]}"
+    create = CreateSandbox(
+        **client._common(sandbox_id), tenant=client.tenant, actor=f"{client.tenant}:test",
+        sent_at=utcnow() - timedelta(seconds=stack.request_max_age_s + 60),
+    )  # fmt: skip
+    node_cred = credentials.load(credentials.node_file(stack, stack.node_id))
+    envelope = TaskEnvelope(
+        request=create.model_dump_json(),
+        reply_key=reply_key(client.credential.secret, create.request_id).hex(),
+    )
+    answer = client.expect(create.request_id)
+    celery = make_celery(stack)
+    celery.send_task(
+        NodeTask.CREATE.value,
+        args=seal(envelope, node_cred.key_id, node_cred.secret),
+        queue=stack.node_queue(stack.node_id),
+    )
+    celery.close()
+    # Then the node refuses it (reason timeout) instead of making a sandbox nobody uses
+    reply = answer.result(timeout=60)
+    assert isinstance(reply, ErrorReply) and reply.reason == "timeout", reply
+    assert "DSEC_REQUEST_MAX_AGE_S" in reply.detail
+
+    def failed() -> list[str]:
+        with db() as conn:
+            query = text(
+                "SELECT payload->>'reason' FROM events WHERE sandbox_id = :s"
+                " AND type IN ('SandboxFailed', 'SandboxStarted')"
+            )
+            return [r[0] for r in conn.execute(query, {"s": sandbox_id})]
+
+    assert wait_for(failed, what="the refusal in the log") == ["timeout"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from app.config import Settings
 from app.stack import write_redis_conf
 from app.taskqueue import make_celery
 from tests.conftest import free_port, wait_for
+from workers.celery_app import restore_unacked
 
 pytestmark = pytest.mark.integration
 
@@ -78,6 +80,52 @@ def test_queued_creation_tasks_survive_a_redis_crash(own_redis: tuple[Settings, 
         held = client.lrange(queue, 0, -1)
         assert len(held) == 5
         assert all(any(task_id.encode() in body for body in held) for task_id in sent)
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+
+
+#: A worker that takes one task and dies without acknowledging it (SIGKILL: it cannot
+#: give it back itself, as a worker killed while Redis restarts cannot).
+TAKER = """
+import sys, time
+from app.config import Settings
+from app.taskqueue import make_celery
+app = make_celery(Settings(celery_broker_url=sys.argv[1]))
+with app.connection_for_read() as conn:
+    queue = conn.SimpleQueue(sys.argv[2])
+    queue.get(timeout=10)
+    print("taken", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_task_a_dead_worker_took_is_given_back_when_its_node_starts_again(
+    own_redis: tuple[Settings, Path],
+) -> None:
+    settings, conf = own_redis
+    url = settings.celery_broker_url
+    server = _start(conf, url)
+    queue = f"node.dead-{uuid.uuid4().hex[:6]}"
+    try:
+        celery = make_celery(settings)
+        for n in range(3):
+            celery.send_task("dsec.node.destroy", args=[str(n)], queue=queue)
+        client = redis.Redis.from_url(url)
+        # Given a worker that took a task and died holding it
+        taker = subprocess.Popen(
+            [sys.executable, "-c", TAKER, url, queue], stdout=subprocess.PIPE, text=True
+        )
+        assert taker.stdout is not None and taker.stdout.readline().strip() == "taken"
+        taker.send_signal(signal.SIGKILL)
+        taker.wait(10)
+        assert client.llen(queue) == 2 and client.hlen("unacked") == 1
+        # When the node's worker starts again, it gives the task back to the queue at once
+        assert restore_unacked(queue, celery) == 1
+        assert client.llen(queue) == 3 and client.hlen("unacked") == 0
+        # And a queue of another node is left alone
+        assert restore_unacked(f"{queue}-other", celery) == 0
+        celery.close()
     finally:
         server.send_signal(signal.SIGKILL)
         server.wait(10)

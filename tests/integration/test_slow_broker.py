@@ -29,7 +29,7 @@ from app.config import Settings
 from app.errors import SandboxError
 from app.sdk import Client
 from app.stack import broker_binary, port_open
-from tests.conftest import free_port, wait_for
+from tests.conftest import declare_lost, free_port, wait_for
 from tests.side_platform import side_platform
 from workers.mounts import remove_tree
 
@@ -104,6 +104,8 @@ def slow(stack: Settings) -> Iterator[tuple[Settings, DelayProxy]]:
         with side_platform(stack, NODE, state, kafka=address, projector=True) as settings:
             yield settings, proxy
     finally:
+        # Its projector wrote the node into the stack's projections: not a node of it.
+        declare_lost(stack, [NODE])
         broker.kill()
         broker.wait(timeout=10)
         proxy.close()
