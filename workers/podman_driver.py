@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import podman
 import podman.errors
@@ -49,6 +49,8 @@ from workers.sandbox_spec import (
 )
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
 
 #: What a sandbox runs unless told otherwise: the in-sandbox agent calling home.
 DEFAULT_COMMAND: tuple[str, ...] = (
@@ -136,6 +138,18 @@ class PodmanDriver:
         self.revive = revive
         self._local = threading.local()
 
+    def _reviving(self, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """``call``, once more after reviving the node's Podman service if it did not
+        answer (see :mod:`workers.podman_watch`). Only for idempotent calls: a create
+        (by container name), a removal, a listing or an inspect."""
+        try:
+            return call(*args, **kwargs)
+        except PodmanUnavailable:
+            if self.revive is None:
+                raise
+            self.revive()
+            return call(*args, **kwargs)
+
     # --- sandboxes -----------------------------------------------------------------
 
     def create_and_start(self, spec: SandboxSpec, command: Sequence[str] | None = None) -> str:
@@ -143,16 +157,9 @@ class PodmanDriver:
 
         Idempotent: a container of that name is reused (started if it is not running).
         A container this call created and could not start is removed again, with its
-        cgroups. A service that does not answer is revived (``revive``) and the create
-        tried once more, which its idempotence makes safe.
+        cgroups.
         """
-        try:
-            return self._create_and_start(spec, command)
-        except PodmanUnavailable:
-            if self.revive is None:
-                raise
-            self.revive()
-            return self._create_and_start(spec, command)
+        return self._reviving(self._create_and_start, spec, command)
 
     def _create_and_start(self, spec: SandboxSpec, command: Sequence[str] | None) -> str:
         name = spec.container_name
@@ -191,6 +198,9 @@ class PodmanDriver:
 
         False if there was no container.
         """
+        return self._reviving(self._remove, sandbox_id)
+
+    def _remove(self, sandbox_id: str) -> bool:
         name = _name(sandbox_id)
         with self._mapped(NodeError, f"remove {name}"):
             for attempt in range(REMOVE_ATTEMPTS):
@@ -246,6 +256,9 @@ class PodmanDriver:
     def list_sandboxes(self) -> list[SandboxContainer]:
         """Every container of this node that carries the sandbox label (warm ones too:
         see :attr:`SandboxContainer.warm`)."""
+        return self._reviving(self._list_sandboxes)
+
+    def _list_sandboxes(self) -> list[SandboxContainer]:
         with self._mapped(NodeError, "list sandboxes"):
             client = self._client()
             found = []
@@ -289,6 +302,9 @@ class PodmanDriver:
     def inspect(self, sandbox_id: str) -> dict[str, Any] | None:
         """Podman's full inspect document of the sandbox's container, or None (also
         when it is removed during the call)."""
+        return self._reviving(self._inspect_sandbox, sandbox_id)
+
+    def _inspect_sandbox(self, sandbox_id: str) -> dict[str, Any] | None:
         with self._mapped(NodeError, f"inspect {_name(sandbox_id)}"):
             return self._inspect_if_there(self._client(), _name(sandbox_id))
 

@@ -1,6 +1,6 @@
 """A node's Podman service dies: its running sandboxes keep answering (their agent
-channel does not go through Podman), and the node starts a new service by itself, so
-the next create succeeds and the one after the loss is not refused for good.
+channel does not go through Podman), a destroy and a create sent at once are done (the
+node revives the service for them), and a watch keeps a new service running.
 
 The node and a scheduler run on topics of their own (tests/side_platform.py), so that
 the stack's node, which other tests use, keeps its service.
@@ -51,6 +51,7 @@ def _created(client: Client) -> Any:
 def test_a_node_whose_podman_service_died_starts_another_and_serves(side: Settings) -> None:
     with Client(side, tenant="tests", job_id="podman-loss") as client:
         box = wait_for(lambda: _created(client), 120, f"a sandbox on {NODE}")
+        doomed = client.create(timeout_s=60)
         user = find_node_user(NODE, side)
         assert user is not None
         before = service_pids(user)
@@ -61,7 +62,9 @@ def test_a_node_whose_podman_service_died_starts_another_and_serves(side: Settin
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not service_pids(user), 10, "the Podman service gone")
 
-        # Then the running sandbox still answers
+        # Then a destroy sent at once is done (the node revives Podman for it)
+        doomed.close()
+        # And the running sandbox still answers
         assert box.exec("echo alive").text == "alive\n"
         # And a create succeeds: the node started a new service by itself
         made = client.create(timeout_s=60)
