@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from app.domain.base import FailReason
-from workers.errors import NoSpace, SandboxCreateFailed
+from workers.errors import NoSpace, SandboxCreateFailed, StaleCreate
 from workers.handlers import _reason_for, room_shortage
 
 
@@ -26,3 +26,7 @@ def test_no_space_is_its_own_reason_whoever_says_it() -> None:
     podman = SandboxCreateFailed("creating container storage: write ...: no space left on device")
     assert _reason_for(podman) == FailReason.NO_SPACE
     assert _reason_for(SandboxCreateFailed("some other trouble")) == FailReason.RUNTIME_ERROR
+
+
+def test_a_create_nobody_waits_for_any_more_fails_timeout() -> None:
+    assert _reason_for(StaleCreate("sent 400s ago")) == FailReason.TIMEOUT
