@@ -149,6 +149,10 @@ def _raise_for(reply: ErrorReply) -> None:
     raise SandboxFailed(reply.sandbox_id, reply.reason, reply.detail)
 
 
+#: Destroys sent for one sandbox before its trainer hears RequestTimeout.
+DESTROY_ATTEMPTS = 2
+
+
 class Client:
     """A connection to the platform for one tenant and job. Thread-safe.
 
@@ -459,6 +463,23 @@ class Client:
             _raise_for(reply)
         return reply
 
+    def destroy(self, sandbox_id: str, timeout_s: float | None = None) -> None:
+        """Destroy the sandbox. A destroy that gets no answer (a broker that died took
+        the request or its reply) is sent again, as a new request: destroying is
+        idempotent, and a sandbox an earlier attempt already ended counts as done."""
+        for attempt in range(DESTROY_ATTEMPTS):
+            try:
+                self.call(DestroySandbox(**self._common(sandbox_id)), timeout_s)
+                return
+            except RequestTimeout:
+                if attempt == DESTROY_ATTEMPTS - 1:
+                    raise
+            except SandboxRejected as exc:
+                gone = (RejectReason.UNKNOWN_SANDBOX, RejectReason.SANDBOX_NOT_RUNNING)
+                if attempt == 0 or exc.reason not in gone:
+                    raise
+                return
+
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox."""
         return Sandbox(self, sandbox_id, node_id=None)
@@ -753,7 +774,7 @@ class Sandbox:
         if self.closed:
             return
         self.closed = True
-        self.client.call(DestroySandbox(**self.client._common(self.id)))
+        self.client.destroy(self.id)
 
     def __enter__(self) -> Self:
         return self

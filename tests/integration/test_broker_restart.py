@@ -69,3 +69,38 @@ def test_a_broker_that_dies_and_comes_back_empty_is_served_again(
         logged = wait_for(completed, 30, "the commands in the log")
         assert {kind for kind, _ in logged} == {"CommandCompleted"}
         assert len({request for _, request in logged}) == len(logged)
+
+
+def test_a_destroy_the_broker_lost_is_sent_again_and_the_sandbox_ends(
+    stack: Settings, db: Any
+) -> None:
+    from tests.conftest import tenant_client
+
+    with tenant_client(stack, "tests", "lost-destroy") as client:
+        box = client.create(ttl_s=600)
+        # Given a broker that loses the first destroy (what a memory-only broker that
+        # dies does with the records it holds)
+        sent = client.publish
+        dropped: list[str] = []
+
+        def lossy(request: Any) -> None:
+            if request.type == "DestroySandbox" and not dropped:
+                dropped.append(str(request.request_id))
+                return
+            sent(request)
+
+        client.publish = lossy  # type: ignore[method-assign]
+        # When the trainer destroys it, the destroy that got no answer is sent again
+        client.destroy(box.id, timeout_s=5)
+        assert len(dropped) == 1
+
+        # Then the sandbox ends, once, and the trainer heard it done
+        def ended() -> list[str]:
+            with db() as conn:
+                query = text(
+                    "SELECT payload->>'reason' FROM events WHERE sandbox_id = :s"
+                    " AND type = 'SandboxStopped'"
+                )
+                return [r[0] for r in conn.execute(query, {"s": box.id})]
+
+        assert wait_for(ended, what="the sandbox's end") == ["destroyed"]
