@@ -20,6 +20,7 @@ from sqlalchemy import Connection, func, literal_column, select
 from app.config import Settings
 from app.db.tables import nodes as n
 from app.db.tables import sandboxes as s
+from app.domain.base import NodeState
 from app.domain.sandbox_state import LIVE, SandboxState
 
 Frame = dict[str, Any]
@@ -122,7 +123,7 @@ def _age(node: Frame) -> Text:
     age = node["heartbeat_age_s"]
     if age is None:
         return Text("never", style="red")
-    late = age > LATE_HEARTBEAT_S or node["state"] != "alive"
+    late = age > LATE_HEARTBEAT_S or node["state"] != NodeState.ALIVE
     return Text(f"{age:.1f}s", style="red" if late else "")
 
 
@@ -134,7 +135,7 @@ def render(snapshot: Frame) -> Group:
     nodes.add_column("heartbeat", justify="right")
     nodes.add_column("images", justify="right")
     for node in snapshot["nodes"]:
-        state_style = "green" if node["state"] == "alive" else "red"
+        state_style = "green" if node["state"] == NodeState.ALIVE else "red"
         nodes.add_row(
             node["node_id"],
             Text(node["state"], style=state_style),

@@ -38,7 +38,7 @@ from app.db.partition_locks import OwnerSession, OwnershipLost
 from app.db.tables import nodes, sandboxes
 from app.db.trajectory import PostgresTrajectoryLog
 from app.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox, Outbox
-from app.domain.base import utcnow
+from app.domain.base import NodeState, utcnow
 from app.domain.partition_share import rebalance
 from app.domain.proof import SCHEDULER_KEY_ID, Purpose, headers
 from app.domain.sandbox_state import LIVE, SandboxState
@@ -143,7 +143,7 @@ class Scheduler:
             # one transaction, so what is read here is exactly the events before them.
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
             projected = event_log.load_offsets(conn, PROJECTOR, self.settings.topic_events)
-            alive = conn.execute(select(nodes).where(nodes.c.state == "alive")).all()
+            alive = conn.execute(select(nodes).where(nodes.c.state == NodeState.ALIVE)).all()
             rows = conn.execute(
                 select(sandboxes).where(sandboxes.c.state.in_([s.value for s in LIVE]))
             ).all()

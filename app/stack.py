@@ -482,12 +482,13 @@ def node_alive(settings: Settings, node: str, since: float) -> bool:
 
     from app.db.engine import transaction
     from app.db.tables import nodes
+    from app.domain.base import NodeState
 
     try:
         with transaction(settings.database_url) as conn:
             seen = conn.execute(
                 select(nodes.c.last_heartbeat_at).where(
-                    nodes.c.node_id == node, nodes.c.state == "alive"
+                    nodes.c.node_id == node, nodes.c.state == NodeState.ALIVE
                 )
             ).scalar()
     except Exception:

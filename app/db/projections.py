@@ -31,6 +31,7 @@ from app.db.tables import (
     usage,
     usage_daily,
 )
+from app.domain.base import NodeState
 from app.domain.events import (
     CommandCompleted,
     Event,
@@ -201,7 +202,7 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
             p = event.payload
             row = out.nodes.setdefault(event.node_id or "", {})
             row.update(
-                state="alive", queue=p.queue, capacity_sandboxes=p.capacity_sandboxes,
+                state=NodeState.ALIVE, queue=p.queue, capacity_sandboxes=p.capacity_sandboxes,
                 capacity_cpus=p.capacity_cpus, capacity_memory_mb=p.capacity_memory_mb,
                 running=p.running, images=p.images, last_heartbeat_at=event.occurred_at,
                 last_position=position,
@@ -210,7 +211,7 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
                 row["registered_at"] = event.occurred_at
         elif isinstance(event, NodeLost):
             row = out.nodes.setdefault(event.node_id or "", {})
-            row.update(state="lost", lost_at=event.occurred_at, last_position=position)
+            row.update(state=NodeState.LOST, lost_at=event.occurred_at, last_position=position)
     return out
 
 

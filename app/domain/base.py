@@ -44,6 +44,15 @@ def new_sandbox_id() -> str:
     return "sb-" + uuid.uuid4().hex[:20]
 
 
+class NodeState(StrEnum):
+    """A node as the log tells it (the ``nodes`` projection's ``state``)."""
+
+    #: Its heartbeats arrive.
+    ALIVE = "alive"
+    #: Declared lost (no heartbeat within the timeout); its sandboxes ended node_lost.
+    LOST = "lost"
+
+
 class StopReason(StrEnum):
     """Why a sandbox ended."""
 
