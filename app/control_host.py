@@ -13,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import redis
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from app import stack
+from app import stack, taskqueue
 from app.config import Settings
 from app.errors import ServiceUnavailable, first_line
 
@@ -41,10 +40,7 @@ def check(settings: Settings) -> None:
             f"Postgres at {where.host}:{where.port or 5432}/{where.database} refused"
             f" {where.username} or did not answer: {first_line(cause)}"
         ) from exc
-    try:
-        redis.Redis.from_url(settings.celery_broker_url, socket_timeout=5).ping()
-    except redis.RedisError as exc:
-        raise ServiceUnavailable(f"Redis (the nodes' task queue) does not answer: {exc}") from exc
+    taskqueue.check_broker(settings)
 
 
 def services(settings: Settings, schedulers: int | None = None) -> list[stack.Service]:

@@ -15,11 +15,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import redis
-
-from app import bus, credentials
+from app import bus, credentials, taskqueue
 from app.config import Settings
-from app.errors import ConfigError, ServiceUnavailable
+from app.errors import ConfigError
 
 
 def check(settings: Settings, node_id: str) -> Path:
@@ -34,10 +32,7 @@ def check(settings: Settings, node_id: str) -> Path:
     credentials.load(path)
     # Its inbox topic (and the check that Kafka answers, with the platform's settings).
     bus.ensure_topics(settings, nodes=[node_id], platform=False)
-    try:
-        redis.Redis.from_url(settings.celery_broker_url, socket_timeout=5).ping()
-    except redis.RedisError as exc:
-        raise ServiceUnavailable(f"Redis (the node's task queue) does not answer: {exc}") from exc
+    taskqueue.check_broker(settings)
     return path
 
 

@@ -7,9 +7,11 @@ place. Tasks are idempotent and short (long work is the sandbox's, not the task'
 
 from __future__ import annotations
 
+import redis
 from celery import Celery
 
 from app.config import Settings
+from app.errors import ServiceUnavailable
 
 
 def make_celery(settings: Settings, name: str = "dsec") -> Celery:
@@ -33,3 +35,11 @@ def make_celery(settings: Settings, name: str = "dsec") -> Celery:
         worker_hijack_root_logger=False,
     )
     return celery
+
+
+def check_broker(settings: Settings) -> None:
+    """Redis, the nodes' task queue, answers; :class:`ServiceUnavailable` if not."""
+    try:
+        redis.Redis.from_url(settings.celery_broker_url, socket_timeout=5).ping()
+    except redis.RedisError as exc:
+        raise ServiceUnavailable(f"Redis (the nodes' task queue) does not answer: {exc}") from exc

@@ -84,6 +84,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
     try:
         _serve(settings.node_queue(node_id), node_id, concurrency)
     finally:
+        watch.stop()  # a service stopped with the node must not be started again
         inbox.stop()
         node.warm.close(drain=True)
 

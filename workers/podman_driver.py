@@ -133,8 +133,8 @@ class PodmanDriver:
         # imports (holding it exclusive) never interleave with them: see
         # workers.image_store.store_lock. None: the caller coordinates.
         self.store_lock = store_lock
-        # Starts the node's Podman service again when it does not answer (a create
-        # that meets a dead service revives it and tries once more; see podman_watch).
+        # Starts the node's Podman service again when it does not answer (an idempotent
+        # call that meets a dead service revives it and tries once more: _reviving).
         self.revive = revive
         self._local = threading.local()
 

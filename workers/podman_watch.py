@@ -4,7 +4,8 @@ The worker starts the node's ``podman system service`` once; if it dies (killed,
 of memory, a crash), nothing the sandboxes need goes with it (conmon keeps them, and
 their agents talk to the worker directly), but every create, removal and listing
 fails until a service answers again. The watch looks every second and starts a new
-one; a create that meets the gap first revives it itself and tries again.
+one; a create, removal, listing or inspect that meets the gap first revives it itself
+and tries again (:meth:`workers.podman_driver.PodmanDriver._reviving`).
 """
 
 from __future__ import annotations
