@@ -167,6 +167,16 @@ def scalar(conn: Connection, sql: str, **params: Any) -> Any:
     return conn.execute(text(sql), params).scalar()
 
 
+def logged(db: Callable[[], Any], sandbox_id: str, field: str, *types: str) -> list[Any]:
+    """``payload->>field`` of each of the sandbox's events of ``types``, in log order."""
+    with db() as conn:
+        query = text(
+            "SELECT payload->>:f FROM events WHERE sandbox_id = :s AND type = ANY(:t)"
+            " ORDER BY position"
+        )
+        return list(conn.execute(query, {"f": field, "s": sandbox_id, "t": list(types)}).scalars())
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (for a service a test starts itself)."""
     with socket.socket() as s:

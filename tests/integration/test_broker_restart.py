@@ -22,7 +22,7 @@ from app import stack as stack_mod
 from app.config import Settings
 from app.errors import RequestTimeout
 from app.sdk import Client
-from tests.conftest import wait_for
+from tests.conftest import logged, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -96,11 +96,6 @@ def test_a_destroy_the_broker_lost_is_sent_again_and_the_sandbox_ends(
 
         # Then the sandbox ends, once, and the trainer heard it done
         def ended() -> list[str]:
-            with db() as conn:
-                query = text(
-                    "SELECT payload->>'reason' FROM events WHERE sandbox_id = :s"
-                    " AND type = 'SandboxStopped'"
-                )
-                return [r[0] for r in conn.execute(query, {"s": box.id})]
+            return logged(db, box.id, "reason", "SandboxStopped")
 
         assert wait_for(ended, what="the sandbox's end") == ["destroyed"]

@@ -15,7 +15,7 @@ from app import stack as stack_mod
 from app.config import Settings
 from app.errors import SandboxFailed
 from app.sdk import Client
-from tests.conftest import wait_for
+from tests.conftest import logged, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -109,12 +109,7 @@ def test_a_lifecycle_task_cut_by_a_worker_crash_is_done_again(
     assert isinstance(reply, Done) and reply.detail == "destroyed"
 
     def stopped() -> list[str]:
-        with db() as conn:
-            query = text(
-                "SELECT payload->>'request_id' FROM events"
-                " WHERE sandbox_id = :s AND type = 'SandboxStopped'"
-            )
-            return [r[0] for r in conn.execute(query, {"s": box.id})]
+        return logged(db, box.id, "request_id", "SandboxStopped")
 
     assert wait_for(stopped, what="the sandbox's end") == [str(destroy.request_id)]
     assert uuid.UUID(stopped()[0]) == destroy.request_id
@@ -160,11 +155,6 @@ def test_a_create_given_back_after_its_trainer_gave_up_is_refused_not_made(
     assert "DSEC_REQUEST_MAX_AGE_S" in reply.detail
 
     def failed() -> list[str]:
-        with db() as conn:
-            query = text(
-                "SELECT payload->>'reason' FROM events WHERE sandbox_id = :s"
-                " AND type IN ('SandboxFailed', 'SandboxStarted')"
-            )
-            return [r[0] for r in conn.execute(query, {"s": sandbox_id})]
+        return logged(db, sandbox_id, "reason", "SandboxFailed", "SandboxStarted")
 
     assert wait_for(failed, what="the refusal in the log") == ["timeout"]

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,32 @@ from workers.celery_app import restore_unacked
 pytestmark = pytest.mark.integration
 
 
+@dataclass
+class RedisServer:
+    """A redis-server of the test's own, with the stack's configuration."""
+
+    conf: Path
+    url: str
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start it and wait until it answers."""
+        self.process = subprocess.Popen(["redis-server", str(self.conf)])
+        client = redis.Redis.from_url(self.url)
+        wait_for(lambda: _pings(client), 20, "redis-server answering")
+
+    def kill(self) -> None:
+        """SIGKILL it, as a crash does."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+            self.process = None
+
+
 @pytest.fixture
-def own_redis(settings: Settings, tmp_path: Path) -> Iterator[tuple[Settings, Path]]:
+def own_redis(settings: Settings, tmp_path: Path) -> Iterator[tuple[Settings, RedisServer]]:
+    """Settings pointing at a Redis of the test's own (on a spare port, in a directory
+    of its own), running; killed at the end."""
     ours = settings.model_copy(
         update={
             "state_dir": tmp_path,
@@ -39,14 +64,12 @@ def own_redis(settings: Settings, tmp_path: Path) -> Iterator[tuple[Settings, Pa
     )
     (tmp_path / "logs").mkdir()
     write_redis_conf(ours)  # the stack's configuration, this port and directory
-    yield ours, tmp_path / "redis" / "redis.conf"
-
-
-def _start(conf: Path, url: str) -> subprocess.Popen[bytes]:
-    server = subprocess.Popen(["redis-server", str(conf)])
-    client = redis.Redis.from_url(url)
-    wait_for(lambda: _pings(client), 20, "redis-server answering")
-    return server
+    server = RedisServer(tmp_path / "redis" / "redis.conf", ours.celery_broker_url)
+    server.start()
+    try:
+        yield ours, server
+    finally:
+        server.kill()
 
 
 def _pings(client: redis.Redis) -> bool:
@@ -56,33 +79,29 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
-def test_queued_creation_tasks_survive_a_redis_crash(own_redis: tuple[Settings, Path]) -> None:
-    settings, conf = own_redis
+def test_queued_creation_tasks_survive_a_redis_crash(
+    own_redis: tuple[Settings, RedisServer],
+) -> None:
+    settings, server = own_redis
     url = settings.celery_broker_url
-    server = _start(conf, url)
     queue = f"node.gone-{uuid.uuid4().hex[:6]}"
-    try:
-        # Given creation tasks queued for a node that is not consuming
-        celery = make_celery(settings)
-        sent = [
-            celery.send_task("workers.create_sandbox", args=[{"n": n}], queue=queue).id
-            for n in range(5)
-        ]
-        celery.close()
-        client = redis.Redis.from_url(url)
-        assert client.llen(queue) == 5
-        # When Redis is killed without a word
-        server.send_signal(signal.SIGKILL)
-        server.wait(10)
-        # Then, started again, it still holds every one of them, as they were sent
-        server = _start(conf, url)
-        client = redis.Redis.from_url(url)
-        held = client.lrange(queue, 0, -1)
-        assert len(held) == 5
-        assert all(any(task_id.encode() in body for body in held) for task_id in sent)
-    finally:
-        server.send_signal(signal.SIGKILL)
-        server.wait(10)
+    # Given creation tasks queued for a node that is not consuming
+    celery = make_celery(settings)
+    sent = [
+        celery.send_task("workers.create_sandbox", args=[{"n": n}], queue=queue).id
+        for n in range(5)
+    ]
+    celery.close()
+    client = redis.Redis.from_url(url)
+    assert client.llen(queue) == 5
+    # When Redis is killed without a word
+    server.kill()
+    # Then, started again, it still holds every one of them, as they were sent
+    server.start()
+    client = redis.Redis.from_url(url)
+    held = client.lrange(queue, 0, -1)
+    assert len(held) == 5
+    assert all(any(task_id.encode() in body for body in held) for task_id in sent)
 
 
 #: A worker that takes one task and dies without acknowledging it (SIGKILL: it cannot
@@ -101,31 +120,26 @@ with app.connection_for_read() as conn:
 
 
 def test_a_task_a_dead_worker_took_is_given_back_when_its_node_starts_again(
-    own_redis: tuple[Settings, Path],
+    own_redis: tuple[Settings, RedisServer],
 ) -> None:
-    settings, conf = own_redis
+    settings, _server = own_redis
     url = settings.celery_broker_url
-    server = _start(conf, url)
     queue = f"node.dead-{uuid.uuid4().hex[:6]}"
-    try:
-        celery = make_celery(settings)
-        for n in range(3):
-            celery.send_task("dsec.node.destroy", args=[str(n)], queue=queue)
-        client = redis.Redis.from_url(url)
-        # Given a worker that took a task and died holding it
-        taker = subprocess.Popen(
-            [sys.executable, "-c", TAKER, url, queue], stdout=subprocess.PIPE, text=True
-        )
-        assert taker.stdout is not None and taker.stdout.readline().strip() == "taken"
-        taker.send_signal(signal.SIGKILL)
-        taker.wait(10)
-        assert client.llen(queue) == 2 and client.hlen("unacked") == 1
-        # When the node's worker starts again, it gives the task back to the queue at once
-        assert restore_unacked(queue, celery) == 1
-        assert client.llen(queue) == 3 and client.hlen("unacked") == 0
-        # And a queue of another node is left alone
-        assert restore_unacked(f"{queue}-other", celery) == 0
-        celery.close()
-    finally:
-        server.send_signal(signal.SIGKILL)
-        server.wait(10)
+    celery = make_celery(settings)
+    for n in range(3):
+        celery.send_task("dsec.node.destroy", args=[str(n)], queue=queue)
+    client = redis.Redis.from_url(url)
+    # Given a worker that took a task and died holding it
+    taker = subprocess.Popen(
+        [sys.executable, "-c", TAKER, url, queue], stdout=subprocess.PIPE, text=True
+    )
+    assert taker.stdout is not None and taker.stdout.readline().strip() == "taken"
+    taker.send_signal(signal.SIGKILL)
+    taker.wait(10)
+    assert client.llen(queue) == 2 and client.hlen("unacked") == 1
+    # When the node's worker starts again, it gives the task back to the queue at once
+    assert restore_unacked(queue, celery) == 1
+    assert client.llen(queue) == 3 and client.hlen("unacked") == 0
+    # And a queue of another node is left alone
+    assert restore_unacked(f"{queue}-other", celery) == 0
+    celery.close()
