@@ -12,11 +12,12 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from app import bus, tenants
 from app.config import Settings
 from app.domain.proof import Role
-from tests.conftest import ensure_tenant
+from tests.conftest import ensure_tenant, wait_for
 from workers.agent.build import AGENT_BINARY, ensure_agent_dir
 from workers.node_setup import user_name
 
@@ -42,6 +43,20 @@ def dsec_service(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+
+
+def first_sandbox(client: Any, node: str, timeout_s: float = 120) -> Any:
+    """A sandbox, once the side platform's scheduler has heard from its node (creates
+    before that are refused for want of nodes)."""
+    from app.errors import SandboxError
+
+    def created() -> Any:
+        try:
+            return client.create(timeout_s=60)
+        except SandboxError:
+            return None
+
+    return wait_for(created, timeout_s, f"a sandbox on {node}")
 
 
 @contextmanager

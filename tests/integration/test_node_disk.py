@@ -22,8 +22,7 @@ import pytest
 from app.config import Settings
 from app.errors import SandboxError
 from app.sdk import Client
-from tests.conftest import wait_for
-from tests.side_platform import side_platform
+from tests.side_platform import first_sandbox, side_platform
 from workers.mounts import remove_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -67,19 +66,13 @@ def _create(client: Client) -> Any:
         return exc
 
 
-def _created(client: Client) -> Any:
-    """A sandbox, or None while the scheduler knows no node with room yet."""
-    made = _create(client)
-    return None if isinstance(made, SandboxError) else made
-
-
 def test_a_node_with_a_full_disk_refuses_creates_then_serves_again(
     small_node: tuple[Settings, Path],
 ) -> None:
     settings, home = small_node
     with Client(settings, tenant="tests", job_id="node-disk") as client:
         # Given the node serving (once its heartbeat reached the scheduler)
-        first = wait_for(lambda: _created(client), timeout_s=120, what=f"a sandbox on {NODE}")
+        first = first_sandbox(client, NODE)
         assert first.node_id == NODE and first.exec("echo ok").text == "ok\n"
 
         # When its disk fills up (the sandbox already running keeps running)

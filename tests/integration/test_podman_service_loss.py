@@ -13,15 +13,13 @@ import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from app.config import Settings
-from app.errors import SandboxError
 from app.sdk import Client
 from tests.conftest import wait_for
-from tests.side_platform import side_platform
+from tests.side_platform import first_sandbox, side_platform
 from workers.mounts import remove_tree
 from workers.node_setup import find_node_user, service_pids
 
@@ -41,16 +39,9 @@ def side(stack: Settings) -> Iterator[Settings]:
         remove_tree(state)
 
 
-def _created(client: Client) -> Any:
-    try:
-        return client.create(timeout_s=60)
-    except SandboxError:
-        return None
-
-
 def test_a_node_whose_podman_service_died_starts_another_and_serves(side: Settings) -> None:
     with Client(side, tenant="tests", job_id="podman-loss") as client:
-        box = wait_for(lambda: _created(client), 120, f"a sandbox on {NODE}")
+        box = first_sandbox(client, NODE)
         doomed = client.create(timeout_s=60)
         user = find_node_user(NODE, side)
         assert user is not None

@@ -20,17 +20,15 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlalchemy import text
 
 from app.config import Settings
-from app.errors import SandboxError
 from app.sdk import Client
 from app.stack import broker_binary, port_open
 from tests.conftest import declare_lost, free_port, wait_for
-from tests.side_platform import side_platform
+from tests.side_platform import first_sandbox, side_platform
 from workers.mounts import remove_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -112,13 +110,6 @@ def slow(stack: Settings) -> Iterator[tuple[Settings, DelayProxy]]:
         remove_tree(state)
 
 
-def _created(client: Client) -> Any:
-    try:
-        return client.create(timeout_s=60)
-    except SandboxError:
-        return None  # the scheduler has not heard from the node yet
-
-
 def _logged(settings: Settings, job: str) -> list[str]:
     """The commands of ``job`` in the log, one per CommandCompleted event."""
     from app.db.engine import transaction
@@ -141,7 +132,7 @@ def test_a_slow_broker_slows_commands_but_loses_and_doubles_none(
     settings, proxy = slow
     job = f"slow-{uuid.uuid4().hex[:6]}"
     with Client(settings, tenant="tests", job_id=job) as client:
-        box = wait_for(lambda: _created(client), 120, f"a sandbox on {NODE}")
+        box = first_sandbox(client, NODE)
         assert box.exec("echo warm").text == "warm\n"
 
         # When every exchange with the broker takes SLOW_S more each way
@@ -150,7 +141,7 @@ def test_a_slow_broker_slows_commands_but_loses_and_doubles_none(
             results = list(
                 pool.map(lambda n: box.exec(f"echo slow-{n}", timeout_s=60), range(COMMANDS))
             )
-        also = wait_for(lambda: _created(client), 120, "a create while the broker is slow")
+        also = first_sandbox(client, NODE)  # made while the broker is slow
 
         # Then every command was answered, with its own output
         assert [r.text for r in results] == [f"slow-{n}\n" for n in range(COMMANDS)]
