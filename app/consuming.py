@@ -15,10 +15,9 @@ from kafka.partitioner.default import murmur2
 
 from app import bus, metrics
 from app.config import Settings
-from app.db.log import StoredOffset
 from app.domain.codec import DeadLetterReason
 from app.domain.dead_letter import DeadLetter
-from app.domain.records import Record
+from app.domain.records import Record, StoredOffset
 
 log = logging.getLogger(__name__)
 

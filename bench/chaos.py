@@ -38,12 +38,12 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import text
 
-from app import stack as stack_mod
-from app import tenants
 from app.config import Settings, get_settings
+from app.control import tenants
 from app.db.engine import transaction
 from app.errors import DsecError
 from app.sdk import Client
+from app.stack import services as stack_mod
 from workers.node_setup import find_node_user, service_pids
 
 console = Console()

@@ -17,8 +17,8 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from app import tenants
 from app.config import get_settings
+from app.control import tenants
 from app.domain.requests import Exec
 from app.sdk import Client, Sandbox
 from app.stats import percentile

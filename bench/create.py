@@ -36,8 +36,8 @@ from typing import Any
 
 import podman
 
-from app import tenants
 from app.config import Settings, get_settings
+from app.control import tenants
 from app.domain.requests import CreateSandbox, DestroySandbox
 from app.sdk import Client
 from app.stats import percentile

@@ -26,8 +26,8 @@ import re
 import time
 from pathlib import Path
 
-from app import tenants
 from app.config import Settings, get_settings
+from app.control import tenants
 from app.domain.requests import DestroySandbox
 from app.sdk import Client, Sandbox
 from workers.limits import CgroupLimiter

@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 import podman
 from exec import line  # bench/exec.py, next to this file
 
-from app import tenants
 from app.config import Settings, get_settings
+from app.control import tenants
 from app.sdk import Client
 from app.stats import summary_ms
 from workers.node_setup import set_up_node_user

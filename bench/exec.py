@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 from substrate import HOPS_PER_EXEC, kafka_hop, raw_sandbox
 
-from app import tenants
 from app.config import get_settings
+from app.control import tenants
 from app.sdk import Client
 from app.stats import percentile
 

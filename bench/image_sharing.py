@@ -35,8 +35,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from app import tenants
 from app.config import Settings, get_settings
+from app.control import tenants
 from app.sdk import Client, Sandbox
 from workers.image_debian import DEBIAN_IMAGE, build_debian_image
 from workers.image_store import refresh_nodes, remove_image

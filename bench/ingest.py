@@ -29,6 +29,8 @@ from sqlalchemy import text
 
 from app import bus
 from app.config import Settings, get_settings
+from app.control.keyring import Keyring
+from app.control.projector import BATCH_RECORDS
 from app.db.engine import engine_for
 from app.db.setup import drop_database, ensure_database, migrate
 from app.domain.base import StopReason, utcnow
@@ -45,8 +47,6 @@ from app.domain.events import (
     StoppedPayload,
 )
 from app.domain.proof import Purpose, headers
-from app.keyring import Keyring
-from app.projector import BATCH_RECORDS
 
 
 def events_for(tenant: str, n: int) -> list[EventBase]:

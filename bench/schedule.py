@@ -24,7 +24,7 @@ import time
 import uuid
 
 from app.config import get_settings
-from app.dispatch import Dispatcher, Outbox
+from app.control.dispatch import Dispatcher, Outbox
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.proof import KeyInfo, Purpose, Role, StaticKeys, headers

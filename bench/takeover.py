@@ -24,11 +24,13 @@ import threading
 import time
 import uuid
 
-from app import bus, stack, tenants
+from app import bus
 from app.config import get_settings
+from app.control import tenants
 from app.domain.requests import CreateSandbox
 from app.errors import SandboxRejected
 from app.sdk import Client
+from app.stack import services as stack
 from app.stats import percentile
 
 PARTITIONS = 8

@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.table import Table
 from substrate import RECORDS_PER_COMMAND, kafka_records, raw_sandbox, run
 
-from app import tenants
 from app.config import Settings, get_settings
+from app.control import tenants
 from app.sdk import Client
 from app.stats import percentile
 

@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import text
 
-from app import tenants
 from app.config import get_settings
+from app.control import tenants
 from app.db.engine import transaction
 from app.sdk import Client
 from app.stats import percentile

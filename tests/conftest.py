@@ -29,7 +29,7 @@ def settings() -> Settings:
 @pytest.fixture(scope="session")
 def stack(settings: Settings) -> Settings:
     """The embedded stack, up (idempotent: reuses what `make test` started)."""
-    from app import stack as stack_mod
+    from app.stack import services as stack_mod
 
     try:
         stack_mod.up(settings, log=lambda _m: None)
@@ -50,7 +50,7 @@ def limiter(stack: Settings) -> CgroupLimiter:
 
 def ensure_tenant(settings: Settings, name: str, role: str = "tenant") -> Any:
     """A tenant (or operator) with a local credential; returns the credential."""
-    from app import tenants
+    from app.control import tenants
     from app.domain.proof import Role
 
     return tenants.local(settings, name, Role(role))
@@ -81,7 +81,7 @@ class PlatformPublisher:
 
     def __init__(self, settings: Settings) -> None:
         from app import bus
-        from app.keyring import Keyring
+        from app.control.keyring import Keyring
 
         self.settings = settings
         self._publisher = bus.Publisher(settings)
@@ -91,10 +91,10 @@ class PlatformPublisher:
         self, topic: str, key: str, message: Any, *, wait: bool = False,
         partition: int | None = None,
     ) -> None:  # fmt: skip
-        from app import credentials
         from app.domain.codec import encode
         from app.domain.proof import Purpose, headers
         from app.domain.trust import NODE_ONLY_EVENTS
+        from app.sdk import credentials
 
         value = message if isinstance(message, bytes) else encode(message)
         proof = None
@@ -205,7 +205,7 @@ def flower_workers(base_url: str, password: str) -> dict[str, Any]:
     import urllib.request
     from base64 import b64encode
 
-    from app.stack import FLOWER_USER
+    from app.stack.services import FLOWER_USER
 
     token = b64encode(f"{FLOWER_USER}:{password}".encode()).decode()
     request = urllib.request.Request(

@@ -14,8 +14,9 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from app import bus, tenants
+from app import bus
 from app.config import Settings
+from app.control import tenants
 from app.domain.proof import Role
 from tests.conftest import ensure_tenant, wait_for
 from workers.agent.build import AGENT_BINARY, ensure_agent_dir

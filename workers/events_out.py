@@ -18,12 +18,12 @@ from contextlib import contextmanager
 
 from app.bus import Publisher
 from app.config import Settings
-from app.credentials import Credential
 from app.domain.codec import encode
 from app.domain.events import CommandCompleted, EventBase
 from app.domain.proof import Purpose, headers
 from app.domain.replies import ExecOutput, FileContent, ReplyBase, ReplyPiece
 from app.domain.requests import ReplyTo
+from app.sdk.credentials import Credential
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,6 @@ import redis
 
 from app import metrics
 from app.config import Settings
-from app.credentials import Credential
 from app.domain.base import FailReason, StopReason, derived_id, utcnow
 from app.domain.events import (
     CommandCompleted,
@@ -69,6 +68,7 @@ from app.domain.requests import (
     WriteFile,
 )
 from app.domain.trajectory import replay_answer
+from app.sdk.credentials import Credential
 from workers import label
 from workers.agent.client import AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable

@@ -24,10 +24,9 @@ from kafka.errors import KafkaError
 from app import bus, metrics
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
-from app.db.log import StoredOffset
 from app.domain.codec import DeadLetterReason
 from app.domain.node_tasks import read_inbox_record
-from app.domain.records import Record
+from app.domain.records import Record, StoredOffset
 from app.errors import ServiceUnavailable
 from workers import tasks
 from workers.events_out import Outlet

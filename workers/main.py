@@ -6,8 +6,9 @@ import logging
 import resource
 import threading
 
-from app import credentials, metrics
+from app import metrics
 from app.config import get_settings
+from app.sdk import credentials
 from workers import runtime, tasks
 from workers.agent.client import AgentPool, peer_is_sandbox_init
 from workers.celery_app import celery, restore_unacked

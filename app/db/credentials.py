@@ -40,7 +40,7 @@ def _operator() -> str:
 
 def issue(conn: Connection, role: Role, subject: str, label: str = "") -> CredentialRow:
     """Record a new credential for ``subject``; returns it (its key comes from the
-    master key, see app/keyring.py)."""
+    master key, see app/control/keyring.py)."""
     row = conn.execute(
         insert(credentials)
         .values(key_id=new_key_id(), role=role.value, subject=subject, label=label,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, cast
 
 from sqlalchemy import Connection, select, text
@@ -15,6 +14,7 @@ from app.db.engine import transaction
 from app.db.projections import commands_from
 from app.db.tables import consumer_offsets
 from app.domain.events import Event
+from app.domain.records import StoredOffset
 
 
 class SourcedEvent(NamedTuple):
@@ -133,14 +133,6 @@ def ensure_partitions(conn: Connection, days_ahead: int = 7) -> int:
     """Create the log's daily partitions up to ``days_ahead``; return how many were new."""
     made = conn.execute(text("SELECT dsec_ensure_event_partitions(:d)"), {"d": days_ahead})
     return int(made.scalar() or 0)
-
-
-@dataclass(frozen=True)
-class StoredOffset:
-    """Where a consumer stands in one partition of one incarnation of a topic."""
-
-    topic_id: uuid.UUID
-    next_offset: int
 
 
 def load_offsets(conn: Connection, consumer: str, topic: str) -> dict[int, StoredOffset]:

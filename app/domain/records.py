@@ -3,6 +3,7 @@ parts of the platform (the dispatcher, decoders) read from the bus."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,3 +36,12 @@ class Inbound:
     key: bytes | None
     value: bytes | None
     headers: Sequence[tuple[str, bytes]] | None = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StoredOffset:
+    """Where a consumer stands in one partition of one incarnation of a topic: the
+    position it resumes from, kept with the data it produced."""
+
+    topic_id: uuid.UUID
+    next_offset: int

@@ -12,11 +12,11 @@ from kafka import TopicPartition
 
 from app import bus
 from app.config import Settings
+from app.control.keyring import Keyring
 from app.domain.codec import encode
 from app.domain.proof import Purpose, headers
 from app.domain.requests import CreateSandbox, Exec, WriteFile
 from app.errors import SandboxRejected
-from app.keyring import Keyring
 from tests.conftest import ensure_tenant, scalar, wait_for
 
 pytestmark = pytest.mark.integration

@@ -26,7 +26,7 @@ from rich.console import Console
 from sqlalchemy import Connection, text
 from typer.testing import CliRunner
 
-from app import reports
+from app.cli import reports
 from app.db import billing, projections
 from app.db.log import SourcedEvent, append
 from app.domain.base import FailReason, RejectReason, StopReason
@@ -591,7 +591,7 @@ def test_audit_limit_keeps_the_latest_rows_and_since_filters(conn: Connection) -
 
 def test_cli_prints_bill_and_audit(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given the CLI reading through this test's (rolled back) transaction
-    from app import cli as cli_mod
+    from app.cli import main as cli_mod
     from app.db import engine
 
     @contextmanager

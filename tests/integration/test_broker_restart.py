@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from app import stack as stack_mod
 from app.config import Settings
 from app.errors import RequestTimeout
 from app.sdk import Client
+from app.stack import services as stack_mod
 from tests.conftest import logged, wait_for
 
 pytestmark = pytest.mark.integration

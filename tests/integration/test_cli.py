@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner, Result
 
-from app.cli import cli
+from app.cli.main import cli
 from app.config import Settings
 from tests.conftest import free_port, scalar, wait_for
 

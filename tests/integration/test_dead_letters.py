@@ -14,13 +14,14 @@ import pytest
 from kafka import TopicPartition
 from typer.testing import CliRunner
 
-from app import bus, dead_letters
-from app.cli import cli
+from app import bus
+from app.cli.main import cli
 from app.config import Settings
+from app.control import dead_letters
+from app.control.keyring import Keyring
 from app.domain.dead_letter import DeadLetter
 from app.domain.events import NodeLost, NodeLostPayload
 from app.domain.proof import Purpose, headers
-from app.keyring import Keyring
 from tests.conftest import PlatformPublisher, scalar, wait_for
 
 pytestmark = pytest.mark.integration

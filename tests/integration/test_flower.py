@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app import stack as stack_mod
 from app.config import Settings
+from app.stack import services as stack_mod
 from tests.conftest import flower_workers, wait_for
 
 pytestmark = pytest.mark.integration

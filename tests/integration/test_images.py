@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner, Result
 
-from app.cli import cli
+from app.cli.main import cli
 from app.config import Settings
 from tests.conftest import wait_for
 from workers import image_store, layer_store

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from app import stack as stack_mod
 from app.config import Settings
 from app.errors import SandboxFailed
 from app.sdk import Client
+from app.stack import services as stack_mod
 from tests.conftest import logged, wait_for
 
 pytestmark = pytest.mark.integration
@@ -76,11 +76,11 @@ def test_a_lifecycle_task_cut_by_a_worker_crash_is_done_again(
 
     import redis
 
-    from app import credentials
     from app.domain.node_tasks import NodeTask, TaskEnvelope, seal
     from app.domain.proof import reply_key
     from app.domain.replies import Done
     from app.domain.requests import DestroySandbox
+    from app.sdk import credentials
 
     worker = _worker(stack)
     box = client.create(memory_mb=64, ttl_s=600)
@@ -121,12 +121,12 @@ def test_a_create_given_back_after_its_trainer_gave_up_is_refused_not_made(
     import uuid
     from datetime import timedelta
 
-    from app import credentials
     from app.domain.base import utcnow
     from app.domain.node_tasks import NodeTask, TaskEnvelope, seal
     from app.domain.proof import reply_key
     from app.domain.replies import ErrorReply
     from app.domain.requests import CreateSandbox
+    from app.sdk import credentials
     from app.taskqueue import make_celery
 
     # Given a create the scheduler sealed for the node long ago, which a dead worker

@@ -12,7 +12,7 @@ from kafka.admin import NewTopic
 from app import bus
 from app.config import Settings
 from app.consuming import PositionedConsumer
-from app.db.log import StoredOffset
+from app.domain.records import StoredOffset
 
 pytestmark = pytest.mark.integration
 

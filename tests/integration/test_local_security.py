@@ -19,9 +19,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from typer.testing import CliRunner
 
-from app import stack as stack_mod
-from app.cli import cli
+from app.cli.main import cli
 from app.config import Settings
+from app.stack import services as stack_mod
 
 pytestmark = pytest.mark.integration
 

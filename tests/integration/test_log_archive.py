@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from app import reports
+from app.cli import reports
 from app.config import Settings
 from app.db import archive, billing, projections
 from app.db.engine import engine_for

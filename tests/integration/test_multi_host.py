@@ -29,7 +29,7 @@ from sqlalchemy.engine import Engine
 
 from app import secret_files
 from app.config import Settings
-from app.stack import broker_binary, port_open
+from app.stack.services import broker_binary, port_open
 from tests.conftest import flower_workers, wait_for
 from tests.pg_cluster import own_cluster
 from workers.mounts import remove_tree

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from app import stack as stack_mod
 from app.config import Settings
 from app.errors import SandboxRejected
+from app.stack import services as stack_mod
 from tests.conftest import declare_lost, scalar, wait_for, wait_for_node
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

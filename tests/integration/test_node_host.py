@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from app import tenants
 from app.config import Settings
+from app.control import tenants
 from app.domain.proof import Role
 from tests.conftest import declare_lost, wait_for_node
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from app import stack as stack_mod
 from app.config import Settings
+from app.stack import services as stack_mod
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration

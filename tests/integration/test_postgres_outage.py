@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from app import bus, tenants
+from app import bus
 from app.config import Settings
+from app.control import tenants
+from app.control.keyring import Keyring
 from app.db.engine import engine_for
 from app.db.setup import migrate
 from app.domain.base import RejectReason, utcnow
@@ -30,7 +32,6 @@ from app.domain.codec import encode
 from app.domain.events import RequestedPayload, SandboxRequested
 from app.domain.proof import Purpose, headers
 from app.errors import SandboxRejected
-from app.keyring import Keyring
 from app.sdk import Client
 from tests.conftest import free_port, wait_for
 from tests.pg_cluster import Cluster, own_cluster

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from app.config import Settings
+from app.control.projector import Projector
 from app.db import projections
-from app.projector import Projector
 from tests.conftest import scalar, wait_for
 
 pytestmark = pytest.mark.integration

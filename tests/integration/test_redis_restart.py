@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from app.config import Settings
-from app.stack import write_redis_conf
+from app.stack.services import write_redis_conf
 from app.taskqueue import make_celery
 from tests.conftest import free_port, wait_for
 from workers.celery_app import restore_unacked

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from app import stack as stack_mod
 from app.config import Settings
 from app.domain.requests import CreateSandbox
 from app.errors import SandboxRejected
 from app.sdk import Client
+from app.stack import services as stack_mod
 from tests.conftest import scalar, wait_for
 from tests.integration.test_leases import event_count, process_states
 

@@ -19,12 +19,12 @@ import pytest
 from kafka import TopicPartition
 
 from app import bus
-from app import stack as stack_mod
 from app.config import Settings
 from app.consuming import key_partition
 from app.domain.replies import ExecOutput
 from app.domain.requests import CreateSandbox
-from app.sdk import Client, ExecResult, exec_request
+from app.sdk.client import Client, ExecResult, exec_request
+from app.stack import services as stack_mod
 from tests.conftest import scalar, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

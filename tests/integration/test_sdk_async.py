@@ -8,7 +8,7 @@ import pytest
 
 from app.config import Settings
 from app.errors import SandboxFailed
-from app.sdk_async import AsyncClient
+from app.sdk.aio import AsyncClient
 
 pytestmark = pytest.mark.integration
 

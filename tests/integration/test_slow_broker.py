@@ -26,7 +26,7 @@ from sqlalchemy import text
 
 from app.config import Settings
 from app.sdk import Client
-from app.stack import broker_binary, port_open
+from app.stack.services import broker_binary, port_open
 from tests.conftest import declare_lost, free_port, wait_for
 from tests.side_platform import first_sandbox, side_platform
 from workers.mounts import remove_tree

@@ -15,8 +15,8 @@ from kafka import TopicPartition
 from app import bus
 from app.config import Settings
 from app.domain.replies import ExecOutput
-from app.sdk import Chunk, exec_request
-from app.sdk_async import AsyncClient
+from app.sdk.aio import AsyncClient
+from app.sdk.client import Chunk, exec_request
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from app import stack as stack_mod
-from app.cli import cli
+from app.cli.main import cli
 from app.config import Settings
+from app.stack import services as stack_mod
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration

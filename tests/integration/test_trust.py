@@ -23,7 +23,6 @@ from sqlalchemy import text
 
 from app import bus
 from app.config import Settings
-from app.credentials import Credential
 from app.domain.base import utcnow
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload, SandboxStopped, StoppedPayload
@@ -39,6 +38,7 @@ from app.domain.requests import (
 )
 from app.errors import RequestTimeout, SandboxRejected
 from app.sdk import Client, Sandbox
+from app.sdk.credentials import Credential
 from tests.conftest import ensure_tenant, scalar, tenant_client, wait_for
 
 pytestmark = pytest.mark.integration
@@ -403,7 +403,7 @@ def test_forged_platform_events_change_nothing(stack: Settings, box: Sandbox, db
     send(ghost)
     # And node0's real key is used for two heartbeats of another node, and node0 is
     # said (unsigned) to run nothing, twice
-    from app import credentials
+    from app.sdk import credentials
 
     node_cred = credentials.load(credentials.node_file(stack, stack.node_id))
     send(ghost.model_copy(update={"event_id": uuid.uuid4()}), node_cred)
@@ -436,7 +436,7 @@ def test_a_forged_node_task_is_refused(stack: Settings, db: Any) -> None:
     sandbox_id = f"sb-forged-{uuid.uuid4().hex[:8]}"
     create = CreateSandbox(sandbox_id=sandbox_id, tenant="alice", actor="forger")
     envelope = TaskEnvelope(request=create.model_dump_json())
-    from app import credentials
+    from app.sdk import credentials
 
     node_key = credentials.load(credentials.node_file(stack, stack.node_id)).key_id
     celery = make_celery(stack)
@@ -451,8 +451,9 @@ def test_a_forged_node_task_is_refused(stack: Settings, db: Any) -> None:
 
 
 def test_a_forged_or_malformed_inbox_record_runs_nothing(stack: Settings, box: Sandbox) -> None:
-    from app import credentials, dead_letters
+    from app.control import dead_letters
     from app.domain.node_tasks import NodeTask, TaskEnvelope, inbox_record, seal
+    from app.sdk import credentials
 
     # Given someone who can write to a node's inbox topic, but has no key of the node's
     node_key = credentials.load(credentials.node_file(stack, stack.node_id)).key_id
@@ -482,7 +483,7 @@ def test_a_forged_or_malformed_inbox_record_runs_nothing(stack: Settings, box: S
 
 
 def test_a_revoked_credential_stops_working(stack: Settings, db: Any) -> None:
-    from app import tenants
+    from app.control import tenants
 
     name = f"gone-{uuid.uuid4().hex[:6]}"
     ensure_tenant(stack, name)
@@ -507,7 +508,7 @@ def test_the_database_holds_nothing_to_sign_with(stack: Settings, db: Any) -> No
 def test_denied_attempts_are_listed(stack: Settings, box: Sandbox, bob: Client) -> None:
     from typer.testing import CliRunner
 
-    from app.cli import cli
+    from app.cli.main import cli
 
     with pytest.raises(SandboxRejected):
         bob.sandbox(box.id).exec("true")

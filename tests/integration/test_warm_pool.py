@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from app import stack as stack_mod
 from app.config import Settings
+from app.stack import services as stack_mod
 from tests.conftest import wait_for
 from workers import label
 from workers.limits import CgroupLimiter

@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.config import Settings
-from app.dispatch import Dispatcher, Outbox
+from app.control.dispatch import Dispatcher, Outbox
+from app.control.projector import admit_event
 from app.domain.codec import DecodeError, encode
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.proof import Purpose, headers
 from app.domain.records import Inbound
 from app.domain.requests import CreateSandbox, Exec, WriteFile
-from app.projector import admit_event
 from tests.unit.signing import KEYS, record, reply_to
 
 _offsets = count()

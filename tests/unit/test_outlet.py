@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 
 from app.config import Settings
-from app.credentials import Credential
 from app.domain.proof import Role
+from app.sdk.credentials import Credential
 from workers.events_out import Outlet
 
 

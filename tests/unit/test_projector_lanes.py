@@ -8,9 +8,9 @@ import uuid
 import pytest
 from kafka.consumer.fetcher import ConsumerRecord
 
+from app.control.projector import BatchOutcome, Lane, Prepared, split_lanes
 from app.db.log import SourcedEvent
 from app.domain.events import NodeLost, NodeLostPayload
-from app.projector import BatchOutcome, Lane, Prepared, split_lanes
 
 
 def _batch(partitions: list[int], dead: int = 0) -> Prepared:

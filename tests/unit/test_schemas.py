@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.schemas import SCHEMA_DIR, render
+from app.cli.schemas import SCHEMA_DIR, render
 
 
 def test_committed_schemas_match_the_models() -> None:

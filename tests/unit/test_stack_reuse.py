@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from app.config import Settings
-from app.stack import Service, code_fingerprint
+from app.stack.services import Service, code_fingerprint
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_the_fingerprint_follows_the_sources() -> None:
 def test_down_leaves_the_services_it_is_told_to_keep(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from app import stack
+    from app.stack import services as stack
 
     broker, projector = sleeper("dsec-broker"), sleeper("dsec-projector")
     monkeypatch.setattr(stack, "services", lambda _s, _n: [broker, projector])

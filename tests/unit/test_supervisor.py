@@ -4,7 +4,7 @@ down after LIMIT such deaths in a row."""
 
 from __future__ import annotations
 
-from app.restarts import BACKOFF_S, LIMIT, STABLE_S, Restarts
+from app.stack.restarts import BACKOFF_S, LIMIT, STABLE_S, Restarts
 
 
 def test_a_service_that_had_been_running_is_started_again_at_once() -> None:

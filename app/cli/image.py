@@ -154,7 +154,7 @@ def build_platform(
 @image_cli.command("ls")
 def ls(as_json: JsonOpt = False) -> None:
     """Images in the store: name, id, size, created."""
-    from app import cli_render
+    from app.cli import render as cli_render
     from workers.layer_store import list_images
 
     rows: list[dict[str, Any]] = []

@@ -31,20 +31,21 @@ from sqlalchemy import Connection, select, text
 from app import bus, metrics
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter, key_partition
+from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox, Outbox
+from app.control.keyring import Keyring
+from app.control.waiting import UNAVAILABLE, until_available
 from app.db import handled
 from app.db import log as event_log
 from app.db.engine import transaction
 from app.db.partition_locks import OwnerSession, OwnershipLost
 from app.db.tables import nodes, sandboxes
 from app.db.trajectory import PostgresTrajectoryLog
-from app.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox, Outbox
 from app.domain.base import NodeState, utcnow
 from app.domain.partition_share import rebalance
 from app.domain.proof import SCHEDULER_KEY_ID, Purpose, headers
+from app.domain.records import StoredOffset
 from app.domain.sandbox_state import LIVE, SandboxState
-from app.keyring import Keyring
 from app.taskqueue import make_celery
-from app.waiting import UNAVAILABLE, until_available
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +128,14 @@ class Scheduler:
         self._rebalanced = 0.0
         until_available(self._rebalance, NAME, "postgres", self._stopping)
 
-    def _stored_offsets(self) -> dict[int, event_log.StoredOffset]:
+    def _stored_offsets(self) -> dict[int, StoredOffset]:
         return event_log.read_offsets(
             self.settings.database_url, NAME, self.settings.topic_requests
         )
 
     # --- state ------------------------------------------------------------------
 
-    def _recover(self) -> dict[int, event_log.StoredOffset]:
+    def _recover(self) -> dict[int, StoredOffset]:
         """Nodes and live sandboxes as the projections last saw them, which of those
         sandboxes a lapsed lease left frozen (from the log), and the projector's
         offsets in ``dsec.events`` those projections stand at (one snapshot)."""

@@ -1,6 +1,6 @@
 """The asyncio flavour of the SDK: the same client, awaited.
 
-    from app.sdk_async import AsyncClient
+    from app.sdk import AsyncClient
 
     async with AsyncClient(tenant="team-a", job_id="rollout-7") as client:
         boxes = await client.create_many(8)
@@ -32,7 +32,7 @@ from app.domain.requests import (
     WriteFile,
 )
 from app.errors import RequestTimeout
-from app.sdk import Chunk, Client, Command, ExecResult, Sandbox, _raise_for, exec_request
+from app.sdk.client import Chunk, Client, Command, ExecResult, Sandbox, _raise_for, exec_request
 
 
 class AsyncClient:

@@ -11,12 +11,12 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from app import cli_render
-from app.cli_control import control_cli
-from app.cli_log import log_cli
-from app.cli_tenant import node_cli, tenant_cli
+from app.cli import render as cli_render
+from app.cli.control import control_cli
+from app.cli.image import image_cli
+from app.cli.log import log_cli
+from app.cli.tenant import node_cli, tenant_cli
 from app.config import get_settings, redact
-from app.image_cli import image_cli
 
 cli = typer.Typer(no_args_is_help=True, help="dsec: elastic sandboxes for agent training.")
 run_cli = typer.Typer(no_args_is_help=True, help="Run one service in the foreground.")
@@ -50,7 +50,7 @@ def _logging() -> None:
 @cli.command()
 def up(nodes: Annotated[int, typer.Option(help="Node workers to start.")] = 1) -> None:
     """Start the embedded stack (reusing whatever already runs)."""
-    from app import stack
+    from app.stack import services as stack
 
     stack.up(get_settings(), nodes=nodes, log=lambda m: console.print(f"[green]✓[/] {m}"))
     status(as_json=False)
@@ -67,7 +67,7 @@ def down(
     ] = None,
 ) -> None:
     """Stop the processes the stack started (Postgres and Redis are left alone)."""
-    from app import stack
+    from app.stack import services as stack
 
     stack.down(get_settings(), log=lambda m: console.print(f"[yellow]■[/] {m}"), keep=keep or ())
 
@@ -75,8 +75,8 @@ def down(
 @cli.command()
 def status(as_json: JsonOpt = False) -> None:
     """What runs, where, and how to reach it."""
-    from app import stack
-    from app.restarts import Restarts
+    from app.stack import services as stack
+    from app.stack.restarts import Restarts
 
     settings = get_settings()
     rows = []
@@ -128,7 +128,7 @@ def run_projector(
     partitions: Annotated[str, typer.Option(help="Comma-separated partitions (default all).")] = "",
 ) -> None:
     """Events topic -> Postgres log and projections."""
-    from app import projector
+    from app.control import projector
 
     _logging()
     parts = [int(p) for p in partitions.split(",") if p.strip()] or None
@@ -138,7 +138,7 @@ def run_projector(
 @run_cli.command("scheduler")
 def run_scheduler() -> None:
     """Requests topic -> placement and node tasks."""
-    from app import scheduler
+    from app.control import scheduler
 
     _logging()
     scheduler.main(get_settings())
@@ -147,7 +147,7 @@ def run_scheduler() -> None:
 @run_cli.command("supervisor")
 def run_supervisor() -> None:
     """Restart the embedded stack's services that die (with backoff and a limit)."""
-    from app import supervisor
+    from app.stack import supervisor
 
     _logging()
     supervisor.run(get_settings())
@@ -219,7 +219,7 @@ def cp(
 
     dsec cp ./project SANDBOX:/workspace   |   dsec cp SANDBOX:/workspace/out ./results
     """
-    from app import cli_sandbox
+    from app.cli import sandbox as cli_sandbox
 
     code = cli_sandbox.run_cp(get_settings(), src, dest, tenant=tenant, job=job, as_json=as_json)
     raise typer.Exit(code)
@@ -262,7 +262,7 @@ def _summary(payload: dict[str, Any], width: int = 240) -> str:
 @cli.command()
 def schemas() -> None:
     """Write the JSON Schemas of every bus message to docs/schemas."""
-    from app import schemas as schemas_mod
+    from app.cli import schemas as schemas_mod
 
     for path in schemas_mod.write():
         console.print(f"wrote {path}")
@@ -276,7 +276,7 @@ SinceOpt = Annotated[
 
 
 def _letters(reason: str | None, consumer: str | None, since: datetime | None) -> Any:
-    from app import dead_letters
+    from app.control import dead_letters
 
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=UTC)
@@ -320,7 +320,7 @@ def deadletters_replay(
     For events this is safe to repeat (the log keeps one copy of an event id); a
     message whose cause remains is refused again, as a new letter.
     """
-    from app import dead_letters
+    from app.control import dead_letters
 
     outcome = dead_letters.replay(get_settings(), _letters(reason, consumer, since))
     if as_json:
@@ -367,7 +367,7 @@ def demo(
     concurrency: Annotated[int, typer.Option(help="Sandboxes in flight at once.")] = 10,
 ) -> None:
     """A trainer-like workload on the running stack, with a summary."""
-    from app import demo as demo_mod
+    from app.cli import demo as demo_mod
 
     demo_mod.run(get_settings(), sandboxes, commands, concurrency, console)
 
@@ -391,7 +391,7 @@ def audit(
     as_json: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
 ) -> None:
     """Who did what to which sandbox, when, from which node (oldest first)."""
-    from app import reports
+    from app.cli import reports
     from app.db import billing
     from app.db.engine import transaction
 
@@ -440,7 +440,7 @@ def bill(
     ] = False,
 ) -> None:
     """Usage per tenant, job and UTC day: sandboxes, sandbox/core/GB-seconds, commands."""
-    from app import reports
+    from app.cli import reports
     from app.db.engine import transaction
 
     try:
@@ -466,7 +466,7 @@ def bill(
 
 
 def _verify_bill(first: date, last: date, tenant: str | None, job: str | None, output: Any) -> None:
-    from app import reports
+    from app.cli import reports
     from app.db import billing
     from app.db.engine import transaction
 
@@ -510,7 +510,7 @@ def exec_(
 
     Exit 124: the command ran out of time; 128+N: signal N; 125: dsec could not run it.
     """
-    from app import cli_sandbox
+    from app.cli import sandbox as cli_sandbox
 
     code = cli_sandbox.run_exec(
         get_settings(), sandbox_id, command, timeout_s=timeout, tenant=tenant, job=job,
@@ -530,7 +530,7 @@ def create(
     as_json: JsonOpt = False,
 ) -> None:
     """Create a sandbox and print its id once it runs."""
-    from app import cli_sandbox
+    from app.cli import sandbox as cli_sandbox
 
     code = cli_sandbox.run_create(
         get_settings(), tenant=tenant, job=job, as_json=as_json,
@@ -542,7 +542,7 @@ def create(
 @cli.command()
 def destroy(sandbox_id: str, tenant: TenantOpt = "", job: JobOpt = "") -> None:
     """Destroy a sandbox (it ends with reason `destroyed`)."""
-    from app import cli_sandbox
+    from app.cli import sandbox as cli_sandbox
 
     raise typer.Exit(cli_sandbox.run_destroy(get_settings(), sandbox_id, tenant=tenant, job=job))
 
@@ -554,7 +554,7 @@ def top(
     as_json: Annotated[bool, typer.Option("--json", help="Print one frame as JSON.")] = False,
 ) -> None:
     """Nodes, their capacity and load, and live sandboxes per node and tenant."""
-    from app import cli_top
+    from app.cli import top as cli_top
 
     settings = get_settings()
     if as_json:
@@ -574,7 +574,7 @@ def bench(
     ] = False,
 ) -> None:
     """Run a benchmark from bench/ with this venv's python (extra arguments go to it)."""
-    from app import cli_bench
+    from app.cli import bench as cli_bench
 
     if name:
         raise typer.Exit(cli_bench.run(name, [*ctx.args, *(["--json"] if as_json else [])]))

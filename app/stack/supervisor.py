@@ -12,7 +12,7 @@ that comes back is empty (the embedded broker keeps topics in memory): the super
 makes the platform's and every tenant's topics again.
 
 Each service's restarts are kept in ``<state_dir>/run/<name>.restarts`` (JSON, see
-:mod:`app.restarts`), which `dsec status` reads.
+:mod:`app.stack.restarts`), which `dsec status` reads.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import time
 
 from app.config import Settings
-from app.restarts import LIMIT, Restarts
+from app.stack.restarts import LIMIT, Restarts
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +33,15 @@ TICK_S = 1.0
 
 def _recreate_topics(settings: Settings) -> None:
     """The embedded broker came back empty: the platform's topics, and every tenant's."""
-    from app import bus, tenants
+    from app import bus
+    from app.control import tenants
 
     bus.ensure_topics(settings, tenants.reply_subjects(settings))
 
 
 def tend(settings: Settings, now: float | None = None) -> list[str]:
     """One look at every service; returns the names started again."""
-    from app import stack
+    from app.stack import services as stack
 
     now = time.time() if now is None else now
     started = []

@@ -3,7 +3,7 @@
 :class:`Dispatcher` validates requests, places creates on nodes, routes the rest to
 the node that holds the sandbox, follows node heartbeats and sandbox endings, and
 declares silent nodes lost. Everything it decides lands in an :class:`Outbox` that
-the scheduler process (``app/scheduler.py``) sends: events first, then replies and
+the scheduler process (``app/control/scheduler.py``) sends: events first, then replies and
 node tasks. Every event it emits has an id derived from the request (or the
 sandbox), so deciding the same thing twice appends nothing twice.
 """
@@ -198,7 +198,7 @@ class Dispatcher:
         self._requested: OrderedDict[str, SandboxRequested] = OrderedDict()
         #: Whether this scheduler keeps a lease's clock (freezes and destroys on its
         #: lapse). With several schedulers, only the one that reads the lease's
-        #: renewals does (app/scheduler.py); alone, it keeps every lease.
+        #: renewals does (app/control/scheduler.py); alone, it keeps every lease.
         self.keeps_lease: Callable[[str], bool] = lambda _lease_id: True
         #: Set while a starting scheduler reads the events its recovered state does
         #: not include yet: old heartbeats neither confirm nodes nor reconcile them.

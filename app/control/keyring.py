@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable
 
 from app import secret_files
 from app.config import Settings
-from app.credentials import Credential
 from app.db import credentials as stored
 from app.db.credentials import CredentialRow
 from app.db.engine import transaction
@@ -29,6 +28,7 @@ from app.domain.proof import (
     derive_secret,
 )
 from app.errors import ConfigError
+from app.sdk.credentials import Credential
 
 log = logging.getLogger(__name__)
 

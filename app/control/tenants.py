@@ -3,7 +3,7 @@
 Issuing a credential records its key id and owner in Postgres (as the owner role: the
 services' role may only read them) and writes the holder's copy (key id and key,
 derived from the master key) to a root-only file; a tenant's replies topic is made
-with it. Revoking takes effect within the keyring's refresh (app/keyring.py).
+with it. Revoking takes effect within the keyring's refresh (app/control/keyring.py).
 """
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from app import bus, credentials
+from app import bus
 from app.config import Settings
-from app.credentials import Credential
+from app.control.keyring import credential_for
 from app.db import credentials as stored
 from app.db.credentials import CredentialRow
 from app.db.engine import transaction
 from app.domain.proof import SUBJECT, Role
 from app.errors import ConfigError
-from app.keyring import credential_for
+from app.sdk import credentials
+from app.sdk.credentials import Credential
 
 
 @dataclass(frozen=True)

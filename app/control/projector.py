@@ -29,17 +29,17 @@ from app import metrics
 from app.bus import Publisher
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
+from app.control.keyring import Keyring
+from app.control.waiting import UNAVAILABLE, Stopped, until_available
 from app.db import log as event_log
 from app.db import projections, staging
 from app.db.engine import engine_for, transaction
 from app.domain.codec import DeadLetterReason, DecodeError, decode_event
 from app.domain.events import Event
 from app.domain.proof import KeyInfo, KeyLookup, ProofError, Purpose, Role, verify
-from app.domain.records import Record
+from app.domain.records import Record, StoredOffset
 from app.domain.trust import EVENT_SENDERS, event_refusal
 from app.errors import StorageRefused, first_line
-from app.keyring import Keyring
-from app.waiting import UNAVAILABLE, Stopped, until_available
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +142,13 @@ class Projector:
         self.warnings = self.consumer.seek(stored)
         self._partitions_checked = time.monotonic()
 
-    def _prepare_log(self) -> dict[int, event_log.StoredOffset]:
+    def _prepare_log(self) -> dict[int, StoredOffset]:
         """Tomorrow's partitions made; where this projector stands, as stored."""
         with transaction(self.settings.database_url) as conn:
             event_log.ensure_partitions(conn)
             return event_log.load_offsets(conn, self.name, self.settings.topic_events)
 
-    def _reread_offsets(self) -> dict[int, event_log.StoredOffset]:
+    def _reread_offsets(self) -> dict[int, StoredOffset]:
         return event_log.read_offsets(
             self.settings.database_url, self.name, self.settings.topic_events
         )

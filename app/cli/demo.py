@@ -18,10 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from sqlalchemy import text
 
-from app import tenants
 from app.config import Settings
+from app.control import tenants
 from app.db.engine import transaction
-from app.sdk import Client
+from app.sdk.client import Client
 from app.stats import summary_ms
 
 BILLING_SQL = text(

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from app.cli_render import console
+from app.cli.render import console
 from app.config import get_settings
 
 control_cli = typer.Typer(
@@ -25,7 +25,7 @@ def control_up(
 ) -> None:
     """Migrate the schema, make or check the topics, and start this host's services
     (reusing those that run). Kafka, Postgres and Redis are the operator's."""
-    from app import control_host
+    from app.stack import control_host
 
     settings = get_settings()
     control_host.up(
@@ -44,7 +44,7 @@ def control_prepare(
 ) -> None:
     """Migrate the schema, make the keys and the topics, and start nothing: the first
     step of a deployment whose services a container runtime or systemd runs."""
-    from app import control_host
+    from app.stack import control_host
 
     control_host.prepare(
         get_settings(),
@@ -57,6 +57,6 @@ def control_prepare(
 @control_cli.command("down")
 def control_down() -> None:
     """Stop this host's control services (the log and the topics stay)."""
-    from app import control_host
+    from app.stack import control_host
 
     control_host.down(get_settings(), lambda m: console.print(f"[yellow]■[/] {m}"))

@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 from app.config import Settings
 from app.errors import ConfigError, ServiceUnavailable
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @cache
@@ -137,7 +137,7 @@ class Service:
     def start(self, settings: Settings) -> bool:
         """Start unless running this checkout's code; True if it was started now.
         (Under a lock: `dsec up` and the supervisor may both try at once.)"""
-        from app.restarts import Restarts
+        from app.stack.restarts import Restarts
 
         with self._locked(settings):
             started = self._start(settings)
@@ -325,7 +325,7 @@ def services(
                 "celery",
                 # The app, not `-b URL`: a password on the command line is anyone's to read.
                 "-A",
-                "app.flower_app",
+                "app.control.flower_app",
                 "flower",
                 f"--port={settings.flower_port}",
                 f"--address={settings.flower_host}",
@@ -343,7 +343,7 @@ def services(
     return out
 
 
-#: The service that restarts the others (app/supervisor.py).
+#: The service that restarts the others (app/stack/supervisor.py).
 SUPERVISOR = "supervisor"
 
 
@@ -439,7 +439,8 @@ def ensure_credentials(settings: Settings, nodes: list[str]) -> None:
     """The master key, the default tenant's, the operator's and each local node's
     credential, and every tenant's replies topic (a restarted embedded broker lost
     them)."""
-    from app import bus, secret_files, tenants
+    from app import bus, secret_files
+    from app.control import tenants
     from app.domain.proof import Role
 
     secret_files.ensure(settings.master_key_path)
@@ -453,9 +454,9 @@ def ensure_credentials(settings: Settings, nodes: list[str]) -> None:
 def scheduler_partitions(settings: Settings) -> dict[int, list[int]] | None:
     """Partitions of the requests topic each scheduler process of this host owns, by
     its pid, as Postgres's locks say (None: Postgres did not answer)."""
+    from app.control.dispatch import NAME
     from app.db.engine import transaction
     from app.db.partition_locks import read_holders
-    from app.dispatch import NAME
 
     try:
         with transaction(settings.database_url) as conn:

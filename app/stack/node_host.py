@@ -6,7 +6,7 @@ to Kafka, its creation tasks come through Redis, its commands through its Kafka 
 What it needs on the host: its credential (made on a control host by `dsec node add`),
 rootless Podman, Debian's busybox-static, and the agent binary (compiled here, or
 the release's from `dsec node agent`). Its worker runs under the same supervisor as
-the embedded stack's services (app/supervisor.py), which restarts what dies.
+the embedded stack's services (app/stack/supervisor.py), which restarts what dies.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from app import bus, credentials, taskqueue
+from app import bus, taskqueue
 from app.config import Settings
 from app.errors import ConfigError
+from app.sdk import credentials
 
 
 def check(settings: Settings, node_id: str) -> Path:
@@ -46,7 +47,7 @@ def up(
 ) -> None:
     """Set the node host up and start its worker (and the supervisor); with
     ``foreground``, become the worker instead (a container's or a unit's process)."""
-    from app import stack
+    from app.stack import services as stack
     from workers.agent.build import ensure_agent_dir
     from workers.image_store import import_busybox_image
 
@@ -75,7 +76,7 @@ def down(settings: Settings, node_id: str, log: Callable[[str], None]) -> None:
     """Stop the node's worker; the supervisor too once no service of this host is left
     for it. The sandboxes stay with the node's Podman service: the next worker takes
     them back."""
-    from app import stack
+    from app.stack import services as stack
 
     every = stack.services(settings, stack.known_node_ids(settings))
     worker = next((s for s in every if s.name == f"worker-{node_id}"), None)

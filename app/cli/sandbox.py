@@ -25,7 +25,7 @@ from sqlalchemy import select
 
 from app.config import Settings
 from app.errors import DsecError
-from app.sdk import Client, ExecResult
+from app.sdk.client import Client, ExecResult
 
 #: Exit code when the command ran past its timeout and was killed.
 EXIT_TIMED_OUT = 124

@@ -21,7 +21,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "dead-letter.schema.json": TypeAdapter(DeadLetter),
 }
 
-SCHEMA_DIR = Path(__file__).resolve().parents[1] / "docs" / "schemas"
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "docs" / "schemas"
 
 
 def render() -> dict[str, str]:

@@ -28,9 +28,8 @@ from typing import Any, Literal, Self
 
 from kafka import TopicPartition
 
-from app import bus, credentials, transfer
+from app import bus
 from app.config import Settings, get_settings
-from app.credentials import Credential
 from app.domain import proof
 from app.domain.base import RejectReason, new_sandbox_id
 from app.domain.codec import DecodeError, decode_reply, encode
@@ -68,6 +67,8 @@ from app.errors import (
     SandboxRejected,
     TransferFailed,
 )
+from app.sdk import credentials, transfer
+from app.sdk.credentials import Credential
 
 _REJECT_REASONS = {r.value for r in RejectReason}
 
@@ -174,7 +175,7 @@ class Client:
         lease_grace_s: float = 300.0,
     ) -> None:
         """Connect as ``credential`` (else the local credential of ``tenant``, else the
-        one :func:`app.credentials.for_client` finds: ``DSEC_CREDENTIALS`` first).
+        one :func:`app.sdk.credentials.for_client` finds: ``DSEC_CREDENTIALS`` first).
 
         With ``lease``, every sandbox this client creates is tied to a lease it renews
         in the background (a string reattaches to an earlier lease by id): if this

@@ -1,5 +1,5 @@
 """A service's restarts by the supervisor, as kept on disk and read by `dsec status`
-and `dsec up`: the crash-loop rule in one place (see :mod:`app.supervisor`)."""
+and `dsec up`: the crash-loop rule in one place (see :mod:`app.stack.supervisor`)."""
 
 from __future__ import annotations
 

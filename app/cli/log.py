@@ -60,7 +60,7 @@ def log_restore(path: Path) -> None:
 @log_cli.command("ls")
 def log_ls() -> None:
     """The archived days: events, file, checksum, when and by whom, restored or not."""
-    from app import reports
+    from app.cli import reports
     from app.db import archive
 
     names = ("day", "events", "first_position", "last_position", "file", "sha256",

@@ -1,4 +1,4 @@
-"""The Celery app Flower watches (``celery -A app.flower_app flower``): configured
+"""The Celery app Flower watches (``celery -A app.control.flower_app flower``): configured
 from the settings, so the broker's password never appears on a command line."""
 
 from app.config import get_settings

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from app import cli_render
+from app.cli import render as cli_render
 from app.config import get_settings
 from app.db.credentials import CredentialRow
 from app.domain.proof import Role
@@ -54,7 +54,7 @@ def _fail(exc: DsecError) -> None:
 
 
 def _issue(role: Role, name: str, label: str, out: Path | None, as_json: bool) -> None:
-    from app import tenants
+    from app.control import tenants
 
     try:
         issued = tenants.issue(get_settings(), role, name, label, out)
@@ -90,7 +90,7 @@ def tenant_ls(
     as_json: JsonOpt = False,
 ) -> None:
     """Tenants' and operators' keys (never their secrets)."""
-    from app import tenants
+    from app.control import tenants
 
     rows = [
         r
@@ -110,7 +110,7 @@ def tenant_rotate(
     as_json: JsonOpt = False,
 ) -> None:
     """Give a tenant a new key; its old keys stop working unless --keep-old."""
-    from app import tenants
+    from app.control import tenants
 
     try:
         issued = tenants.rotate(get_settings(), name, out, revoke_old=not keep_old)
@@ -126,7 +126,7 @@ def tenant_revoke(
     as_json: JsonOpt = False,
 ) -> None:
     """Revoke keys: requests signed with them are refused within seconds."""
-    from app import tenants
+    from app.control import tenants
 
     _print(tenants.revoke(get_settings(), target), as_json, "revoked")
 
@@ -140,7 +140,7 @@ def node_add(name: str, out: OutOpt = None, as_json: JsonOpt = False) -> None:
 @node_cli.command("ls")
 def node_ls(as_json: JsonOpt = False) -> None:
     """Nodes' keys."""
-    from app import tenants
+    from app.control import tenants
 
     _print(tenants.listing(get_settings(), Role.NODE), as_json, "node credentials")
 
@@ -148,7 +148,7 @@ def node_ls(as_json: JsonOpt = False) -> None:
 @node_cli.command("revoke")
 def node_revoke(target: str, as_json: JsonOpt = False) -> None:
     """Revoke a node's keys: its events are refused (dead letters) and it gets no work."""
-    from app import tenants
+    from app.control import tenants
 
     _print(tenants.revoke(get_settings(), target), as_json, "revoked")
 
@@ -172,7 +172,7 @@ def node_up(
 ) -> None:
     """Set this host up as a node and start its worker, from settings alone: Kafka and
     Redis of the control plane, the node's credential (DSEC_NODE_CREDENTIAL_FILE)."""
-    from app import node_host
+    from app.stack import node_host
     from workers.errors import NodeError
 
     settings = get_settings()
@@ -186,7 +186,7 @@ def node_up(
 @node_cli.command("down")
 def node_down(node: NodeOpt = None) -> None:
     """Stop this host's node worker (its sandboxes wait for the next one)."""
-    from app import node_host
+    from app.stack import node_host
 
     settings = get_settings()
     node_host.down(settings, node or settings.node_id, _log)

@@ -17,9 +17,10 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from app import stack, taskqueue
+from app import taskqueue
 from app.config import Settings
 from app.errors import ServiceUnavailable, first_line
+from app.stack import services as stack
 
 #: The services of the embedded stack that are not a control host's: an operator's.
 NOT_OURS = ("broker", "redis")
@@ -59,9 +60,11 @@ def prepare(
     schema at head, the master key, Flower's password, the operator's credential, the
     topics, and a credential for each of ``nodes`` (copied into ``node_credentials``,
     one ``<id>.json`` each, where given)."""
-    from app import bus, credentials, secret_files, tenants
+    from app import bus, secret_files
+    from app.control import tenants
     from app.db.setup import migrate
     from app.domain.proof import Role
+    from app.sdk import credentials
 
     check(settings)
     migrate(settings)

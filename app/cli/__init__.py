@@ -1,0 +1,1 @@
+"""Every `dsec` command, and the tables and reports it renders."""
