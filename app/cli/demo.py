@@ -16,32 +16,13 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from sqlalchemy import text
 
 from app.config import Settings
 from app.control import tenants
+from app.db import queries
 from app.db.engine import transaction
 from app.sdk.client import Client
 from app.stats import summary_ms
-
-BILLING_SQL = text(
-    """
-    WITH lives AS (
-        SELECT sandbox_id,
-               min(occurred_at) FILTER (WHERE type = 'SandboxStarted') AS started,
-               max(occurred_at) FILTER (WHERE type = 'SandboxStopped') AS stopped,
-               count(*) FILTER (WHERE type = 'CommandCompleted') AS commands
-        FROM events
-        WHERE tenant = :tenant AND job_id = :job AND sandbox_id IS NOT NULL
-        GROUP BY sandbox_id
-    )
-    SELECT count(*) FILTER (WHERE started IS NOT NULL) AS sandboxes,
-           round(sum(extract(epoch FROM coalesce(stopped, now()) - started))::numeric, 3)
-               AS sandbox_seconds,
-           sum(commands) AS commands
-    FROM lives
-    """
-)
 
 
 @dataclass
@@ -136,12 +117,8 @@ def run(
     bill = None
     while time.monotonic() < deadline:
         with transaction(settings.database_url) as conn:
-            bill = conn.execute(BILLING_SQL, {"tenant": "demo", "job": job}).one()
-            stopped = conn.execute(
-                text("SELECT count(*) FROM events WHERE job_id = :job AND type = 'SandboxStopped'"),
-                {"job": job},
-            ).scalar()
-        if stopped == len(tally.create_s):
+            bill = queries.job_bill(conn, "demo", job)
+        if bill.stopped == len(tally.create_s):
             break
         time.sleep(0.5)
     billing = Table(title="billing from the event log (SQL)")

@@ -174,36 +174,13 @@ def ps(
     limit: Annotated[int, typer.Option(help="At most this many rows.")] = 50,
 ) -> None:
     """Sandboxes, newest first."""
-    from sqlalchemy import select
-
+    from app.db import queries
     from app.db.engine import transaction
-    from app.db.tables import sandboxes as t
-    from app.domain.sandbox_state import LIVE
 
-    query = (
-        select(
-            t.c.sandbox_id,
-            t.c.tenant,
-            t.c.job_id,
-            t.c.image,
-            t.c.node_id,
-            t.c.state,
-            t.c.started_at,
-            t.c.ended_at,
-            t.c.end_reason,
-            t.c.commands,
-        )
-        .order_by(t.c.requested_at.desc().nulls_last())
-        .limit(limit)
-    )
-    if not all_:
-        query = query.where(t.c.state.in_([s.value for s in LIVE]))
-    if tenant:
-        query = query.where(t.c.tenant == tenant)
-    if job:
-        query = query.where(t.c.job_id == job)
     with transaction(get_settings().database_url) as conn:
-        rows = [dict(r._mapping) for r in conn.execute(query)]
+        rows = queries.sandbox_list(
+            conn, include_ended=all_, tenant=tenant, job_id=job, limit=limit
+        )
     _table("sandboxes", rows, as_json)
 
 
@@ -228,18 +205,11 @@ def cp(
 @cli.command()
 def events(sandbox_id: str, as_json: JsonOpt = False) -> None:
     """The log of one sandbox, in order."""
-    from sqlalchemy import select
-
+    from app.db import queries
     from app.db.engine import transaction
-    from app.db.tables import events as t
 
-    query = (
-        select(t.c.position, t.c.occurred_at, t.c.type, t.c.node_id, t.c.payload)
-        .where(t.c.sandbox_id == sandbox_id)
-        .order_by(t.c.position)
-    )
     with transaction(get_settings().database_url) as conn:
-        rows = [dict(r._mapping) for r in conn.execute(query)]
+        rows = queries.sandbox_events(conn, sandbox_id)
     if not as_json:
         for row in rows:
             row["payload"] = _summary(row["payload"])
@@ -392,7 +362,7 @@ def audit(
 ) -> None:
     """Who did what to which sandbox, when, from which node (oldest first)."""
     from app.cli import reports
-    from app.db import billing
+    from app.db import billing, queries
     from app.db.engine import transaction
 
     try:
@@ -401,7 +371,7 @@ def audit(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     with transaction(get_settings().database_url) as conn:
-        rows = reports.audit(
+        rows = queries.audit(
             conn,
             sandbox_id=sandbox or None,
             tenant=tenant or None,
@@ -412,7 +382,7 @@ def audit(
         )
         archived = None if rows else billing.last_archived_day(conn)
     title = "refused senders" if denied else "audit trail"
-    reports.render(rows, output, title, console, reports.AUDIT_COLUMNS)
+    reports.render(rows, output, title, console, queries.AUDIT_COLUMNS)
     if archived is not None:
         Console(stderr=True).print(
             f"note: the log's days up to {archived} are archived; `dsec log ls` lists them"
@@ -441,6 +411,7 @@ def bill(
 ) -> None:
     """Usage per tenant, job and UTC day: sandboxes, sandbox/core/GB-seconds, commands."""
     from app.cli import reports
+    from app.db import queries
     from app.db.engine import transaction
 
     try:
@@ -459,10 +430,10 @@ def bill(
         )
         return
     with transaction(get_settings().database_url) as conn:
-        rows = reports.bill(
+        rows = queries.bill(
             conn, tenant=tenant or None, job_id=job or None, day_from=first, day_to=last
         )
-    reports.render(rows, output, "bill (UTC days)", console, reports.BILL_COLUMNS)
+    reports.render(rows, output, "bill (UTC days)", console, queries.BILL_COLUMNS)
 
 
 def _verify_bill(first: date, last: date, tenant: str | None, job: str | None, output: Any) -> None:

@@ -1,8 +1,8 @@
-"""Reports for people: the audit trail and the daily bill, read from the SQL views.
+"""Reports for people: rows as a table, CSV or JSON, and the CLI's date arguments.
 
 The arithmetic lives in the views of migration 0002 (``audit_trail``, ``sandbox_lives``,
 ``billing_daily``), so an operator in ``psql`` and ``dsec audit``/``dsec bill`` get the
-same figures. This module only filters, orders and formats them.
+same figures; ``app.db.queries`` reads them, this module only formats.
 """
 
 from __future__ import annotations
@@ -19,56 +19,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy import (
-    BigInteger,
-    Boolean,
-    Connection,
-    Date,
-    DateTime,
-    Numeric,
-    Select,
-    Text,
-    column,
-    select,
-    table,
-)
 
 Row = dict[str, Any]
-
-#: The ``audit_trail`` view: one row per event about a sandbox (columns we report).
-audit_trail = table(
-    "audit_trail",
-    column("position", BigInteger),
-    column("occurred_at", DateTime(timezone=True)),
-    column("tenant", Text),
-    column("job_id", Text),
-    column("sandbox_id", Text),
-    column("node_id", Text),
-    column("type", Text),
-    column("actor", Text),
-    column("action", Text),
-    column("outcome", Text),
-    column("detail", Text),
-    column("denied", Boolean),
-)
-
-#: The ``billing_daily`` view: usage per tenant, job and UTC day.
-billing_daily = table(
-    "billing_daily",
-    column("tenant", Text),
-    column("job_id", Text),
-    column("day", Date),
-    column("sandboxes", BigInteger),
-    column("sandbox_seconds", Numeric),
-    column("core_seconds", Numeric),
-    column("gb_seconds", Numeric),
-    column("commands", BigInteger),
-)
-
-
-#: Column names of ``audit`` and ``bill`` rows, in order (CSV headers even with no rows).
-AUDIT_COLUMNS = tuple(c.name for c in audit_trail.c)
-BILL_COLUMNS = tuple(c.name for c in billing_daily.c)
 
 
 class Format(StrEnum):
@@ -77,57 +29,6 @@ class Format(StrEnum):
     TABLE = "table"
     CSV = "csv"
     JSON = "json"
-
-
-def _rows(conn: Connection, query: Select[Any]) -> list[Row]:
-    return [dict(r._mapping) for r in conn.execute(query)]
-
-
-def audit(
-    conn: Connection,
-    sandbox_id: str | None = None,
-    tenant: str | None = None,
-    job_id: str | None = None,
-    since: datetime | None = None,
-    limit: int = 100,
-    denied: bool = False,
-) -> list[Row]:
-    """The latest ``limit`` audit rows matching the filters, oldest first (like ``tail``);
-    with ``denied``, only refusals of the sender (unauthenticated, forbidden, replays)."""
-    t = audit_trail
-    query = select(t).order_by(t.c.position.desc()).limit(limit)
-    if denied:
-        query = query.where(t.c.denied)
-    if sandbox_id is not None:
-        query = query.where(t.c.sandbox_id == sandbox_id)
-    if tenant is not None:
-        query = query.where(t.c.tenant == tenant)
-    if job_id is not None:
-        query = query.where(t.c.job_id == job_id)
-    if since is not None:
-        query = query.where(t.c.occurred_at >= since)
-    return _rows(conn, query)[::-1]
-
-
-def bill(
-    conn: Connection,
-    tenant: str | None = None,
-    job_id: str | None = None,
-    day_from: date | None = None,
-    day_to: date | None = None,
-) -> list[Row]:
-    """Daily usage rows (UTC days, ``day_to`` included), by day, tenant and job."""
-    t = billing_daily
-    query = select(t).order_by(t.c.day, t.c.tenant, t.c.job_id)
-    if tenant is not None:
-        query = query.where(t.c.tenant == tenant)
-    if job_id is not None:
-        query = query.where(t.c.job_id == job_id)
-    if day_from is not None:
-        query = query.where(t.c.day >= day_from)
-    if day_to is not None:
-        query = query.where(t.c.day <= day_to)
-    return _rows(conn, query)
 
 
 # --- parsing of CLI arguments ----------------------------------------------------

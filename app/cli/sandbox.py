@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import select
 
 from app.config import Settings
 from app.errors import DsecError
@@ -39,16 +38,14 @@ OPERATOR = "operator"
 
 def owner(settings: Settings, sandbox_id: str) -> tuple[str, str] | None:
     """(tenant, job) of a sandbox from the projection; None if unknown or no Postgres."""
+    from app.db import queries
     from app.db.engine import transaction
-    from app.db.tables import sandboxes as t
 
-    query = select(t.c.tenant, t.c.job_id).where(t.c.sandbox_id == sandbox_id)
     try:
         with transaction(settings.database_url) as conn:
-            row = conn.execute(query).first()
+            return queries.sandbox_owner(conn, sandbox_id)
     except DsecError:
         return None
-    return None if row is None else (row.tenant, row.job_id)
 
 
 def resolve_owner(settings: Settings, sandbox_id: str, tenant: str, job: str) -> tuple[str, str]:

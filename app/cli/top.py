@@ -15,21 +15,16 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
-from sqlalchemy import Connection, func, literal_column, select
+from sqlalchemy import Connection
 
 from app.config import Settings
-from app.db.tables import nodes as n
-from app.db.tables import sandboxes as s
+from app.db import queries
 from app.domain.base import NodeState
-from app.domain.sandbox_state import LIVE, SandboxState
 
 Frame = dict[str, Any]
 
 #: A heartbeat older than this is shown as late (nodes beat every few seconds).
 LATE_HEARTBEAT_S = 30.0
-
-_LIVE = [state.value for state in LIVE]
-_PENDING = [SandboxState.REQUESTED.value, SandboxState.SCHEDULED.value]
 
 
 def _number(value: Any) -> Any:
@@ -41,36 +36,9 @@ def _number(value: Any) -> Any:
 
 def frame(conn: Connection) -> Frame:
     """One snapshot: every node with its live load, and live sandboxes per tenant."""
-    running = func.count().filter(s.c.state == SandboxState.RUNNING.value)
-    pending = func.count().filter(s.c.state.in_(_PENDING))
-    per_node = {
-        row.node_id: row
-        for row in conn.execute(
-            select(
-                s.c.node_id,
-                running.label("running"),
-                pending.label("pending"),
-                func.sum(s.c.cpus).label("cpus"),
-                func.sum(s.c.memory_mb).label("memory_mb"),
-            )
-            .where(s.c.state.in_(_LIVE))
-            .group_by(s.c.node_id)
-        )
-    }
-    heartbeat_age = func.extract("epoch", func.now() - n.c.last_heartbeat_at)
+    per_node = queries.load_per_node(conn)
     nodes = []
-    for row in conn.execute(
-        select(
-            n.c.node_id,
-            n.c.state,
-            n.c.running,
-            n.c.capacity_sandboxes,
-            n.c.capacity_cpus,
-            n.c.capacity_memory_mb,
-            heartbeat_age.label("heartbeat_age_s"),
-            func.jsonb_array_length(n.c.images).label("images"),
-        ).order_by(n.c.node_id)
-    ):
+    for row in queries.nodes_overview(conn):
         live = per_node.pop(row.node_id, None)
         nodes.append(
             {
@@ -97,17 +65,7 @@ def frame(conn: Connection) -> Frame:
             "sandboxes_running": row.running,
             "sandboxes_pending": row.pending,
         }
-        for row in conn.execute(
-            select(
-                s.c.tenant,
-                func.count(s.c.job_id.distinct()).label("jobs"),
-                running.label("running"),
-                pending.label("pending"),
-            )
-            .where(s.c.state.in_(_LIVE))
-            .group_by(s.c.tenant)
-            .order_by(literal_column("running").desc(), s.c.tenant)
-        )
+        for row in queries.load_per_tenant(conn)
     ]
     # Live sandboxes on no known node: requested, not placed yet.
     unplaced = sum(r.running + r.pending for r in per_node.values())

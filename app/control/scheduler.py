@@ -26,7 +26,7 @@ import uuid
 from datetime import timedelta
 
 from kafka.consumer.fetcher import ConsumerRecord
-from sqlalchemy import Connection, select, text
+from sqlalchemy import Connection, text
 
 from app import bus, metrics
 from app.config import Settings
@@ -34,42 +34,19 @@ from app.consuming import PositionedConsumer, dead_letter, key_partition
 from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox, Outbox
 from app.control.keyring import Keyring
 from app.control.waiting import UNAVAILABLE, until_available
-from app.db import handled
+from app.db import handled, queries
 from app.db import log as event_log
 from app.db.engine import transaction
 from app.db.partition_locks import OwnerSession, OwnershipLost
-from app.db.tables import nodes, sandboxes
 from app.db.trajectory import PostgresTrajectoryLog
-from app.domain.base import NodeState, utcnow
+from app.domain.base import utcnow
 from app.domain.partition_share import rebalance
 from app.domain.proof import SCHEDULER_KEY_ID, Purpose, headers
 from app.domain.records import StoredOffset
-from app.domain.sandbox_state import LIVE, SandboxState
 from app.taskqueue import make_celery
 
 log = logging.getLogger(__name__)
 
-#: States of a sandbox that lived and ended (a rejected create never lived: its id
-#: may be asked for again).
-ENDED = (SandboxState.STOPPED, SandboxState.FAILED)
-
-# Sandboxes whose last freeze-or-thaw in the log is a freeze.
-_FROZEN_NOW = text(
-    """
-    SELECT sandbox_id FROM (
-        SELECT DISTINCT ON (sandbox_id) sandbox_id, type FROM events
-        WHERE sandbox_id = ANY(:ids) AND type IN ('SandboxFrozen', 'SandboxThawed')
-        ORDER BY sandbox_id, position DESC
-    ) AS last WHERE type = 'SandboxFrozen'
-    """
-)
-# The create request behind each live sandbox (a redelivered create is a no-op).
-_CREATED_BY = text(
-    """
-    SELECT sandbox_id, (payload->>'request_id')::uuid AS request_id FROM events
-    WHERE sandbox_id = ANY(:ids) AND type = 'SandboxRequested'
-    """
-)
 #: How often handled request ids older than the freshness window are pruned.
 PRUNE_S = 60.0
 #: How often a scheduler looks at who owns which partition (claims, gives back).
@@ -144,15 +121,11 @@ class Scheduler:
             # one transaction, so what is read here is exactly the events before them.
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
             projected = event_log.load_offsets(conn, PROJECTOR, self.settings.topic_events)
-            alive = conn.execute(select(nodes).where(nodes.c.state == NodeState.ALIVE)).all()
-            rows = conn.execute(
-                select(sandboxes).where(sandboxes.c.state.in_([s.value for s in LIVE]))
-            ).all()
+            alive = queries.alive_nodes(conn)
+            rows = queries.live_sandboxes(conn)
             ids = [r.sandbox_id for r in rows]
-            frozen = set(conn.execute(_FROZEN_NOW, {"ids": ids}).scalars())
-            created_by: dict[str, uuid.UUID] = {
-                r.sandbox_id: r.request_id for r in conn.execute(_CREATED_BY, {"ids": ids})
-            }
+            frozen = queries.frozen_now(conn, ids)
+            created_by = queries.created_by(conn, ids)
             window = timedelta(seconds=self.settings.request_max_age_s)
             seen = handled.load(conn, utcnow() - window)
         for request_id, partition, offset, at in seen:
@@ -369,12 +342,7 @@ class Scheduler:
         if not unknown:
             return
         with transaction(self.settings.database_url) as conn:
-            rows = conn.execute(
-                select(sandboxes.c.sandbox_id, sandboxes.c.end_reason, sandboxes.c.tenant).where(
-                    sandboxes.c.sandbox_id.in_(unknown),
-                    sandboxes.c.state.in_([s.value for s in ENDED]),
-                )
-            ).all()
+            rows = queries.ended_among(conn, unknown)
         for row in rows:
             self.dispatcher.note_ended(row.sandbox_id, row.end_reason or "ended", row.tenant)
 

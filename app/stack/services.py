@@ -479,19 +479,12 @@ def scheduler_partitions(settings: Settings) -> dict[int, list[int]] | None:
 
 def node_alive(settings: Settings, node: str, since: float) -> bool:
     """The node's heartbeat reached the projection after ``since`` (epoch seconds)."""
-    from sqlalchemy import select
-
+    from app.db import queries
     from app.db.engine import transaction
-    from app.db.tables import nodes
-    from app.domain.base import NodeState
 
     try:
         with transaction(settings.database_url) as conn:
-            seen = conn.execute(
-                select(nodes.c.last_heartbeat_at).where(
-                    nodes.c.node_id == node, nodes.c.state == NodeState.ALIVE
-                )
-            ).scalar()
+            seen = queries.node_heartbeat(conn, node)
     except Exception:
         return False
     return seen is not None and seen.timestamp() >= since - 1

@@ -26,8 +26,7 @@ from rich.console import Console
 from sqlalchemy import Connection, text
 from typer.testing import CliRunner
 
-from app.cli import reports
-from app.db import billing, projections
+from app.db import billing, projections, queries
 from app.db.log import SourcedEvent, append
 from app.domain.base import FailReason, RejectReason, StopReason
 from app.domain.events import (
@@ -214,7 +213,7 @@ def test_half_hour_sandbox_is_billed_exactly(conn: Connection) -> None:
     log = Log(conn)
     sb = log.life("job-a", at(DAY, 10), at(DAY, 10, 30), cpus=2, memory_mb=1024)
     # Then it is billed 1800 s, 3600 core-s, 1800 GB-s on that day
-    assert figures(reports.bill(conn, tenant=log.tenant)) == {
+    assert figures(queries.bill(conn, tenant=log.tenant)) == {
         ("job-a", DAY): (1, 1800, 3600, 1800, 0)
     }
     # And its life is one row, read from the log
@@ -233,7 +232,7 @@ def test_life_across_midnight_is_split_at_utc_midnight(conn: Connection, session
     log = Log(conn)
     log.life("job-a", at(DAY, 23), at(NEXT_DAY, 1, 30))
     # Then the first UTC day gets 3600 s and the next 5400 s, whatever the session zone
-    assert figures(reports.bill(conn, tenant=log.tenant)) == {
+    assert figures(queries.bill(conn, tenant=log.tenant)) == {
         ("job-a", DAY): (1, 3600, 7200, 3600, 0),
         ("job-a", NEXT_DAY): (1, 5400, 10800, 5400, 0),
     }
@@ -242,7 +241,7 @@ def test_life_across_midnight_is_split_at_utc_midnight(conn: Connection, session
 def test_life_ending_at_midnight_does_not_reach_the_next_day(conn: Connection) -> None:
     log = Log(conn)
     log.life("job-a", at(DAY, 22), at(NEXT_DAY, 0), cpus=0.5, memory_mb=512)
-    assert figures(reports.bill(conn, tenant=log.tenant)) == {
+    assert figures(queries.bill(conn, tenant=log.tenant)) == {
         ("job-a", DAY): (1, 7200, 3600, 3600, 0)
     }
 
@@ -252,7 +251,7 @@ def test_running_sandbox_is_billed_up_to_now(conn: Connection) -> None:
     log = Log(conn)
     log.life("job-a", datetime.now(UTC) - timedelta(hours=2), None, cpus=4, memory_mb=2048)
     # Then it counts until now (its days sum up, in case midnight fell in between)
-    rows = reports.bill(conn, tenant=log.tenant)
+    rows = queries.bill(conn, tenant=log.tenant)
     seconds = sum(r["sandbox_seconds"] for r in rows)
     assert 7200 - 5 <= seconds <= 7200 + 5
     assert sum(r["core_seconds"] for r in rows) == pytest.approx(4 * seconds, abs=Decimal("0.01"))
@@ -276,7 +275,7 @@ def test_commands_are_counted_on_their_utc_day(conn: Connection) -> None:
     # And a second sandbox of the same job on the first day only, with one command
     log.life("job-a", at(DAY, 8), at(DAY, 9), commands=[at(DAY, 8, 30)])
     # Then each day counts its own commands and sandboxes
-    got = figures(reports.bill(conn, tenant=log.tenant))
+    got = figures(queries.bill(conn, tenant=log.tenant))
     assert got[("job-a", DAY)][0] == 2 and got[("job-a", DAY)][4] == 3
     assert got[("job-a", NEXT_DAY)][0] == 1 and got[("job-a", NEXT_DAY)][4] == 1
     # And each life counts all of its own
@@ -297,7 +296,7 @@ def test_requests_that_never_started_are_not_billed(conn: Connection) -> None:
             ),
         )
     )
-    assert reports.bill(conn, tenant=log.tenant) == []
+    assert queries.bill(conn, tenant=log.tenant) == []
     assert lives(conn, log.tenant) == []
 
 
@@ -310,21 +309,21 @@ def test_filters_by_tenant_job_and_days(conn: Connection) -> None:
     log.life("job-b", at(NEXT_DAY, 12), at(NEXT_DAY, 12, 1), cpus=1, memory_mb=256)
     other.life("job-a", at(DAY, 10), at(DAY, 11))
     # Then a tenant sees only its own rows, ordered by day then job
-    rows = reports.bill(conn, tenant=log.tenant)
+    rows = queries.bill(conn, tenant=log.tenant)
     assert [(r["tenant"], r["job_id"], r["day"]) for r in rows] == [
         (log.tenant, "job-a", DAY),
         (log.tenant, "job-b", DAY),
         (log.tenant, "job-b", NEXT_DAY),
     ]
     # And a job filter narrows to that job
-    assert figures(reports.bill(conn, tenant=log.tenant, job_id="job-b")) == {
+    assert figures(queries.bill(conn, tenant=log.tenant, job_id="job-b")) == {
         ("job-b", DAY): (1, 600, 600, 1200, 0),
         ("job-b", NEXT_DAY): (1, 60, 60, 15, 0),
     }
     # And days are a closed range of UTC dates
-    one_day = reports.bill(conn, tenant=log.tenant, day_from=NEXT_DAY, day_to=NEXT_DAY)
+    one_day = queries.bill(conn, tenant=log.tenant, day_from=NEXT_DAY, day_to=NEXT_DAY)
     assert [(r["job_id"], r["day"]) for r in one_day] == [("job-b", NEXT_DAY)]
-    assert reports.bill(conn, tenant=log.tenant, day_to=DAY - timedelta(days=1)) == []
+    assert queries.bill(conn, tenant=log.tenant, day_to=DAY - timedelta(days=1)) == []
 
 
 def test_clock_skewed_life_counts_zero_seconds(conn: Connection) -> None:
@@ -332,13 +331,13 @@ def test_clock_skewed_life_counts_zero_seconds(conn: Connection) -> None:
     log = Log(conn)
     log.life("job-a", at(DAY, 10), at(DAY, 9, 59))
     # Then it is one sandbox of zero seconds on its start day
-    assert figures(reports.bill(conn, tenant=log.tenant)) == {("job-a", DAY): (1, 0, 0, 0, 0)}
+    assert figures(queries.bill(conn, tenant=log.tenant)) == {("job-a", DAY): (1, 0, 0, 0, 0)}
 
 
 def test_a_life_of_three_days_is_cut_at_each_midnight(conn: Connection) -> None:
     log = Log(conn)
     log.life("job-a", at(DAY, 12), at(DAY + timedelta(days=2), 6), cpus=1, memory_mb=1024)
-    assert figures(reports.bill(conn, tenant=log.tenant)) == {
+    assert figures(queries.bill(conn, tenant=log.tenant)) == {
         ("job-a", DAY): (1, 43200, 43200, 43200, 0),
         ("job-a", NEXT_DAY): (1, 86400, 86400, 86400, 0),
         ("job-a", DAY + timedelta(days=2)): (1, 21600, 21600, 21600, 0),
@@ -363,7 +362,7 @@ def test_a_reused_sandbox_id_bills_its_first_life_only(conn: Connection) -> None
         )
     )
     # Then the first request, start and stop are the life that is billed
-    assert figures(reports.bill(conn, tenant=log.tenant)) == {
+    assert figures(queries.bill(conn, tenant=log.tenant)) == {
         ("job-a", DAY): (1, 3600, 3600, 3600, 0)
     }
     (life,) = lives(conn, log.tenant)
@@ -401,7 +400,7 @@ def test_a_start_logged_after_the_stop_is_a_life_of_zero_seconds(conn: Connectio
             payload=StoppedPayload(reason=StopReason.NODE_LOST),
         )
     )
-    assert reports.bill(conn, tenant=log.tenant) == []
+    assert queries.bill(conn, tenant=log.tenant) == []
     log.add(
         SandboxStarted(
             **log.env("sb-late", "job-a", at(DAY, 9, 6), "node-t"),
@@ -409,7 +408,7 @@ def test_a_start_logged_after_the_stop_is_a_life_of_zero_seconds(conn: Connectio
         )
     )
     # Then, like the raw view, it is one sandbox of zero seconds
-    assert figures(reports.bill(conn, tenant=log.tenant)) == {("job-a", DAY): (1, 0, 0, 0, 0)}
+    assert figures(queries.bill(conn, tenant=log.tenant)) == {("job-a", DAY): (1, 0, 0, 0, 0)}
 
 
 def test_running_lives_of_many_shapes_and_days_are_billed_as_the_log_says(
@@ -426,7 +425,7 @@ def test_running_lives_of_many_shapes_and_days_are_billed_as_the_log_says(
         for h, c, m in shapes
     ]
     running.append(log.life("job-b", now + timedelta(minutes=5), None, cpus=4, memory_mb=4096))
-    rows = reports.bill(conn, tenant=log.tenant)
+    rows = queries.bill(conn, tenant=log.tenant)
     billed = float(sum(r["sandbox_seconds"] for r in rows))
     assert billed == pytest.approx(sum(h for h, _, _ in shapes) * 3600, abs=60)
     # When they all end, nothing of them is left running
@@ -537,7 +536,7 @@ def test_audit_rows_in_position_order_with_actor_and_action(conn: Connection) ->
         )
     )
     # When the operator asks for its audit trail
-    rows = reports.audit(conn, sandbox_id=sb)
+    rows = queries.audit(conn, sandbox_id=sb)
     # Then every event is there, in log order: who, what, outcome, from where
     assert [r["position"] for r in rows] == sorted(r["position"] for r in rows)
     assert [(r["type"], r["actor"], r["action"], r["outcome"], r["node_id"]) for r in rows] == [
@@ -574,16 +573,16 @@ def test_audit_limit_keeps_the_latest_rows_and_since_filters(conn: Connection) -
     log = Log(conn)
     log.life("job-a", at(DAY, 10), at(DAY, 11), commands=[at(DAY, 10, m) for m in range(1, 11)])
     # Then a limit keeps the latest events, still oldest first
-    tail = reports.audit(conn, tenant=log.tenant, limit=3)
+    tail = queries.audit(conn, tenant=log.tenant, limit=3)
     assert [(r["type"], r["occurred_at"]) for r in tail] == [
         ("CommandCompleted", at(DAY, 10, 9)),
         ("CommandCompleted", at(DAY, 10, 10)),
         ("SandboxStopped", at(DAY, 11)),
     ]
     # And since/job filters narrow the trail
-    since = reports.audit(conn, tenant=log.tenant, job_id="job-a", since=at(DAY, 10, 8))
+    since = queries.audit(conn, tenant=log.tenant, job_id="job-a", since=at(DAY, 10, 8))
     assert len(since) == 4
-    assert reports.audit(conn, tenant=log.tenant, job_id="job-other") == []
+    assert queries.audit(conn, tenant=log.tenant, job_id="job-other") == []
 
 
 # --- CLI -------------------------------------------------------------------------
@@ -636,7 +635,7 @@ def test_cli_prints_bill_and_audit(conn: Connection, monkeypatch: pytest.MonkeyP
     result = runner.invoke(cli_mod.cli, ["audit", "--sandbox", sb, "--format", "csv"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0] == ",".join(reports.AUDIT_COLUMNS)
+    assert lines[0] == ",".join(queries.AUDIT_COLUMNS)
     assert [line.split(",")[6] for line in lines[1:]] == [
         "SandboxRequested",
         "SandboxScheduled",

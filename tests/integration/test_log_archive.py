@@ -15,9 +15,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from app.cli import reports
 from app.config import Settings
-from app.db import archive, billing, projections
+from app.db import archive, billing, projections, queries
 from app.db.engine import engine_for
 from app.db.setup import drop_database, ensure_database, migrate
 from tests.integration.test_billing import Log, at
@@ -58,9 +57,9 @@ def test_archived_days_keep_their_bill_and_restore_their_audit(
         inside = log.life("job-a", at(OLD, 10), at(OLD, 11), commands=[at(OLD, 10, 30)])
         log.life("job-a", at(OLD, 23), at(OLD + timedelta(days=1), 1), cpus=1)
     with engine.connect() as conn:
-        bill_before = reports.bill(conn, tenant="acme")
+        bill_before = queries.bill(conn, tenant="acme")
         lives_before = conn.execute(text("SELECT * FROM sandbox_lives ORDER BY 3")).all()
-        assert len(reports.audit(conn, sandbox_id=inside)) == 5
+        assert len(queries.audit(conn, sandbox_id=inside)) == 5
     assert [r["day"] for r in bill_before] == [OLD, OLD + timedelta(days=1)]
 
     # When an operator archives the days older than 30 days
@@ -77,10 +76,10 @@ def test_archived_days_keep_their_bill_and_restore_their_audit(
             conn.execute(text("SELECT to_regclass(:p)"), {"p": done[0].partition}).scalar() is None
         )
         # And the bill and the lives of the archived days are the same as before
-        assert reports.bill(conn, tenant="acme") == bill_before
+        assert queries.bill(conn, tenant="acme") == bill_before
         assert conn.execute(text("SELECT * FROM sandbox_lives ORDER BY 3")).all() == lives_before
         # While the audit trail of those days is gone with them
-        assert reports.audit(conn, sandbox_id=inside) == []
+        assert queries.audit(conn, sandbox_id=inside) == []
         assert billing.archived_between(conn, OLD, TODAY) == [d.day for d in done]
         # (an audit that finds nothing says which days left: `dsec audit` prints it)
         assert billing.last_archived_day(conn) == OLD + timedelta(days=1)
@@ -89,7 +88,7 @@ def test_archived_days_keep_their_bill_and_restore_their_audit(
     with engine.begin() as conn:
         projections.rebuild(conn)
     with engine.connect() as conn:
-        assert reports.bill(conn, tenant="acme") == bill_before
+        assert queries.bill(conn, tenant="acme") == bill_before
 
     # When a changed file is offered for restore, it is refused and nothing attaches
     forged = tmp_path / "forged" / done[0].file.name
@@ -106,7 +105,7 @@ def test_archived_days_keep_their_bill_and_restore_their_audit(
     # Then the audit trail answers again, the raw log's bill agrees with the rollups,
     # and the restored days are append-only like the rest of the log
     with engine.connect() as conn:
-        assert len(reports.audit(conn, sandbox_id=inside)) == 5
+        assert len(queries.audit(conn, sandbox_id=inside)) == 5
         assert billing.differences(conn, OLD, OLD + timedelta(days=1)) == []
         assert billing.archived_between(conn, OLD, TODAY) == []
         assert billing.last_archived_day(conn) is None

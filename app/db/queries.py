@@ -1,0 +1,336 @@
+"""Every read the operators' commands and the control plane make of the projections,
+the log and its views, in one place.
+
+Writers live beside their tables (``log``, ``projections``, ``billing``); this module
+only selects. Each function takes an open connection, so a caller chooses the
+transaction (and its isolation) and can read several of these in one snapshot.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Collection
+from datetime import date, datetime
+from typing import Any, Unpack
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Connection,
+    Date,
+    DateTime,
+    Numeric,
+    Row,
+    Select,
+    Text,
+    column,
+    func,
+    literal_column,
+    select,
+    table,
+    text,
+)
+
+from app.db.tables import events, nodes, sandboxes
+from app.domain.base import NodeState
+from app.domain.sandbox_state import LIVE, SandboxState
+
+Record = dict[str, Any]
+#: A result row of any shape (its columns read by attribute).
+AnyRow = Row[Unpack[tuple[Any, ...]]]
+
+#: States of a sandbox that lived and ended (a rejected create never lived: its id
+#: may be asked for again).
+ENDED = (SandboxState.STOPPED, SandboxState.FAILED)
+
+_LIVE = [state.value for state in LIVE]
+_PENDING = [SandboxState.REQUESTED.value, SandboxState.SCHEDULED.value]
+
+#: The ``audit_trail`` view (migration 0002): one row per event about a sandbox.
+audit_trail = table(
+    "audit_trail",
+    column("position", BigInteger),
+    column("occurred_at", DateTime(timezone=True)),
+    column("tenant", Text),
+    column("job_id", Text),
+    column("sandbox_id", Text),
+    column("node_id", Text),
+    column("type", Text),
+    column("actor", Text),
+    column("action", Text),
+    column("outcome", Text),
+    column("detail", Text),
+    column("denied", Boolean),
+)
+
+#: The ``billing_daily`` view: usage per tenant, job and UTC day.
+billing_daily = table(
+    "billing_daily",
+    column("tenant", Text),
+    column("job_id", Text),
+    column("day", Date),
+    column("sandboxes", BigInteger),
+    column("sandbox_seconds", Numeric),
+    column("core_seconds", Numeric),
+    column("gb_seconds", Numeric),
+    column("commands", BigInteger),
+)
+
+#: Column names of ``audit`` and ``bill`` rows, in order (CSV headers even with no rows).
+AUDIT_COLUMNS = tuple(c.name for c in audit_trail.c)
+BILL_COLUMNS = tuple(c.name for c in billing_daily.c)
+
+
+def _records(conn: Connection, query: Select[Any]) -> list[Record]:
+    return [dict(r._mapping) for r in conn.execute(query)]
+
+
+# --- audit and billing (the views) ------------------------------------------------
+
+
+def audit(
+    conn: Connection,
+    sandbox_id: str | None = None,
+    tenant: str | None = None,
+    job_id: str | None = None,
+    since: datetime | None = None,
+    limit: int = 100,
+    denied: bool = False,
+) -> list[Record]:
+    """The latest ``limit`` audit rows matching the filters, oldest first (like ``tail``);
+    with ``denied``, only refusals of the sender (unauthenticated, forbidden, replays)."""
+    t = audit_trail
+    query = select(t).order_by(t.c.position.desc()).limit(limit)
+    if denied:
+        query = query.where(t.c.denied)
+    if sandbox_id is not None:
+        query = query.where(t.c.sandbox_id == sandbox_id)
+    if tenant is not None:
+        query = query.where(t.c.tenant == tenant)
+    if job_id is not None:
+        query = query.where(t.c.job_id == job_id)
+    if since is not None:
+        query = query.where(t.c.occurred_at >= since)
+    return _records(conn, query)[::-1]
+
+
+def bill(
+    conn: Connection,
+    tenant: str | None = None,
+    job_id: str | None = None,
+    day_from: date | None = None,
+    day_to: date | None = None,
+) -> list[Record]:
+    """Daily usage rows (UTC days, ``day_to`` included), by day, tenant and job."""
+    t = billing_daily
+    query = select(t).order_by(t.c.day, t.c.tenant, t.c.job_id)
+    if tenant is not None:
+        query = query.where(t.c.tenant == tenant)
+    if job_id is not None:
+        query = query.where(t.c.job_id == job_id)
+    if day_from is not None:
+        query = query.where(t.c.day >= day_from)
+    if day_to is not None:
+        query = query.where(t.c.day <= day_to)
+    return _records(conn, query)
+
+
+# A job's bill straight from the raw log, the way an operator would write it in psql
+# (the demo prints it beside its own tally).
+_JOB_BILL = text(
+    """
+    WITH lives AS (
+        SELECT sandbox_id,
+               min(occurred_at) FILTER (WHERE type = 'SandboxStarted') AS started,
+               max(occurred_at) FILTER (WHERE type = 'SandboxStopped') AS stopped,
+               count(*) FILTER (WHERE type = 'CommandCompleted') AS commands
+        FROM events
+        WHERE tenant = :tenant AND job_id = :job AND sandbox_id IS NOT NULL
+        GROUP BY sandbox_id
+    )
+    SELECT count(*) FILTER (WHERE started IS NOT NULL) AS sandboxes,
+           round(sum(extract(epoch FROM coalesce(stopped, now()) - started))::numeric, 3)
+               AS sandbox_seconds,
+           sum(commands) AS commands,
+           (SELECT count(*) FROM events
+            WHERE tenant = :tenant AND job_id = :job AND type = 'SandboxStopped') AS stopped
+    FROM lives
+    """
+)
+
+
+def job_bill(conn: Connection, tenant: str, job_id: str) -> AnyRow:
+    """One job's sandboxes, sandbox-seconds, commands and stopped sandboxes, from the log."""
+    return conn.execute(_JOB_BILL, {"tenant": tenant, "job": job_id}).one()
+
+
+# --- sandboxes and their log --------------------------------------------------------
+
+
+def sandbox_list(
+    conn: Connection,
+    *,
+    include_ended: bool = False,
+    tenant: str = "",
+    job_id: str = "",
+    limit: int = 50,
+) -> list[Record]:
+    """Sandboxes, newest first: live ones only unless ``include_ended``."""
+    t = sandboxes
+    query = (
+        select(
+            t.c.sandbox_id,
+            t.c.tenant,
+            t.c.job_id,
+            t.c.image,
+            t.c.node_id,
+            t.c.state,
+            t.c.started_at,
+            t.c.ended_at,
+            t.c.end_reason,
+            t.c.commands,
+        )
+        .order_by(t.c.requested_at.desc().nulls_last())
+        .limit(limit)
+    )
+    if not include_ended:
+        query = query.where(t.c.state.in_(_LIVE))
+    if tenant:
+        query = query.where(t.c.tenant == tenant)
+    if job_id:
+        query = query.where(t.c.job_id == job_id)
+    return _records(conn, query)
+
+
+def sandbox_events(conn: Connection, sandbox_id: str) -> list[Record]:
+    """The log of one sandbox, in order."""
+    t = events
+    query = (
+        select(t.c.position, t.c.occurred_at, t.c.type, t.c.node_id, t.c.payload)
+        .where(t.c.sandbox_id == sandbox_id)
+        .order_by(t.c.position)
+    )
+    return _records(conn, query)
+
+
+def sandbox_owner(conn: Connection, sandbox_id: str) -> tuple[str, str] | None:
+    """(tenant, job) of a sandbox, or None if the projection does not know it."""
+    query = select(sandboxes.c.tenant, sandboxes.c.job_id).where(
+        sandboxes.c.sandbox_id == sandbox_id
+    )
+    row = conn.execute(query).first()
+    return None if row is None else (row.tenant, row.job_id)
+
+
+def live_sandboxes(conn: Connection) -> list[AnyRow]:
+    """Every live sandbox's projection row."""
+    return list(conn.execute(select(sandboxes).where(sandboxes.c.state.in_(_LIVE))).all())
+
+
+def ended_among(conn: Connection, ids: Collection[str]) -> list[AnyRow]:
+    """(sandbox_id, end_reason, tenant) of those of ``ids`` that lived and ended."""
+    query = select(sandboxes.c.sandbox_id, sandboxes.c.end_reason, sandboxes.c.tenant).where(
+        sandboxes.c.sandbox_id.in_(ids), sandboxes.c.state.in_([s.value for s in ENDED])
+    )
+    return list(conn.execute(query).all())
+
+
+# Sandboxes whose last freeze-or-thaw in the log is a freeze.
+_FROZEN_NOW = text(
+    """
+    SELECT sandbox_id FROM (
+        SELECT DISTINCT ON (sandbox_id) sandbox_id, type FROM events
+        WHERE sandbox_id = ANY(:ids) AND type IN ('SandboxFrozen', 'SandboxThawed')
+        ORDER BY sandbox_id, position DESC
+    ) AS last WHERE type = 'SandboxFrozen'
+    """
+)
+# The create request behind each sandbox (a redelivered create is a no-op).
+_CREATED_BY = text(
+    """
+    SELECT sandbox_id, (payload->>'request_id')::uuid AS request_id FROM events
+    WHERE sandbox_id = ANY(:ids) AND type = 'SandboxRequested'
+    """
+)
+
+
+def frozen_now(conn: Connection, ids: list[str]) -> set[str]:
+    """Those of ``ids`` that a freeze left frozen (the log's last word on them)."""
+    return set(conn.execute(_FROZEN_NOW, {"ids": ids}).scalars())
+
+
+def created_by(conn: Connection, ids: list[str]) -> dict[str, uuid.UUID]:
+    """The create request behind each of ``ids``."""
+    return {r.sandbox_id: r.request_id for r in conn.execute(_CREATED_BY, {"ids": ids})}
+
+
+# --- nodes and load -----------------------------------------------------------------
+
+
+def alive_nodes(conn: Connection) -> list[AnyRow]:
+    """The projection rows of the nodes the log last saw alive."""
+    return list(conn.execute(select(nodes).where(nodes.c.state == NodeState.ALIVE)).all())
+
+
+def node_heartbeat(conn: Connection, node_id: str) -> datetime | None:
+    """When an alive node's heartbeat last reached the projection (None: not alive)."""
+    query = select(nodes.c.last_heartbeat_at).where(
+        nodes.c.node_id == node_id, nodes.c.state == NodeState.ALIVE
+    )
+    seen: datetime | None = conn.execute(query).scalar()
+    return seen
+
+
+def _load_columns() -> tuple[Any, Any]:
+    running = func.count().filter(sandboxes.c.state == SandboxState.RUNNING.value)
+    pending = func.count().filter(sandboxes.c.state.in_(_PENDING))
+    return running.label("running"), pending.label("pending")
+
+
+def load_per_node(conn: Connection) -> dict[str | None, AnyRow]:
+    """Live sandboxes per node: running, pending, cpus and memory reserved (the key
+    None gathers sandboxes not placed yet)."""
+    s = sandboxes
+    running, pending = _load_columns()
+    query = (
+        select(
+            s.c.node_id,
+            running,
+            pending,
+            func.sum(s.c.cpus).label("cpus"),
+            func.sum(s.c.memory_mb).label("memory_mb"),
+        )
+        .where(s.c.state.in_(_LIVE))
+        .group_by(s.c.node_id)
+    )
+    return {row.node_id: row for row in conn.execute(query)}
+
+
+def nodes_overview(conn: Connection) -> list[AnyRow]:
+    """Every node with its state, reported load, capacity, heartbeat age and images."""
+    n = nodes
+    heartbeat_age = func.extract("epoch", func.now() - n.c.last_heartbeat_at)
+    query = select(
+        n.c.node_id,
+        n.c.state,
+        n.c.running,
+        n.c.capacity_sandboxes,
+        n.c.capacity_cpus,
+        n.c.capacity_memory_mb,
+        heartbeat_age.label("heartbeat_age_s"),
+        func.jsonb_array_length(n.c.images).label("images"),
+    ).order_by(n.c.node_id)
+    return list(conn.execute(query).all())
+
+
+def load_per_tenant(conn: Connection) -> list[AnyRow]:
+    """Live sandboxes per tenant (jobs, running, pending), busiest first."""
+    s = sandboxes
+    running, pending = _load_columns()
+    query = (
+        select(s.c.tenant, func.count(s.c.job_id.distinct()).label("jobs"), running, pending)
+        .where(s.c.state.in_(_LIVE))
+        .group_by(s.c.tenant)
+        .order_by(literal_column("running").desc(), s.c.tenant)
+    )
+    return list(conn.execute(query).all())
