@@ -41,7 +41,7 @@ from app.control import tenants
 from app.domain.requests import CreateSandbox, DestroySandbox
 from app.sdk import Client
 from app.stats import percentile
-from workers.node_setup import set_up_node_user
+from workers.node_user import set_up_node_user
 from workers.podman_driver import PodmanDriver, container_args
 from workers.sandbox_spec import SandboxSpec
 

@@ -31,7 +31,7 @@ from app.control import tenants
 from app.domain.requests import DestroySandbox
 from app.sdk import Client, Sandbox
 from workers.limits import CgroupLimiter
-from workers.node_setup import set_up_node_user
+from workers.node_user import set_up_node_user
 from workers.podman_driver import PodmanDriver
 
 SHAPE = {"memory_mb": 16, "cpus": 0.005, "ttl_s": 6 * 3600}

@@ -41,7 +41,7 @@ from app.sdk import Client, Sandbox
 from workers.image_debian import DEBIAN_IMAGE, build_debian_image
 from workers.image_store import refresh_nodes, remove_image
 from workers.layer_store import find_image, store_podman
-from workers.node_setup import set_up_node_user
+from workers.node_user import set_up_node_user
 
 MB = 1e6
 #: Small sandboxes: the node's declared capacity (8 CPUs per core) must hold N of them.

@@ -20,7 +20,7 @@ from procstat import HZ, named, ticks
 from app import bus
 from app.config import Settings
 from workers.agent.client import AgentConnection, AgentPool
-from workers.node_setup import set_up_node_user
+from workers.node_user import set_up_node_user
 from workers.podman_driver import PodmanDriver, container_args
 from workers.sandbox_spec import SandboxSpec
 

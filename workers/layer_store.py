@@ -1,7 +1,7 @@
 """The shared, read-only image-layer store as root's Podman keeps it: where it is and
 how it is laid out, the Podman that reads and writes it, its writer lock, and what it
 holds. Nothing here knows about nodes (:mod:`workers.image_store` adds images and
-tells the running nodes; :mod:`workers.node_setup` gives each node its view).
+tells the running nodes; :mod:`workers.store_view` gives each node its view).
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from workers.mounts import unescape
+
 log = logging.getLogger(__name__)
 
 #: cgroup v1 controllers a sandbox gets a cgroup in.
@@ -144,7 +146,7 @@ def parse_mountinfo(text: str) -> Hierarchy | None:
             continue
         if fields[3] != "/":
             continue  # a bind of part of a hierarchy (a container's view), not the host's
-        point = Path(_unescape(fields[4]))
+        point = Path(unescape(fields[4]))
         if fstype == "cgroup":
             for opt in options.split(","):
                 if opt in CONTROLLERS_V1:
@@ -278,11 +280,6 @@ class CgroupLayout:
         """``cgroup.procs`` of the pids cgroup (every task of the sandbox is in it)."""
         d = self.dirs(sandbox_id)
         return (d[""] if self.version == 2 else d["pids"]) / "cgroup.procs"
-
-
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 class CgroupLimiter:

@@ -16,8 +16,9 @@ from workers.handlers import Node
 from workers.inbox import READY_WAIT_S, Inbox
 from workers.layer_store import store_lock_path
 from workers.limits import CgroupLimiter
-from workers.node_setup import ensure_node_user, ensure_podman_service
+from workers.node_setup import ensure_node_user
 from workers.podman_driver import PodmanDriver
+from workers.podman_service import ensure_podman_service
 from workers.podman_watch import PodmanWatch
 from workers.upkeep import Upkeep
 from workers.warm_pool import WarmPool

@@ -15,7 +15,8 @@ import threading
 
 from app import metrics
 from app.config import Settings
-from workers.node_setup import NodeUser, ensure_podman_service, service_answers
+from workers.node_user import NodeUser
+from workers.podman_service import ensure_podman_service, service_answers
 
 log = logging.getLogger(__name__)
 

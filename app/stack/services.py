@@ -558,7 +558,7 @@ def down(
     Postgres and Redis are always left alone; ``podman`` in ``keep`` spares the
     nodes' Podman services.
     """
-    from workers.node_setup import stop_all_podman_services
+    from workers.podman_service import stop_all_podman_services
 
     for service in reversed(services(settings, known_node_ids(settings))):
         if service.name not in keep and service.stop(settings):

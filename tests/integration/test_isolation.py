@@ -19,7 +19,7 @@ import pytest
 from app.config import Settings
 from app.errors import SandboxFailed
 from workers.limits import CgroupLimiter
-from workers.node_setup import NodeUser, find_node_user
+from workers.node_user import NodeUser, find_node_user
 
 pytestmark = pytest.mark.integration
 

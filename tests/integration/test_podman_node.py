@@ -21,13 +21,11 @@ import pytest
 from app.config import Settings, get_settings
 from workers import image_store, layer_store
 from workers.errors import ImageNotFound, PodmanUnavailable
-from workers.node_setup import (
-    NodeUser,
-    ensure_node_user,
-    ensure_podman_service,
-    live_processes_of,
-)
+from workers.host_ops import live_processes_of
+from workers.node_setup import ensure_node_user
+from workers.node_user import NodeUser
 from workers.podman_driver import PodmanDriver
+from workers.podman_service import ensure_podman_service
 from workers.sandbox_spec import AGENT_BIN_MOUNT, SandboxSpec
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,8 @@ from app.sdk import Client
 from tests.conftest import wait_for
 from tests.side_platform import first_sandbox, side_platform
 from workers.mounts import remove_tree
-from workers.node_setup import find_node_user, service_pids
+from workers.node_user import find_node_user
+from workers.podman_service import service_pids
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -17,7 +17,7 @@ from app.stack import services as stack_mod
 from tests.conftest import wait_for
 from workers import label
 from workers.limits import CgroupLimiter
-from workers.node_setup import find_node_user
+from workers.node_user import find_node_user
 from workers.podman_driver import PodmanDriver
 from workers.sandbox_spec import SandboxSpec
 
