@@ -147,7 +147,7 @@ class PositionedConsumer:
             lag = max(end - position, 0) if position is not None else end
             metrics.CONSUMER_LAG.labels(self.name, tp.topic, str(tp.partition)).set(lag)
 
-    def rewind(self, records: Sequence[ConsumerRecord]) -> None:
+    def rewind(self, records: Sequence[Record]) -> None:
         """Read ``records`` again: each partition back to the first of them (they were
         polled but not handled)."""
         first: dict[int, int] = {}

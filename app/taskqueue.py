@@ -7,8 +7,12 @@ place. Tasks are idempotent and short (long work is the sandbox's, not the task'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import redis
 from celery import Celery
+from kombu.connection import Connection
+from kombu.entity import Queue
 
 from app.config import Settings
 from app.errors import ServiceUnavailable
@@ -35,6 +39,33 @@ def make_celery(settings: Settings, name: str = "dsec") -> Celery:
         worker_hijack_root_logger=False,
     )
     return celery
+
+
+class CeleryTaskQueue:
+    """The task queue port (:class:`app.ports.TaskQueue`) over Celery and Redis: tasks
+    are sent as Celery messages, so a node worker consumes them; :meth:`take` reads one
+    as a worker would (operators' tools and the contract suite)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.celery = make_celery(settings)
+
+    def send(self, task: str, queue: str, args: Sequence[str]) -> None:
+        self.celery.send_task(task, args=list(args), queue=queue)
+
+    def take(self, queue: str, wait_s: float = 1.0) -> tuple[str, list[str]] | None:
+        # kombu is untyped: Connection and Queue are plain calls to it.
+        with Connection(self.settings.celery_broker_url) as conn:  # type: ignore[no-untyped-call]
+            simple = conn.SimpleQueue(Queue(queue, routing_key=queue))  # type: ignore[no-untyped-call]
+            try:
+                message = simple.get(block=True, timeout=wait_s)
+            except simple.Empty:
+                return None
+            finally:
+                simple.close()
+            message.ack()
+        args, _kwargs, _embed = message.decode()
+        return str(message.headers["task"]), [str(a) for a in args]
 
 
 def check_broker(settings: Settings) -> None:

@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kafka.consumer.fetcher import ConsumerRecord
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
@@ -108,7 +107,7 @@ class Prepared:
 
     good: list[event_log.SourcedEvent]
     #: The record each of ``good`` came from, in the same order.
-    records: list[ConsumerRecord]
+    records: list[Record]
     outcome: BatchOutcome
 
 
@@ -153,15 +152,15 @@ class Projector:
             self.settings.database_url, self.name, self.settings.topic_events
         )
 
-    def handle(self, records: list[ConsumerRecord]) -> BatchOutcome:
+    def handle(self, records: list[Record]) -> BatchOutcome:
         """Decode, dead-letter, append and project one batch in one transaction."""
         return self.commit(self.prepare(records))
 
-    def prepare(self, records: list[ConsumerRecord]) -> Prepared:
+    def prepare(self, records: list[Record]) -> Prepared:
         """Decode a batch and send its dead letters; nothing is committed yet."""
         outcome = BatchOutcome()
         good: list[event_log.SourcedEvent] = []
-        sources: list[ConsumerRecord] = []
+        sources: list[Record] = []
         topic_id = self.consumer.topic_id
         max_bytes = self.settings.max_message_bytes
         offsets = outcome.offsets
@@ -191,7 +190,7 @@ class Projector:
             self.publisher.flush()
         return Prepared(good, sources, outcome)
 
-    def _dead(self, record: ConsumerRecord, reason: DeadLetterReason, detail: str) -> None:
+    def _dead(self, record: Record, reason: DeadLetterReason, detail: str) -> None:
         dead_letter(self.publisher, self.settings, self.name, record, reason, detail)
         metrics.DEAD_LETTERS.labels(self.name, reason.value).inc()
 
@@ -227,10 +226,10 @@ class Projector:
         self,
         good: list[event_log.SourcedEvent],
         outcome: BatchOutcome,
-        records: list[ConsumerRecord],
+        records: list[Record],
     ) -> list[tuple[event_log.SourcedEvent, int]]:
         appended: list[tuple[event_log.SourcedEvent, int]] = []
-        refused: list[tuple[ConsumerRecord, str]] = []
+        refused: list[tuple[Record, str]] = []
         with transaction(self.settings.database_url) as conn:
             for item, record in zip(good, records, strict=True):
                 savepoint = conn.begin_nested()

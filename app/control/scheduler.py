@@ -43,7 +43,7 @@ from app.domain.base import utcnow
 from app.domain.partition_share import rebalance
 from app.domain.proof import SCHEDULER_KEY_ID, Purpose, headers
 from app.domain.records import StoredOffset
-from app.taskqueue import make_celery
+from app.taskqueue import CeleryTaskQueue
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Scheduler:
         self._topics_checked = time.monotonic()
         self._pruned = time.monotonic()
         self.publisher = bus.Publisher(settings)
-        self.celery = make_celery(settings)
+        self.tasks = CeleryTaskQueue(settings)
         self._stopping = threading.Event()
         self.events = PositionedConsumer(
             settings, settings.topic_events, f"{NAME} (events)",
@@ -161,7 +161,7 @@ class Scheduler:
             # so Scheduled precedes Started in the sandbox's partition.
             self.publisher.flush()
         for task, queue, args in out.tasks:
-            self.celery.send_task(task, args=args, queue=queue)
+            self.tasks.send(task, queue, args)
         if out.inbox:
             self._ensure_inboxes({topic for topic, _key, _value in out.inbox})
             for topic, key, value in out.inbox:

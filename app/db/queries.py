@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Collection
 from datetime import date, datetime
-from typing import Any, Unpack
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -37,7 +37,7 @@ from app.domain.sandbox_state import LIVE, SandboxState
 
 Record = dict[str, Any]
 #: A result row of any shape (its columns read by attribute).
-AnyRow = Row[Unpack[tuple[Any, ...]]]
+AnyRow = Row[*tuple[Any, ...]]
 
 #: States of a sandbox that lived and ended (a rejected create never lived: its id
 #: may be asked for again).

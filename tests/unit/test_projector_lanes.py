@@ -6,21 +6,22 @@ import threading
 import uuid
 
 import pytest
-from kafka.consumer.fetcher import ConsumerRecord
 
 from app.control.projector import BatchOutcome, Lane, Prepared, split_lanes
 from app.db.log import SourcedEvent
 from app.domain.events import NodeLost, NodeLostPayload
+from app.domain.records import Inbound, Record
 
 
 def _batch(partitions: list[int], dead: int = 0) -> Prepared:
     topic_id = uuid.uuid4()
-    good, records = [], []
+    good: list[SourcedEvent] = []
+    records: list[Record] = []
     offsets: dict[int, int] = {}
     for n, partition in enumerate(partitions):
         event = NodeLost(node_id=f"n{n}", payload=NodeLostPayload(detail=str(n)))
         good.append(SourcedEvent(event, "t", topic_id, partition, n))
-        records.append(ConsumerRecord("t", partition, None, n, 0, 0, None, b"", [], None, 0, 0, 0))
+        records.append(Inbound("t", partition, n, None, b""))
         offsets[partition] = n + 1
     return Prepared(good, records, BatchOutcome(dead=dead, offsets=offsets))
 
