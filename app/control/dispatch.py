@@ -14,20 +14,21 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Protocol
 
 from app.config import Settings
-from app.domain.base import RejectReason, StopReason, derived_id, new_id, utcnow
+from app.control.leases import Leases, lease_request
+from app.control.node_health import NodeHealth
+from app.domain.base import RejectReason, StopReason, derived_id, utcnow
 from app.domain.codec import DeadLetterReason, DecodeError, decode_event, encode
 from app.domain.events import (
     CommandCompleted,
     LastState,
     NodeHeartbeat,
     NodeLost,
-    NodeLostPayload,
     NodeRegistered,
     RejectedPayload,
     RequestedPayload,
@@ -47,7 +48,6 @@ from app.domain.lease import Lease, LeaseAction, LeaseState
 from app.domain.node_tasks import TASK_FOR_REQUEST, VIA_INBOX, TaskEnvelope, inbox_record, seal
 from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement, SandboxMax
 from app.domain.proof import KeyLookup, Principal, ProofError, Purpose, Role, verify
-from app.domain.reconcile import NodeLedger
 from app.domain.records import Record
 from app.domain.replies import Done, ErrorReply, ReplyBase
 from app.domain.requests import (
@@ -58,7 +58,6 @@ from app.domain.requests import (
     DestroyGroup,
     DestroySandbox,
     Exec,
-    FreezeSandbox,
     RenewLease,
     ReplyTo,
     RequestBase,
@@ -196,25 +195,17 @@ class Dispatcher:
         # Requested events of other schedulers, until their Scheduled comes (the same
         # partition, right after): what a placement it learns from the log needs.
         self._requested: OrderedDict[str, SandboxRequested] = OrderedDict()
-        #: Whether this scheduler keeps a lease's clock (freezes and destroys on its
-        #: lapse). With several schedulers, only the one that reads the lease's
-        #: renewals does (app/control/scheduler.py); alone, it keeps every lease.
-        self.keeps_lease: Callable[[str], bool] = lambda _lease_id: True
         #: Set while a starting scheduler reads the events its recovered state does
         #: not include yet: old heartbeats neither confirm nodes nor reconcile them.
         self.replaying = False
-        # Trainer leases by (owner, lease id): their sandboxes carry LEASE_LABEL in the
-        # log, so a restarted scheduler finds them again (:meth:`recover`).
-        self.leases: dict[tuple[str, str], Lease] = {}
-        self.lease_of: dict[str, tuple[str, str]] = {}
-        self.ledgers: dict[str, NodeLedger] = {}
+        # Trainer leases: their sandboxes carry LEASE_LABEL in the log, so a restarted
+        # scheduler finds them again (:meth:`recover`). With several schedulers, only
+        # the one that reads a lease's renewals keeps its clock (app/control/scheduler.py
+        # sets ``leases.keeps``).
+        self.leases = Leases(settings.lease_ttl_s, settings.lease_grace_s)
+        self.health = NodeHealth(heartbeat_timeout, _NS)
         # Ended sandboxes: why, and whose they were.
         self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        # The key each node proved its last heartbeat with: its tasks are sealed for it.
-        self.node_keys: dict[str, str] = {}
-        # Newest heartbeat time per node (an older one replayed is ignored).
-        self.heard_at: dict[str, datetime] = {}
-        self.heartbeat_timeout = heartbeat_timeout
 
     def recover(
         self, nodes: Iterable[tuple[str, NodeCapacity]], live: Iterable[LiveSandbox]
@@ -246,19 +237,7 @@ class Dispatcher:
                 self.created_by[box.sandbox_id] = box.request_id
             lease_id = box.labels.get(LEASE_LABEL)
             if lease_id:
-                lease = self._lease((box.tenant, lease_id), clock)
-                lease.sandboxes.add(box.sandbox_id)
-                self.lease_of[box.sandbox_id] = (box.tenant, lease_id)
-                if box.frozen:
-                    lease.state, lease.lapsed_s = LeaseState.LAPSED, clock
-
-    def _lease(self, key: tuple[str, str], now_s: float) -> Lease:
-        """The lease, created with the default terms on first sight."""
-        lease = self.leases.get(key)
-        if lease is None:
-            ttl, grace = self.settings.lease_ttl_s, self.settings.lease_grace_s
-            lease = self.leases[key] = Lease(key[1], ttl, grace, now_s + ttl)
-        return lease
+                self.leases.recovered(box.sandbox_id, box.tenant, lease_id, box.frozen, clock)
 
     def retry_pending(self, out: Outbox) -> None:
         """Try again, oldest first, the creates that wait for room."""
@@ -299,11 +278,8 @@ class Dispatcher:
                 pass
             case NodeRegistered(payload=p) | NodeHeartbeat(payload=p):
                 assert event.node_id is not None
-                last = self.heard_at.get(event.node_id)
-                if last is not None and event.occurred_at <= last:
+                if not self.health.heard(event.node_id, event.occurred_at, sender.key_id):
                     return  # an older heartbeat, replayed: its list is out of date
-                self.heard_at[event.node_id] = event.occurred_at
-                self.node_keys[event.node_id] = sender.key_id
                 # The scheduler's clock, not the node's: skew must not kill nodes.
                 view = NodeView.declared(event.node_id, p, utcnow())
                 # A node's tasks go to its own queue, whatever it declares.
@@ -335,7 +311,9 @@ class Dispatcher:
                 self._ended_elsewhere(out, sender, event.sandbox_id or "", p.reason.value,
                                       p.detail)  # fmt: skip
             case SandboxFrozen() | SandboxThawed() if self._placed_here(sender, event.sandbox_id):
-                self._frozen(event.sandbox_id or "", isinstance(event, SandboxFrozen))
+                self.leases.follow(
+                    event.sandbox_id or "", isinstance(event, SandboxFrozen), time.monotonic()
+                )
             case _:
                 pass
 
@@ -361,23 +339,7 @@ class Dispatcher:
                 members.append(sandbox_id)
         lease_id = p.labels.get(LEASE_LABEL)
         if lease_id:
-            key = (requested.tenant, lease_id)
-            self._lease(key, time.monotonic()).sandboxes.add(sandbox_id)
-            self.lease_of[sandbox_id] = key
-
-    def _frozen(self, sandbox_id: str, frozen: bool) -> None:
-        """A lease's sandbox was frozen or thawed by the scheduler that keeps the lease:
-        requests for it are refused while it is frozen, here too. (The keeper's own
-        state leads its events: a late freeze must not undo a renewal there.)"""
-        key = self.lease_of.get(sandbox_id)
-        lease = self.leases.get(key) if key is not None else None
-        if lease is None or key is None or self.keeps_lease(key[1]):
-            return
-        if frozen and lease.state == LeaseState.HELD:
-            lease.state, lease.lapsed_s = LeaseState.LAPSED, time.monotonic()
-        elif not frozen and lease.state == LeaseState.LAPSED:
-            lease.state, lease.lapsed_s = LeaseState.HELD, None
-            lease.expires_s = time.monotonic() + lease.ttl_s
+            self.leases.join(sandbox_id, requested.tenant, lease_id, time.monotonic())
 
     def _ended_elsewhere(
         self, out: Outbox, sender: Principal, sandbox_id: str, reason: str, detail: str | None
@@ -402,23 +364,11 @@ class Dispatcher:
         again)."""
         self.pending = [p for p in self.pending if p.partition not in partitions]
 
-    def restart_lease_clocks(self, keeps: Callable[[str], bool]) -> None:
-        """Leases whose clock this scheduler keeps from now on start a fresh term (the
-        trainer renews it, or it lapses one TTL later); lapsed ones a fresh grace."""
-        now = time.monotonic()
-        for (_, lease_id), lease in self.leases.items():
-            if not keeps(lease_id):
-                continue
-            if lease.state == LeaseState.HELD:
-                lease.expires_s = max(lease.expires_s, now + lease.ttl_s)
-            elif lease.lapsed_s is not None:
-                lease.lapsed_s = max(lease.lapsed_s, now)
-
     def _alive(self, node_id: str | None, sandbox_id: str | None, at: datetime) -> None:
         """The node spoke for the sandbox as of ``at`` (its clock, the one its start is
-        billed by): if it vanishes later, its bill ends no earlier than this."""
+        billed by)."""
         if node_id is not None and sandbox_id is not None:
-            self.ledgers.setdefault(node_id, NodeLedger()).saw(sandbox_id, at)
+            self.health.saw(node_id, sandbox_id, at)
 
     def _placed_here(self, sender: Principal, sandbox_id: str | None) -> bool:
         """A node speaks only for the sandboxes placed on it (the scheduler for all)."""
@@ -432,7 +382,7 @@ class Dispatcher:
         self.awaiting_start.pop(sandbox_id, None)
         self.unstarted.discard(sandbox_id)
         self._requested.pop(sandbox_id, None)
-        self._unlease(sandbox_id)
+        self.leases.leave(sandbox_id)
         allocation = self.placement.release(sandbox_id)
         self.created_by.pop(sandbox_id, None)
         owner = allocation.tenant if allocation is not None else ""
@@ -465,7 +415,7 @@ class Dispatcher:
     ) -> None:
         """End a sandbox the node cannot speak for any more, as of ``at`` (default now)."""
         node = self.placement.nodes.get(allocation.node_id)
-        lease = self.leases.get(self.lease_of.get(allocation.sandbox_id, ("", "")))
+        lease = self.leases.of(allocation.sandbox_id)
         last_state = LastState(
             observed_by="scheduler",
             frozen=lease.state == LeaseState.LAPSED if lease is not None else None,
@@ -493,16 +443,15 @@ class Dispatcher:
             self._reply(out, waiting.sender, waiting.reply_to, reply)
 
     def _reconcile(self, out: Outbox, node_id: str, reported: set[str], at: datetime) -> None:
-        ledger = self.ledgers.setdefault(node_id, NodeLedger())
         placed = self.placement.placed_on(node_id)
-        verdict = ledger.observe(placed, reported, self.unstarted & placed, at)
+        verdict = self.health.reconcile(node_id, placed, reported, self.unstarted & placed, at)
         for sandbox_id in sorted(verdict.vanished):
             allocation = self.placement.allocations.get(sandbox_id)
             if allocation is not None:
                 # Its end is stamped when the node last listed it, not when two
                 # heartbeats later the scheduler was sure: a node that rebooted does
                 # not bill its tenants for the time it was down.
-                seen = ledger.seen_at.get(sandbox_id)
+                seen = self.health.last_listed(node_id, sandbox_id)
                 detail = f"container vanished from {node_id}" + (
                     f" (last listed {seen:%Y-%m-%dT%H:%M:%S}Z)" if seen is not None else ""
                 )
@@ -514,34 +463,18 @@ class Dispatcher:
             log.warning("scheduler: orphan %s on %s: destroying it", sandbox_id, node_id)
             request = DestroySandbox(sandbox_id=sandbox_id, tenant="system", actor=RECONCILER)
             self._task(out, node, request)
-            ledger.extra.pop(sandbox_id, None)
+            self.health.orphan_handled(node_id, sandbox_id)
 
     def check_nodes(self, out: Outbox) -> None:
         """Declare nodes lost that missed their heartbeats; end their sandboxes."""
-        now = utcnow()
-        for node in list(self.placement.nodes.values()):
-            if not node.alive or node.last_seen is None:
-                continue
-            if now - node.last_seen <= self.heartbeat_timeout:
-                continue
-            detail = f"no heartbeat for {(now - node.last_seen).total_seconds():.0f}s"
+        for node, detail in self.health.silent(list(self.placement.nodes.values()), utcnow()):
             log.warning("scheduler: node %s lost: %s", node.node_id, detail)
-            # Every scheduler watches every node: its id is derived from the node's last
-            # heartbeat, so all who declare this loss append one event.
-            heard = self.heard_at.get(node.node_id)
-            lost = NodeLost(
-                event_id=derived_id(
-                    _NS, f"{node.node_id}:lost:{heard.isoformat() if heard else ''}"
-                ),
-                node_id=node.node_id,
-                payload=NodeLostPayload(detail=detail),
-            )
+            lost = self.health.lost(node.node_id, detail)
             out.events.append((lost.key, encode(lost)))
-            ledger = self.ledgers.get(node.node_id, NodeLedger())
             for sandbox_id in self.placement.mark_lost(node.node_id):
                 allocation = self.placement.allocations[sandbox_id]
                 # Known alive until the node last spoke for it: billed until then.
-                seen = ledger.seen_at.get(sandbox_id) or self.heard_at.get(node.node_id)
+                seen = self.health.last_alive(node.node_id, sandbox_id)
                 self._stop(
                     out, allocation, StopReason.NODE_LOST, f"{node.node_id}: {detail}", at=seen
                 )
@@ -572,7 +505,7 @@ class Dispatcher:
         restore: list[str | list[str]] | None = None,
     ) -> None:
         """Hand ``request`` to ``node``, sealed with the node's key."""
-        key_id = self.node_keys.get(node.node_id)
+        key_id = self.health.key_of(node.node_id)
         info = self.keys.lookup(key_id) if key_id is not None else None
         if info is None:
             info = self.keys.current(Role.NODE, node.node_id)
@@ -702,9 +635,7 @@ class Dispatcher:
         self.created_by[request.sandbox_id] = request.request_id
         labels = request.labels
         if request.lease_id is not None:
-            key = (request.tenant, request.lease_id)
-            self._lease(key, time.monotonic()).sandboxes.add(request.sandbox_id)
-            self.lease_of[request.sandbox_id] = key
+            self.leases.join(request.sandbox_id, request.tenant, request.lease_id, time.monotonic())
             # In the log, so a restarted scheduler knows the lease (and SQL the cost).
             labels = {**labels, LEASE_LABEL: request.lease_id}
         common = {
@@ -835,12 +766,8 @@ class Dispatcher:
         # What the node records is the owner's: an operator acts on the owner's bill.
         request = request.model_copy(update={"tenant": allocation.tenant})
         admitted = Admitted(request, sender)
-        lease = self.leases.get(self.lease_of.get(request.sandbox_id, ("", "")))
-        if (
-            lease is not None
-            and lease.state == LeaseState.LAPSED
-            and not isinstance(request, DestroySandbox | ThawSandbox)
-        ):
+        lease = self.leases.lapsed(request.sandbox_id)
+        if lease is not None and not isinstance(request, DestroySandbox | ThawSandbox):
             self._refuse(
                 out, admitted, RejectReason.SANDBOX_NOT_RUNNING,
                 f"sandbox {request.sandbox_id} is frozen: lease {lease.lease_id} lapsed",
@@ -853,24 +780,13 @@ class Dispatcher:
 
     # --- leases and groups ----------------------------------------------------------
 
-    def _unlease(self, sandbox_id: str) -> None:
-        key = self.lease_of.pop(sandbox_id, None)
-        lease = self.leases.get(key) if key is not None else None
-        if lease is not None:
-            lease.sandboxes.discard(sandbox_id)
-
     def _renew(self, out: Outbox, admitted: Admitted) -> None:
         request = admitted.request
         assert isinstance(request, RenewLease)
-        now = time.monotonic()
-        # A lease id names a lease among its tenant's own: another tenant renewing
-        # "the same" id renews a lease of its own, with no sandboxes of anyone else.
-        key = (request.tenant, request.sandbox_id)
-        lease = self.leases.get(key)
-        if lease is None:
-            lease = Lease(request.sandbox_id, request.ttl_s, request.grace_s, now + request.ttl_s)
-            self.leases[key] = lease
-        if lease.renew(now, request.ttl_s, request.grace_s) == LeaseAction.THAW:
+        lease, action = self.leases.renew(
+            request.tenant, request.sandbox_id, request.ttl_s, request.grace_s, time.monotonic()
+        )
+        if action == LeaseAction.THAW:
             log.info("scheduler: lease %s renewed after a lapse: thawing", lease.lease_id)
             self._lease_tasks(out, lease, LeaseAction.THAW)
         done = Done(request_id=request.request_id, sandbox_id=request.sandbox_id)
@@ -883,37 +799,16 @@ class Dispatcher:
             allocation = self.placement.allocations.get(sandbox_id)
             if node is None or allocation is None:
                 continue
-            common = {
-                "request_id": new_id(),
-                "sandbox_id": sandbox_id,
-                "tenant": allocation.tenant,
-                "job_id": allocation.job_id,
-                "actor": f"scheduler/lease {lease.lease_id}"[:200],
-            }
-            task: RequestBase
-            if action == LeaseAction.FREEZE:
-                task = FreezeSandbox(reason=StopReason.LEASE_LAPSED.value, **common)
-            elif action == LeaseAction.THAW:
-                task = ThawSandbox(**common)
-            else:
-                task = DestroySandbox(reason=StopReason.LEASE_LAPSED.value, **common)
+            task = lease_request(lease, action, sandbox_id, allocation.tenant, allocation.job_id)
             self._task(out, node, task)
 
     def check_leases(self, out: Outbox) -> None:
         """Freeze the sandboxes of lapsed leases; destroy them after the grace period."""
-        now = time.monotonic()
-        for key, lease in list(self.leases.items()):
-            if not self.keeps_lease(key[1]):
-                continue
-            action = lease.tick(now)
-            if action is None:
-                continue
+        for lease, action in self.leases.due(time.monotonic()):
             log.warning(
                 "scheduler: lease %s: %s %d sandboxes", lease.lease_id, action, len(lease.sandboxes)
             )
             self._lease_tasks(out, lease, action)
-            if action == LeaseAction.DESTROY:
-                del self.leases[key]
 
     def _destroy_group(self, out: Outbox, admitted: Admitted) -> None:
         """Route a destroy to every member; members already gone are answered here.

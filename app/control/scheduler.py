@@ -101,7 +101,7 @@ class Scheduler:
         self.dispatcher.replaying = False
         self.requests = PositionedConsumer(settings, settings.topic_requests, NAME, partitions=[])
         self.owner = OwnerSession(settings.database_url, NAME, settings.topic_requests)
-        self.dispatcher.keeps_lease = self._keeps_lease
+        self.dispatcher.leases.keeps = self._keeps_lease
         self._rebalanced = 0.0
         until_available(self._rebalance, NAME, "postgres", self._stopping)
 
@@ -282,8 +282,9 @@ class Scheduler:
             for request_id, partition, offset, at in seen:
                 if partition in new:
                     self.dispatcher.gate.remember(request_id, partition, offset, at)
-            self.dispatcher.restart_lease_clocks(
-                lambda lease_id: key_partition(lease_id, self.partition_count) in new
+            self.dispatcher.leases.restart_clocks(
+                lambda lease_id: key_partition(lease_id, self.partition_count) in new,
+                time.monotonic(),
             )
         self.requests.reassign(self.owner.owned, self._stored_offsets())
         log.info(

@@ -4,6 +4,7 @@ back, and what a scheduler learns from the others' events so it can take over.""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -163,7 +164,7 @@ def test_only_the_owner_of_a_leases_partition_keeps_its_clock() -> None:
     # partition its renewals are read from
     settings = Settings(lease_ttl_s=0.01, lease_grace_s=300)
     b = _dispatcher(settings)
-    b.keeps_lease = lambda _lease_id: False
+    b.leases.keeps = lambda _lease_id: False
     create = CreateSandbox(sandbox_id="sb-l", tenant="t", lease_id="lease-1")
     b.handle(Outbox(), _record(create))
     lease = b.leases[("t", "lease-1")]
@@ -182,8 +183,8 @@ def test_only_the_owner_of_a_leases_partition_keeps_its_clock() -> None:
     b.observe(Outbox(), _record(frozen))
     assert lease.state == LeaseState.LAPSED
     # And once it owns that partition, the lease starts a fresh grace on its clock
-    b.keeps_lease = lambda _lease_id: True
-    b.restart_lease_clocks(b.keeps_lease)
+    b.leases.keeps = lambda _lease_id: True
+    b.leases.restart_clocks(b.leases.keeps, time.monotonic())
     assert b.check_leases(Outbox()) is None and lease.state == LeaseState.LAPSED
 
 
