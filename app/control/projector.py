@@ -22,17 +22,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError
 
 from app import metrics
 from app.bus import Publisher
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
 from app.control.keyring import Keyring
-from app.control.waiting import UNAVAILABLE, Stopped, until_available
+from app.control.waiting import Stopped, until_available
 from app.db import log as event_log
 from app.db import projections, staging
 from app.db.engine import engine_for, transaction
+from app.db.errors import UNAVAILABLE, savepoint
 from app.domain.codec import DeadLetterReason, DecodeError, decode_event
 from app.domain.events import Event
 from app.domain.proof import KeyInfo, KeyLookup, ProofError, Purpose, Role, verify
@@ -232,14 +232,12 @@ class Projector:
         refused: list[tuple[Record, str]] = []
         with transaction(self.settings.database_url) as conn:
             for item, record in zip(good, records, strict=True):
-                savepoint = conn.begin_nested()
                 try:
-                    one = _append_and_project(conn, [item])
-                except DBAPIError as exc:
-                    savepoint.rollback()
-                    refused.append((record, str(exc.orig)[:500]))
+                    with savepoint(conn):
+                        one = _append_and_project(conn, [item])
+                except StorageRefused as exc:
+                    refused.append((record, str(exc)[:500]))
                     continue
-                savepoint.commit()
                 appended.extend(one)
             for record, why in refused:
                 dead_letter(

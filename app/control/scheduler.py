@@ -33,10 +33,11 @@ from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter, key_partition
 from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox, Outbox
 from app.control.keyring import Keyring
-from app.control.waiting import UNAVAILABLE, until_available
+from app.control.waiting import until_available
 from app.db import handled, queries
 from app.db import log as event_log
 from app.db.engine import transaction
+from app.db.errors import UNAVAILABLE
 from app.db.partition_locks import OwnerSession, OwnershipLost
 from app.db.trajectory import PostgresTrajectoryLog
 from app.domain.base import utcnow

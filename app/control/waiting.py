@@ -13,16 +13,15 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from sqlalchemy.exc import OperationalError
-
 from app import metrics
-from app.errors import ServiceUnavailable, first_line
+from app.db.errors import UNAVAILABLE
+from app.errors import first_line
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-#: What counts as "the service is not there" (anything else is a bug and propagates).
-UNAVAILABLE: tuple[type[BaseException], ...] = (ServiceUnavailable, OperationalError)
+# What counts as "the service is not there" is UNAVAILABLE; anything else is a bug
+# and propagates.
 
 
 #: How often a long wait is said again in the log.

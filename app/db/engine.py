@@ -8,9 +8,8 @@ from functools import lru_cache
 
 from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
 
-from app.errors import LogTamperRefused, ServiceUnavailable, StorageRefused
+from app.db.errors import translated
 
 
 @lru_cache(maxsize=8)
@@ -26,13 +25,7 @@ def libpq_url(url: str) -> str:
 
 @contextmanager
 def transaction(url: str) -> Iterator[Connection]:
-    """A connection in one transaction; psycopg errors become dsec errors."""
-    try:
-        with engine_for(url).begin() as conn:
-            yield conn
-    except OperationalError as exc:
-        raise ServiceUnavailable(f"Postgres: {exc.orig}") from exc
-    except DBAPIError as exc:
-        if "append-only" in str(exc.orig) or "permission denied" in str(exc.orig):
-            raise LogTamperRefused(str(exc.orig)) from exc
-        raise StorageRefused(str(exc.orig)) from exc
+    """A connection in one transaction; database errors become the platform's
+    (:mod:`app.db.errors`)."""
+    with translated(), engine_for(url).begin() as conn:
+        yield conn
