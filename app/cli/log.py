@@ -60,11 +60,11 @@ def log_restore(path: Path) -> None:
 @log_cli.command("ls")
 def log_ls() -> None:
     """The archived days: events, file, checksum, when and by whom, restored or not."""
-    from app.cli import reports
+    from app.cli import render
     from app.db import archive
 
     names = ("day", "events", "first_position", "last_position", "file", "sha256",
              "archived_at", "archived_by", "restored_at")  # fmt: skip
     rows = [dict(zip(names, row, strict=True)) for row in archive.archived_days(
         get_settings().admin_database_url)]  # fmt: skip
-    reports.render(rows, reports.Format.TABLE, "archived days of the log", console, names)
+    render.render(rows, render.Format.TABLE, "archived days of the log", console, names)

@@ -37,10 +37,6 @@ console = cli_render.console
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
-def _table(title: str, rows: list[dict[str, Any]], as_json: bool) -> None:
-    cli_render.rows(title, rows, as_json)
-
-
 def _logging() -> None:
     from app import logs
 
@@ -120,7 +116,7 @@ def status(as_json: JsonOpt = False) -> None:
             "partitions": None,
         }
     )
-    _table("dsec stack", rows, as_json)
+    cli_render.rows("dsec stack", rows, as_json)
 
 
 @run_cli.command("projector")
@@ -181,7 +177,7 @@ def ps(
         rows = queries.sandbox_list(
             conn, include_ended=all_, tenant=tenant, job_id=job, limit=limit
         )
-    _table("sandboxes", rows, as_json)
+    cli_render.rows("sandboxes", rows, as_json)
 
 
 @cli.command()
@@ -213,7 +209,7 @@ def events(sandbox_id: str, as_json: JsonOpt = False) -> None:
     if not as_json:
         for row in rows:
             row["payload"] = _summary(row["payload"])
-    _table(f"events of {sandbox_id}", rows, as_json)
+    cli_render.rows(f"events of {sandbox_id}", rows, as_json)
 
 
 def _summary(payload: dict[str, Any], width: int = 240) -> str:
@@ -275,7 +271,7 @@ def deadletters_ls(
         }
         for s in _letters(reason, consumer, since)
     ]
-    _table("dead letters", rows, as_json)
+    cli_render.rows("dead letters", rows, as_json)
 
 
 @deadletters_cli.command("replay")
@@ -361,13 +357,13 @@ def audit(
     as_json: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
 ) -> None:
     """Who did what to which sandbox, when, from which node (oldest first)."""
-    from app.cli import reports
+    from app.cli import arguments
     from app.db import billing, queries
     from app.db.engine import transaction
 
     try:
-        output = reports.Format("json" if as_json else fmt)
-        since_at = reports.parse_since(since) if since else None
+        output = cli_render.Format("json" if as_json else fmt)
+        since_at = arguments.parse_since(since) if since else None
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     with transaction(get_settings().database_url) as conn:
@@ -382,7 +378,7 @@ def audit(
         )
         archived = None if rows else billing.last_archived_day(conn)
     title = "refused senders" if denied else "audit trail"
-    reports.render(rows, output, title, console, queries.AUDIT_COLUMNS)
+    cli_render.render(rows, output, title, console, queries.AUDIT_COLUMNS)
     if archived is not None:
         Console(stderr=True).print(
             f"note: the log's days up to {archived} are archived; `dsec log ls` lists them"
@@ -410,20 +406,20 @@ def bill(
     ] = False,
 ) -> None:
     """Usage per tenant, job and UTC day: sandboxes, sandbox/core/GB-seconds, commands."""
-    from app.cli import reports
+    from app.cli import arguments
     from app.db import queries
     from app.db.engine import transaction
 
     try:
-        output = reports.Format("json" if as_json else fmt)
-        first = reports.parse_day(day_from) if day_from else None
-        last = reports.parse_day(day_to) if day_to else None
+        output = cli_render.Format("json" if as_json else fmt)
+        first = arguments.parse_day(day_from) if day_from else None
+        last = arguments.parse_day(day_to) if day_to else None
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if verify:
         _verify_bill(
-            first or reports.parse_day("7d"),
-            last or reports.parse_day("today"),
+            first or arguments.parse_day("7d"),
+            last or arguments.parse_day("today"),
             tenant or None,
             job or None,
             output,
@@ -433,11 +429,10 @@ def bill(
         rows = queries.bill(
             conn, tenant=tenant or None, job_id=job or None, day_from=first, day_to=last
         )
-    reports.render(rows, output, "bill (UTC days)", console, queries.BILL_COLUMNS)
+    cli_render.render(rows, output, "bill (UTC days)", console, queries.BILL_COLUMNS)
 
 
 def _verify_bill(first: date, last: date, tenant: str | None, job: str | None, output: Any) -> None:
-    from app.cli import reports
     from app.db import billing
     from app.db.engine import transaction
 
@@ -450,7 +445,7 @@ def _verify_bill(first: date, last: date, tenant: str | None, job: str | None, o
             f" {archived[-1]}): the raw log no longer holds them, the rollups do"
         )
     if rows:
-        reports.render(rows, output, "rollup vs raw log: rows that differ", console)
+        cli_render.render(rows, output, "rollup vs raw log: rows that differ", console)
         raise typer.Exit(1)
     console.print(f"bill {first} .. {last}: the rollups and the raw log agree")
 
@@ -550,7 +545,7 @@ def bench(
     if name:
         raise typer.Exit(cli_bench.run(name, [*ctx.args, *(["--json"] if as_json else [])]))
     rows = [{"name": k, "what": v} for k, v in cli_bench.available().items()]
-    _table("benchmarks (dsec bench NAME [ARGS...])", rows, as_json)
+    cli_render.rows("benchmarks (dsec bench NAME [ARGS...])", rows, as_json)
 
 
 def _version(show: bool) -> None:
