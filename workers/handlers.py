@@ -72,7 +72,7 @@ from app.sdk.credentials import Credential
 from workers import label
 from workers.agent.client import AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
-from workers.agent.protocol import ExecResult as AgentExecResult
+from workers.agent.protocol import AgentExecResult
 from workers.agent.protocol import Output as AgentOutput
 from workers.claims import Claims
 from workers.commands import Commands, Job, Running

@@ -15,9 +15,9 @@ from workers.agent.errors import AgentProtocolError
 from workers.agent.protocol import (
     HEADER_LEN,
     MAX_REQUEST_FRAME,
-    ErrorReply,
+    AgentErrorReply,
+    AgentExecResult,
     ExecRequest,
-    ExecResult,
     Hello,
     Op,
     Output,
@@ -121,10 +121,12 @@ def test_exec_result_roundtrips(
     flags: tuple[bool, bool, bool],
     duration_ns: int,
 ) -> None:
-    result = ExecResult(exit_code, stdout, stderr, *flags, duration_s=duration_ns / 1e9)
+    result = AgentExecResult(exit_code, stdout, stderr, *flags, duration_s=duration_ns / 1e9)
     decoded = _response_roundtrip(Op.EXEC, result)
-    assert isinstance(decoded, ExecResult)
-    assert decoded == ExecResult(exit_code, stdout, stderr, *flags, duration_s=decoded.duration_s)
+    assert isinstance(decoded, AgentExecResult)
+    assert decoded == AgentExecResult(
+        exit_code, stdout, stderr, *flags, duration_s=decoded.duration_s
+    )
     assert decoded.duration_s == pytest.approx(result.duration_s, abs=1e-9)
 
 
@@ -132,7 +134,7 @@ def test_other_responses_roundtrip() -> None:
     assert _response_roundtrip(Op.PING, Pong()) == Pong()
     assert _response_roundtrip(Op.WRITE_FILE, WriteFileResult(2**40)) == WriteFileResult(2**40)
     assert _response_roundtrip(Op.READ_FILE, ReadFileResult(b"", True)) == ReadFileResult(b"", True)
-    error = ErrorReply(errno=2, message="cannot open /x: No such file or directory")
+    error = AgentErrorReply(errno=2, message="cannot open /x: No such file or directory")
     for op in (Op.PING, Op.EXEC, Op.WRITE_FILE, Op.READ_FILE):
         assert _response_roundtrip(op, error) == error
 
@@ -148,14 +150,14 @@ def test_streaming_exec_roundtrips_with_its_output_frames() -> None:
         _response_roundtrip(Op.EXEC, Output(1, b"x"))
     with pytest.raises(AgentProtocolError):
         _response_roundtrip(Op.EXEC_STREAM, Output(3, b"x"))
-    result = ExecResult(0, b"a", b"b", duration_s=0.5)
+    result = AgentExecResult(0, b"a", b"b", duration_s=0.5)
     assert _response_roundtrip(Op.EXEC_STREAM, result) == result
 
 
 def test_exec_ok_property() -> None:
-    assert ExecResult(0, b"", b"").ok
-    assert not ExecResult(1, b"", b"").ok
-    assert not ExecResult(0, b"", b"", timed_out=True).ok
+    assert AgentExecResult(0, b"", b"").ok
+    assert not AgentExecResult(1, b"", b"").ok
+    assert not AgentExecResult(0, b"", b"", timed_out=True).ok
 
 
 def test_op_of_matches_the_encoded_op_byte() -> None:
@@ -266,7 +268,7 @@ def test_a_version_1_agent_gets_a_plain_exec_and_the_output_comes_at_the_end() -
         header = fake_agent.recv(HEADER_LEN, socket.MSG_WAITALL)
         payload = fake_agent.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
         seen_ops.append(payload[0])
-        fake_agent.sendall(encode_response(ExecResult(0, b"out", b"err")))
+        fake_agent.sendall(encode_response(AgentExecResult(0, b"out", b"err")))
 
     server = threading.Thread(target=serve)
     server.start()
@@ -305,7 +307,7 @@ def _fake_agent(*responses: bytes) -> tuple[AgentConnection, threading.Thread, s
         # A frame announcing far more than max_output: never read into memory.
         [(64 << 20).to_bytes(4, "big") + b"\x00"],
         # A well-formed result whose stdout exceeds what was asked.
-        [encode_response(ExecResult(0, b"x" * 2048, b""))],
+        [encode_response(AgentExecResult(0, b"x" * 2048, b""))],
         # Streamed pieces that together exceed it.
         [encode_response(Output(1, b"x" * 1000)), encode_response(Output(1, b"x" * 1000))],
     ],

@@ -38,10 +38,10 @@ from workers.agent.protocol import (
     HEADER_LEN,
     HELLO_PAYLOAD_LEN,
     SUPPORTED_VERSIONS,
+    AgentErrorReply,
+    AgentExecResult,
     CapCheck,
-    ErrorReply,
     ExecRequest,
-    ExecResult,
     Hello,
     Output,
     PingRequest,
@@ -194,7 +194,7 @@ class AgentConnection:
         max_output: int = 1 << 20,
         stdin: bytes = b"",
         on_output: Callable[[Output], None] | None = None,
-    ) -> ExecResult:
+    ) -> AgentExecResult:
         """Run ``argv`` in the sandbox and wait for it.
 
         With ``on_output``, output is handed over while the command runs, in pieces
@@ -225,7 +225,7 @@ class AgentConnection:
         )
         wait = None if timeout_s is None else timeout_s + self.exec_margin_s
         result = self.request(request, wait, on_output)
-        assert isinstance(result, ExecResult)
+        assert isinstance(result, AgentExecResult)
         if on_output is not None and not request.stream:
             for stream, data in ((1, result.stdout), (2, result.stderr)):
                 if data:
@@ -295,7 +295,7 @@ class AgentConnection:
             except OSError as exc:
                 self._close_locked()
                 raise AgentUnavailable(f"agent connection broke: {exc}") from exc
-        if isinstance(response, ErrorReply):
+        if isinstance(response, AgentErrorReply):
             raise AgentRefused(response.message, response.errno)
         return response
 

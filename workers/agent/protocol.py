@@ -169,7 +169,7 @@ class Pong:
 
 
 @dataclass(frozen=True)
-class ExecResult:
+class AgentExecResult:
     """How a command ended and what it printed."""
 
     exit_code: int
@@ -195,7 +195,7 @@ class ExecResult:
 
 @dataclass(frozen=True)
 class Output:
-    """Status 2: output of a running ``EXEC_STREAM``, before its :class:`ExecResult`."""
+    """Status 2: output of a running ``EXEC_STREAM``, before its :class:`AgentExecResult`."""
 
     stream: int
     """1 for stdout, 2 for stderr."""
@@ -222,7 +222,7 @@ class ReadFileResult:
 
 
 @dataclass(frozen=True)
-class ErrorReply:
+class AgentErrorReply:
     """Status 1: the agent refused or failed the request."""
 
     errno: int
@@ -231,7 +231,7 @@ class ErrorReply:
     """Human-readable reason."""
 
 
-Response = Pong | ExecResult | Output | WriteFileResult | ReadFileResult | ErrorReply
+Response = Pong | AgentExecResult | Output | WriteFileResult | ReadFileResult | AgentErrorReply
 
 
 # ---------------------------------------------------------------- encoding
@@ -328,7 +328,7 @@ def encode_response(response: Response) -> bytes:
     match response:
         case Pong():
             payload = ok
-        case ExecResult():
+        case AgentExecResult():
             flags = (
                 (_FLAG_TIMED_OUT if response.timed_out else 0)
                 | (_FLAG_STDOUT_TRUNCATED if response.stdout_truncated else 0)
@@ -350,7 +350,7 @@ def encode_response(response: Response) -> bytes:
             payload = ok + struct.pack(">Q", response.bytes_written)
         case ReadFileResult():
             payload = ok + bytes([response.truncated]) + _bytes(response.data)
-        case ErrorReply():
+        case AgentErrorReply():
             payload = (
                 bytes([Status.ERROR])
                 + _u32(response.errno, "errno")
@@ -456,7 +456,7 @@ def decode_response(op: Op, payload: bytes | bytearray | memoryview) -> Response
     response: Response
     if status == Status.ERROR:
         errno = r.u32()
-        response = ErrorReply(errno=errno, message=r.blob().decode("utf-8", "replace"))
+        response = AgentErrorReply(errno=errno, message=r.blob().decode("utf-8", "replace"))
     elif status == Status.OUTPUT and op == Op.EXEC_STREAM:
         stream = r.u8()
         if stream not in (1, 2):
@@ -468,7 +468,7 @@ def decode_response(op: Op, payload: bytes | bytearray | memoryview) -> Response
         response = Pong()
     elif op in (Op.EXEC, Op.EXEC_STREAM):
         exit_code, flags, duration_ns = r.unpack(_EXEC_HEAD)
-        response = ExecResult(
+        response = AgentExecResult(
             exit_code=exit_code,
             timed_out=bool(flags & _FLAG_TIMED_OUT),
             stdout_truncated=bool(flags & _FLAG_STDOUT_TRUNCATED),
@@ -521,7 +521,7 @@ class CapCheck:
             self.streamed[response.stream] += len(response.data)
             cap = min(request.max_output, MAX_OUTPUT_BYTES)
             self._within(self.streamed[response.stream], cap, "streamed output")
-        elif isinstance(response, ExecResult) and isinstance(request, ExecRequest):
+        elif isinstance(response, AgentExecResult) and isinstance(request, ExecRequest):
             cap = min(request.max_output, MAX_OUTPUT_BYTES)
             self._within(len(response.stdout), cap, "stdout")
             self._within(len(response.stderr), cap, "stderr")
