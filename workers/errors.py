@@ -1,9 +1,16 @@
-"""Errors the node's Podman side raises. Callers never see podman-py or requests errors."""
+"""The node's errors, a branch of the platform's tree (:class:`app.errors.DsecError`).
+
+Drivers' errors are translated where the driver is called: podman-py's and requests'
+in :mod:`workers.podman_driver`, redis-py's in :mod:`workers.redis_state`. Callers
+never see a driver's exception.
+"""
 
 from __future__ import annotations
 
+from app.errors import DsecError, ServiceUnavailable
 
-class NodeError(Exception):
+
+class NodeError(DsecError):
     """Something on the node (user, Podman service, image store, container) failed."""
 
 
@@ -26,3 +33,11 @@ class NoSpace(SandboxCreateFailed, OSError):
 class StaleCreate(SandboxCreateFailed, TimeoutError):
     """A create reached the node after its trainer gave up on it (a task held by a worker
     that died, given back late): making the sandbox then would leave it to nobody."""
+
+
+class RedisFailed(NodeError):
+    """Redis refused a request of the node (its claims, step results, inbox position)."""
+
+
+class RedisUnavailable(RedisFailed, ServiceUnavailable):
+    """Redis cannot be reached, or did not answer in time."""

@@ -21,12 +21,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timedelta
+from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import redis
+from typing import TYPE_CHECKING, TypeVar
 
 from app import metrics
 from app.config import Settings
@@ -67,26 +66,27 @@ from app.domain.requests import (
     ThawSandbox,
     WriteFile,
 )
-from app.domain.trajectory import replay_answer
+from app.domain.trajectory import RecordedStep
 from app.sdk.credentials import Credential
 from workers import label
-from workers.agent.client import AgentPool
+from workers.agent.client import AgentConnection, AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
 from workers.agent.protocol import AgentExecResult
 from workers.agent.protocol import Output as AgentOutput
-from workers.claims import Claims
 from workers.commands import Commands, Job, Running
 from workers.deadlines import Deadlines, Due
 from workers.errors import ImageNotFound, NodeError, NoSpace, SandboxCreateFailed, StaleCreate
 from workers.events_out import Outlet
 from workers.podman_driver import PodmanDriver
+from workers.redis_state import Claims, StepGuard, connect
 from workers.sandbox_spec import AGENT_BIN_MOUNT, AGENT_SOCKET_NAME, SandboxSpec
-from workers.trajectory import StepGuard, StepResult
 
 if TYPE_CHECKING:
     from workers.warm_pool import WarmPool
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Bytes of each output stream copied into the audit event.
 AUDIT_HEAD = 256
@@ -160,6 +160,13 @@ def _reason_for(exc: Exception) -> FailReason:
     return FailReason.INTERNAL
 
 
+class _Failed(Enum):
+    """What :meth:`Node._by_agent` returns once it has answered its request with the
+    failure."""
+
+    ANSWERED = "answered"
+
+
 @dataclass
 class Activity:
     """What a node saw happen in one sandbox."""
@@ -188,9 +195,9 @@ class Node:
         #: What this node proves its events with, and checks its tasks against.
         self.credential = credential
         self.outlet = Outlet(settings, credential)
-        self.redis = redis.Redis.from_url(settings.celery_broker_url)
-        self.steps = StepGuard(self.redis)
-        self.claims = Claims(self.redis, node_id)
+        store = connect(settings.celery_broker_url)
+        self.steps = StepGuard(store)
+        self.claims = Claims(store, node_id)
         self.sandbox_root = settings.state_dir / "nodes" / node_id / "sandboxes"
         self.agent_dir = settings.state_dir / "agent"
         # Sandboxes being created or destroyed right now: the reconciler leaves them
@@ -514,15 +521,14 @@ class Node:
         # Portable: no freezer cgroup needed, works on cgroup v1 and v2 alike. An agent
         # of protocol 3 sends it from the request's own handler process (a busybox
         # child would stop its handler too, and the answer with it).
-        try:
-            with self.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
-                if conn.concurrent:
-                    conn.signal_all(getattr(signal, f"SIG{signal_name}"))
-                else:
-                    argv = [f"{AGENT_BIN_MOUNT}/busybox", "kill", f"-{signal_name}", "-1"]
-                    conn.exec(argv, timeout_s=10)
-        except Exception as exc:
-            self._fail(request, exc)
+        def send(conn: AgentConnection) -> None:
+            if conn.concurrent:
+                conn.signal_all(getattr(signal, f"SIG{signal_name}"))
+            else:
+                argv = [f"{AGENT_BIN_MOUNT}/busybox", "kill", f"-{signal_name}", "-1"]
+                conn.exec(argv, timeout_s=10)
+
+        if isinstance(self._by_agent(request, send), _Failed):
             return
         self._saw(request.sandbox_id).frozen = event_type is SandboxFrozen
         self.outlet.event(
@@ -715,15 +721,12 @@ class Node:
         self, request: Exec, result: AgentExecResult, killed_by: str | None = None
     ) -> None:
         """Record and answer a command that ran (``killed_by``: ended by that kill)."""
-        traj, step = request.trajectory_id, request.step
-        duration_ms = result.duration_s * 1000
-        # What a replay of this step will answer, encoded once for Redis and the log.
-        kept: StepResult | None = None
-        if traj is not None:
-            kept = self._replay_record(request, result)
-            if step is not None:
-                self.steps.record(request.tenant, traj, step, kept)
-        self.outlet.event(self._completed(request, result, kept, killed_by))
+        completed = self._completed(request, result, killed_by)
+        # What a replay of this step answers: kept here until the log has it.
+        recorded = RecordedStep.of(completed.payload)
+        if recorded is not None and request.trajectory_id is not None:
+            self.steps.record(request.tenant, request.trajectory_id, recorded)
+        self.outlet.event(completed)
         seen = self._saw(request.sandbox_id)
         seen.commands += 1
         command = (
@@ -740,7 +743,7 @@ class Node:
                 exit_code=result.exit_code,
                 stdout_b64="",
                 stderr_b64="",
-                duration_ms=duration_ms,
+                duration_ms=result.duration_s * 1000,
                 timed_out=result.timed_out,
                 stdout_truncated=result.stdout_truncated,
                 stderr_truncated=result.stderr_truncated,
@@ -749,35 +752,19 @@ class Node:
             {"stdout": result.stdout, "stderr": result.stderr},
         )
 
-    def _replay_record(self, request: Exec, result: AgentExecResult) -> StepResult:
-        """A trajectory step's result as a replay answers it: each output cut to what
-        the log keeps (an event must stay within the log's message size)."""
-        cap = self.settings.step_output_bytes
-        return StepResult(
-            request_id=str(request.request_id),
-            exit_code=result.exit_code,
-            stdout_b64=base64.b64encode(result.stdout[:cap]).decode(),
-            stderr_b64=base64.b64encode(result.stderr[:cap]).decode(),
-            duration_ms=result.duration_s * 1000,
-            timed_out=result.timed_out,
-            stdout_truncated=result.stdout_truncated or len(result.stdout) > cap,
-            stderr_truncated=result.stderr_truncated or len(result.stderr) > cap,
-        )
-
     def _completed(
-        self,
-        request: Exec,
-        result: AgentExecResult,
-        kept: StepResult | None = None,
-        killed_by: str | None = None,
+        self, request: Exec, result: AgentExecResult, killed_by: str | None = None
     ) -> CommandCompleted:
-        """The log's record of one command that ran; a trajectory step's carries the
-        output its replays answer with (``kept``)."""
-        truncated = (
-            kept.stdout_truncated or kept.stderr_truncated
-            if kept is not None
-            else result.stdout_truncated or result.stderr_truncated
-        )
+        """The log's record of one command that ran. A trajectory command's carries the
+        outputs its replays answer with, each cut to what the log keeps
+        (``step_output_bytes``: an event must stay within the log's message size)."""
+        truncated = result.stdout_truncated or result.stderr_truncated
+        stdout_b64 = stderr_b64 = None
+        if request.trajectory_id is not None:
+            cap = self.settings.step_output_bytes
+            truncated |= len(result.stdout) > cap or len(result.stderr) > cap
+            stdout_b64 = base64.b64encode(result.stdout[:cap]).decode()
+            stderr_b64 = base64.b64encode(result.stderr[:cap]).decode()
         return CommandCompleted(
             event_id=derived_id(request.request_id, "completed"),
             **self._envelope(request),
@@ -796,8 +783,8 @@ class Node:
                 killed_by=killed_by,
                 trajectory_id=request.trajectory_id,
                 step=request.step,
-                stdout_b64=kept.stdout_b64 if kept is not None else None,
-                stderr_b64=kept.stderr_b64 if kept is not None else None,
+                stdout_b64=stdout_b64,
+                stderr_b64=stderr_b64,
             ),
         )
 
@@ -830,9 +817,7 @@ class Node:
                 AgentTimeout(f"trajectory {traj} step {step} is claimed but has no result yet"),
             )
             return
-        fields = asdict(recorded)
-        original = uuid.UUID(fields.pop("request_id"))
-        event, reply = replay_answer(request, original, node_id=self.node_id, **fields)
+        event, reply = recorded.answer(request, node_id=self.node_id)
         self.outlet.event(event)
         self.outlet.reply(request.reply_to, reply)
 
@@ -864,21 +849,10 @@ class Node:
     def write_file(self, request: WriteFile) -> None:
         """Write a file through the agent (which refuses links and traversal)."""
         data = base64.b64decode(request.data_b64)
-        try:
-            with self.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
-                size = conn.write_file(request.path, data, request.mode)
-        except Exception as exc:
-            self._fail(request, exc)
+        size = self._by_agent(request, lambda c: c.write_file(request.path, data, request.mode))
+        if isinstance(size, _Failed):
             return
-        self.outlet.event(
-            FileWritten(
-                event_id=derived_id(request.request_id, "written"),
-                **self._envelope(request),
-                payload=FilePayload(
-                    request_id=request.request_id, actor=request.actor, path=request.path, size=size
-                ),
-            )
-        )
+        self._file_moved(request, size)
         self.outlet.reply(
             request.reply_to,
             Done(
@@ -888,24 +862,11 @@ class Node:
 
     def read_file(self, request: ReadFile) -> None:
         """Read a file through the agent."""
-        try:
-            with self.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
-                data, truncated = conn.read_file(request.path, request.max_bytes)
-        except Exception as exc:
-            self._fail(request, exc)
+        read = self._by_agent(request, lambda c: c.read_file(request.path, request.max_bytes))
+        if isinstance(read, _Failed):
             return
-        self.outlet.event(
-            FileRead(
-                event_id=derived_id(request.request_id, "read"),
-                **self._envelope(request),
-                payload=FilePayload(
-                    request_id=request.request_id,
-                    actor=request.actor,
-                    path=request.path,
-                    size=len(data),
-                ),
-            )
-        )
+        data, truncated = read
+        self._file_moved(request, len(data))
         self.outlet.reply_with_data(
             request.reply_to,
             FileContent(
@@ -916,6 +877,31 @@ class Node:
             ),
             {"data": data},
         )
+
+    def _file_moved(self, request: WriteFile | ReadFile, size: int) -> None:
+        """Record that a file crossed the sandbox's boundary."""
+        written = isinstance(request, WriteFile)
+        kind: type[FileWritten] | type[FileRead] = FileWritten if written else FileRead
+        self.outlet.event(
+            kind(
+                event_id=derived_id(request.request_id, "written" if written else "read"),
+                **self._envelope(request),
+                payload=FilePayload(
+                    request_id=request.request_id, actor=request.actor, path=request.path, size=size
+                ),
+            )
+        )
+
+    def _by_agent(self, request: RequestBase, work: Callable[[AgentConnection], T]) -> T | _Failed:
+        """What ``work`` returns, done with the sandbox's agent (waited for while it
+        reconnects); if anything fails, the request is answered with the failure and
+        :data:`_Failed.ANSWERED` returned."""
+        try:
+            with self.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
+                return work(conn)
+        except Exception as exc:
+            self._fail(request, exc)
+            return _Failed.ANSWERED
 
 
 #: Namespace of ids for facts the node finds on its own (no request behind them).

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 
-import redis
 from kafka.errors import KafkaError
 
 from app import bus, metrics
@@ -26,10 +24,12 @@ from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
 from app.domain.codec import DeadLetterReason
 from app.domain.node_tasks import read_inbox_record
-from app.domain.records import Record, StoredOffset
+from app.domain.records import Record
 from app.errors import ServiceUnavailable
 from workers import tasks
+from workers.errors import RedisFailed
 from workers.events_out import Outlet
+from workers.redis_state import InboxPosition, connect
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,7 @@ class Inbox:
         self.topic = settings.node_topic(node_id)
         self.name = f"inbox {node_id}"
         self._outlet = outlet
-        self._redis = redis.Redis.from_url(settings.celery_broker_url)
-        self._key = f"dsec:inbox:{node_id}"
+        self._position = InboxPosition(connect(settings.celery_broker_url), node_id)
         self._stopping = threading.Event()
         self._ready: threading.Event | None = None
         self._thread = threading.Thread(target=self._run, name="dsec-inbox", daemon=True)
@@ -67,33 +66,13 @@ class Inbox:
         """Stop after the current batch."""
         self._stopping.set()
 
-    # --- position, in Redis beside the claims -------------------------------------
-
-    def _stored(self) -> dict[int, StoredOffset]:
-        saved: dict[bytes, bytes] = self._redis.hgetall(self._key)  # type: ignore[assignment]
-        out: dict[int, StoredOffset] = {}
-        for field, value in saved.items():
-            topic_id, _, partition = field.decode().partition(":")
-            out[int(partition)] = StoredOffset(uuid.UUID(topic_id), int(value))
-        return out
-
-    def _save(self, consumer: PositionedConsumer, offsets: dict[int, int]) -> None:
-        # One incarnation's positions only: an old one's would be read as this one's.
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(self._key)
-        for partition, offset in offsets.items():
-            pipe.hset(self._key, f"{consumer.topic_id}:{partition}", offset)
-        pipe.execute()
-
-    # --- the loop -----------------------------------------------------------------
-
     def _run(self) -> None:
         if self._ready is not None and not self._ready.wait(READY_WAIT_S):
             log.warning("%s: the node's first round is slow; reading anyway", self.name)
         while not self._stopping.is_set():
             try:
                 self._serve()
-            except (KafkaError, ServiceUnavailable, redis.RedisError) as exc:
+            except (KafkaError, ServiceUnavailable, RedisFailed) as exc:
                 log.warning("%s: waiting for the broker or Redis: %s", self.name, exc)
                 metrics.WAITING.labels(self.name, "broker").set(1)
                 self._stopping.wait(1.0)
@@ -105,7 +84,7 @@ class Inbox:
         bus.ensure_topics(self.settings, nodes=[self.node_id], platform=False)
         consumer = PositionedConsumer(self.settings, self.topic, self.name)
         try:
-            consumer.seek(self._stored())
+            consumer.seek(self._position.stored())
             metrics.WAITING.labels(self.name, "broker").set(0)
             log.info("%s: reading %s", self.name, self.topic)
             while not self._stopping.is_set():
@@ -116,7 +95,7 @@ class Inbox:
                 for record in records:
                     self._carry_out(record)
                     offsets[record.partition] = record.offset + 1
-                self._save(consumer, offsets)
+                self._position.save(consumer.topic_id, offsets)
         finally:
             consumer.close()
 

@@ -140,7 +140,7 @@ def _run(
     node = runtime.node()
     # Lifecycle and file tasks are idempotent: one cut short by the worker's death is
     # done again by the next worker (redo_interrupted), not left to Celery's
-    # redelivery an hour later. Commands have their own record (workers/claims.py).
+    # redelivery an hour later. Commands have their own record (workers/redis_state.py).
     held = task not in VIA_INBOX
     try:
         if held:

@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from app.domain.base import derived_id
-from app.domain.events import CommandReplayed, ReplayedPayload
+from app.domain.events import CommandPayload, CommandReplayed, ReplayedPayload
 from app.domain.replies import ExecOutput
 from app.domain.requests import Exec
 
 
 @dataclass(frozen=True)
 class RecordedStep:
-    """What one completed step returned."""
+    """A completed step's outcome, what its replays answer: read from the log (the
+    ``commands`` projection) by the scheduler, and kept by the node that ran it
+    until the log has it (``workers/redis_state.py``)."""
 
     request_id: uuid.UUID
     step: int
@@ -30,7 +32,45 @@ class RecordedStep:
     stderr_b64: str
     duration_ms: float
     timed_out: bool
+    #: Either output was cut (to what the log keeps, or by the command's own cap).
     truncated: bool
+
+    @classmethod
+    def of(cls, completed: CommandPayload) -> RecordedStep | None:
+        """What the log will keep of a command that ran; None if it is no step."""
+        if completed.trajectory_id is None or completed.step is None:
+            return None
+        if completed.stdout_b64 is None or completed.stderr_b64 is None:
+            return None
+        return cls(
+            request_id=completed.request_id,
+            step=completed.step,
+            command=completed.command,
+            exit_code=completed.exit_code,
+            stdout_b64=completed.stdout_b64,
+            stderr_b64=completed.stderr_b64,
+            duration_ms=completed.duration_ms,
+            timed_out=completed.timed_out,
+            truncated=completed.truncated,
+        )
+
+    def answer(
+        self, request: Exec, node_id: str | None = None
+    ) -> tuple[CommandReplayed, ExecOutput]:
+        """:func:`replay_answer` for ``request`` from this step; the log keeps one
+        truncation flag, so both streams say it."""
+        return replay_answer(
+            request,
+            self.request_id,
+            exit_code=self.exit_code,
+            stdout_b64=self.stdout_b64,
+            stderr_b64=self.stderr_b64,
+            duration_ms=self.duration_ms,
+            timed_out=self.timed_out,
+            stdout_truncated=self.truncated,
+            stderr_truncated=self.truncated,
+            node_id=node_id,
+        )
 
 
 class TrajectoryLog(Protocol):

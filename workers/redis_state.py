@@ -1,0 +1,237 @@
+"""What a node keeps in Redis: its exec claims and commands in flight, the lifecycle
+tasks it is doing, its trajectory steps' claims and results, and its inbox position.
+
+Every call that reaches Redis goes through :func:`_translated`, so redis-py's errors
+leave this module as the node's own (:class:`~workers.errors.RedisUnavailable` when
+Redis cannot be reached, :class:`~workers.errors.RedisFailed` otherwise): callers
+never catch a driver's exception.
+
+Claims. Claiming an exec's request id (``SET NX``) is what makes a command run at
+most once however often its record or task is delivered. The same step records the
+command as in flight, with what is needed to answer it (its request and reply key),
+until it is answered. A worker that dies takes its agents' connections with it, and
+the agents then kill those commands: the next worker finds them still recorded and
+answers each one ``interrupted``, so a trainer hears of it instead of waiting out its
+timeout. Lifecycle and file tasks (create, destroy, freeze, thaw, write, read) are
+idempotent: the next worker does those again (``tasks.redo_interrupted``).
+
+Trajectory steps run at most once. The scheduler answers steps it finds in the log.
+A step that is not there yet (its result still on the way to Postgres, or running
+right now) is guarded here: the node claims ``(trajectory_id, step)`` before running
+it, and keeps the result for an hour afterwards. A second request for a claimed step
+waits for that result and is answered with it, marked replayed, instead of running
+the command again.
+
+The inbox position is kept after each batch's claims, so a restart re-reads at most
+one batch (:mod:`workers.inbox`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, ParamSpec, TypeVar
+
+import redis
+from pydantic import ValidationError
+
+from app.domain.records import StoredOffset
+from app.domain.requests import Exec
+from app.domain.trajectory import RecordedStep
+from workers.errors import RedisFailed, RedisUnavailable
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: Claims are kept this long (a replay of the same request id within it is skipped).
+DEDUPE_TTL_S = 7 * 86_400
+#: A trajectory step's claim is kept as long as an exec's.
+STEP_CLAIM_TTL_S = DEDUPE_TTL_S
+#: A step's result is kept this long for the requests that wait on it; by then the log
+#: has it, and the scheduler answers from there.
+STEP_RESULT_TTL_S = 3600
+#: How often a request waiting on another's step looks for its result.
+STEP_POLL_S = 0.05
+
+# Claim and record in one round trip, and only if the claim is new.
+_CLAIM = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+    redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+    return 1
+end
+return 0
+"""
+
+
+def connect(url: str) -> redis.Redis:
+    """A client of the Redis at ``url`` (connecting on first use)."""
+    return redis.Redis.from_url(url)
+
+
+def _translated(call: Callable[P, T]) -> Callable[P, T]:
+    """``call``, with redis-py's errors raised as the node's own."""
+
+    @functools.wraps(call)
+    def translated(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return call(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RedisUnavailable(f"{call.__qualname__}: {exc}") from exc
+        except redis.RedisError as exc:
+            raise RedisFailed(f"{call.__qualname__}: {exc}") from exc
+
+    return translated
+
+
+class Claims:
+    """A node's exec claims, its commands in flight and the tasks it is doing."""
+
+    def __init__(self, client: redis.Redis, node_id: str) -> None:
+        self._redis = client
+        self._node_id = node_id
+        self._in_flight = f"dsec:inflight:{node_id}"
+        self._tasks = f"dsec:inflight-tasks:{node_id}"
+        self._claim: Any = client.register_script(_CLAIM)
+
+    @_translated
+    def claim(self, request: Exec, reply_key: bytes | None) -> bool:
+        """True the first time ``request``'s id is seen; it is then in flight here
+        until :meth:`answered`."""
+        record = {"request": request.model_dump_json(), "reply_key": (reply_key or b"").hex()}
+        claimed = self._claim(
+            keys=[f"dsec:done:{request.request_id}", self._in_flight],
+            args=[self._node_id, DEDUPE_TTL_S, str(request.request_id), json.dumps(record)],
+        )
+        return bool(claimed)
+
+    @_translated
+    def answered(self, request_id: uuid.UUID) -> None:
+        """The command or task was answered (or will never need to be)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hdel(self._in_flight, str(request_id))
+        pipe.hdel(self._tasks, str(request_id))
+        pipe.execute()
+
+    @_translated
+    def hold(self, request_id: uuid.UUID, task: str, args: list[str]) -> None:
+        """A lifecycle or file task is being done here (sealed, as it came) until
+        :meth:`answered`: a worker that dies meanwhile leaves it to the next one."""
+        record = json.dumps({"task": task, "args": args})
+        self._redis.hset(self._tasks, str(request_id), record)
+
+    def held(self) -> list[tuple[str, list[str]]]:
+        """Lifecycle and file tasks a worker of this node took and never finished."""
+        return self._read(
+            self._tasks, lambda r: (str(r["task"]), [str(a) for a in r["args"]]), "held task"
+        )
+
+    def unanswered(self) -> list[tuple[Exec, bytes | None]]:
+        """Commands claimed here and never answered (their worker died)."""
+        return self._read(
+            self._in_flight,
+            lambda r: (
+                Exec.model_validate_json(r["request"]),
+                bytes.fromhex(r["reply_key"]) or None,
+            ),
+            "in-flight command",
+        )
+
+    @_translated
+    def _read(self, key: str, parse: Callable[[dict[str, Any]], T], what: str) -> list[T]:
+        """Every record of the hash ``key``, parsed; one that cannot be is dropped."""
+        found: list[T] = []
+        entries: dict[bytes, bytes] = self._redis.hgetall(key)  # type: ignore[assignment]
+        for field, value in entries.items():
+            try:
+                found.append(parse(json.loads(value)))
+            except (ValueError, KeyError, TypeError, ValidationError) as exc:
+                log.error("%s %s unreadable, dropped: %s", what, field, exc)
+                self._redis.hdel(key, field)
+        return found
+
+
+class StepGuard:
+    """Claims trajectory steps and shares their results."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._redis = client
+
+    @staticmethod
+    def _keys(tenant: str, trajectory_id: str, step: int) -> tuple[str, str]:
+        # Trajectory ids are the tenant's own; a tenant name has no ':'.
+        base = f"dsec:step:{tenant}:{trajectory_id}:{step}"
+        return base, base + ":result"
+
+    @_translated
+    def claim(self, tenant: str, trajectory_id: str, step: int, request_id: str) -> bool:
+        """True if this request may run the step (nobody claimed it before)."""
+        claim, _ = self._keys(tenant, trajectory_id, step)
+        return bool(self._redis.set(claim, request_id, nx=True, ex=STEP_CLAIM_TTL_S))
+
+    @_translated
+    def release(self, tenant: str, trajectory_id: str, step: int) -> None:
+        """Give the step up (the command could not be started at all)."""
+        claim, _ = self._keys(tenant, trajectory_id, step)
+        self._redis.delete(claim)
+
+    @_translated
+    def record(self, tenant: str, trajectory_id: str, recorded: RecordedStep) -> None:
+        """Keep the step's result for the requests that wait on it."""
+        _, key = self._keys(tenant, trajectory_id, recorded.step)
+        kept = {**asdict(recorded), "request_id": str(recorded.request_id)}
+        self._redis.set(key, json.dumps(kept), ex=STEP_RESULT_TTL_S)
+
+    @_translated
+    def wait(
+        self, tenant: str, trajectory_id: str, step: int, timeout_s: float
+    ) -> RecordedStep | None:
+        """The result of a step someone else claimed, once it is recorded."""
+        _, key = self._keys(tenant, trajectory_id, step)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            raw = self._redis.get(key)
+            if raw is not None:
+                try:
+                    kept = json.loads(raw)
+                    return RecordedStep(**{**kept, "request_id": uuid.UUID(kept["request_id"])})
+                except (ValueError, KeyError, TypeError) as exc:  # written by another version
+                    log.error("step result %s unreadable: %s", key, exc)
+                    return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(STEP_POLL_S)
+
+
+class InboxPosition:
+    """Where a node's inbox resumes: per partition, beside the claims it made."""
+
+    def __init__(self, client: redis.Redis, node_id: str) -> None:
+        self._redis = client
+        self._key = f"dsec:inbox:{node_id}"
+
+    @_translated
+    def stored(self) -> dict[int, StoredOffset]:
+        """The position saved last, by partition."""
+        saved: dict[bytes, bytes] = self._redis.hgetall(self._key)  # type: ignore[assignment]
+        out: dict[int, StoredOffset] = {}
+        for field, value in saved.items():
+            topic_id, _, partition = field.decode().partition(":")
+            out[int(partition)] = StoredOffset(uuid.UUID(topic_id), int(value))
+        return out
+
+    @_translated
+    def save(self, topic_id: uuid.UUID, offsets: dict[int, int]) -> None:
+        """Resume from ``offsets`` (partition -> next offset) of this incarnation."""
+        # One incarnation's positions only: an old one's would be read as this one's.
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self._key)
+        for partition, offset in offsets.items():
+            pipe.hset(self._key, f"{topic_id}:{partition}", offset)
+        pipe.execute()
