@@ -74,10 +74,10 @@ from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUn
 from workers.agent.protocol import AgentExecResult
 from workers.agent.protocol import Output as AgentOutput
 from workers.commands import Commands, Job, Running
+from workers.container_port import ContainerDriver
 from workers.deadlines import Deadlines, Due
 from workers.errors import ImageNotFound, NodeError, NoSpace, SandboxCreateFailed, StaleCreate
 from workers.events_out import Outlet
-from workers.podman_driver import PodmanDriver
 from workers.redis_state import Claims, StepGuard, connect
 from workers.sandbox_spec import AGENT_BIN_MOUNT, AGENT_SOCKET_NAME, SandboxSpec
 
@@ -184,7 +184,7 @@ class Node:
         self,
         settings: Settings,
         node_id: str,
-        driver: PodmanDriver,
+        driver: ContainerDriver,
         agents: AgentPool,
         credential: Credential,
     ) -> None:

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -37,6 +36,7 @@ import podman.errors
 import requests
 
 from workers import label
+from workers.container_port import SandboxContainer, Usage, container_name, sandbox_id_of
 from workers.errors import ImageNotFound, NodeError, PodmanUnavailable, SandboxCreateFailed
 from workers.file_lock import file_lock
 from workers.limits import CPU_PERIOD_US, CgroupLimiter, Limits, View
@@ -64,51 +64,9 @@ DEFAULT_COMMAND: tuple[str, ...] = (
 NOFILE = 1024
 
 
-@dataclass(frozen=True)
-class Usage:
-    """What a sandbox's cgroups say of it (None: not known, e.g. no limiter)."""
-
-    cpu_s: float | None = None
-    memory_peak_mb: float | None = None
-    processes: int | None = None
-    oom_kills: int | None = None
-
-
-@dataclass(frozen=True)
-class SandboxContainer:
-    """A sandbox container as Podman reports it."""
-
-    sandbox_id: str
-    container_id: str
-    name: str
-    image: str
-    #: Podman's state: created, running, exited, stopped, paused, ...
-    state: str
-    exit_code: int | None
-    #: The kernel's OOM killer killed the container or one of its processes (Podman's
-    #: flag, or the sandbox cgroup's OOM kill counter; may be set while it runs).
-    oom_killed: bool
-    labels: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def running(self) -> bool:
-        """The container's process is alive."""
-        return self.state == "running"
-
-    @property
-    def warm(self) -> bool:
-        """A warm-pool container nobody has claimed (still named after its slot)."""
-        return label.WARM in self.labels and self.labels.get(label.SANDBOX_ID) == self.sandbox_id
-
-    @property
-    def claimed(self) -> bool:
-        """A warm-pool container renamed to the sandbox that claimed it: its labels
-        still describe the slot, the node's claim record describes the sandbox."""
-        return label.WARM in self.labels and self.labels.get(label.SANDBOX_ID) != self.sandbox_id
-
-
 class PodmanDriver:
-    """Creates, lists and removes sandbox containers on one node's Podman service.
+    """Creates, lists and removes sandbox containers on one node's Podman service: the
+    real :class:`~workers.container_port.ContainerDriver`.
 
     Thread-safe: each thread gets its own podman-py client (HTTP session).
     Without a ``limiter`` only Podman's own limits apply (none on a rootless cgroup v1
@@ -201,7 +159,7 @@ class PodmanDriver:
         return self._reviving(self._remove, sandbox_id)
 
     def _remove(self, sandbox_id: str) -> bool:
-        name = _name(sandbox_id)
+        name = container_name(sandbox_id)
         with self._mapped(NodeError, f"remove {name}"):
             for attempt in range(REMOVE_ATTEMPTS):
                 response = self._client().api.delete(
@@ -224,9 +182,10 @@ class PodmanDriver:
 
         Podman renames a running container atomically in its database; the labels stay.
         """
-        with self._mapped(NodeError, f"rename {_name(old_id)}"):
+        with self._mapped(NodeError, f"rename {container_name(old_id)}"):
             response = self._client().api.post(
-                f"/containers/{_name(old_id)}/rename", params={"name": _name(new_id)}
+                f"/containers/{container_name(old_id)}/rename",
+                params={"name": container_name(new_id)},
             )
             response.raise_for_status()
 
@@ -305,13 +264,13 @@ class PodmanDriver:
         return self._reviving(self._inspect_sandbox, sandbox_id)
 
     def _inspect_sandbox(self, sandbox_id: str) -> dict[str, Any] | None:
-        with self._mapped(NodeError, f"inspect {_name(sandbox_id)}"):
-            return self._inspect_if_there(self._client(), _name(sandbox_id))
+        with self._mapped(NodeError, f"inspect {container_name(sandbox_id)}"):
+            return self._inspect_if_there(self._client(), container_name(sandbox_id))
 
     def logs(self, sandbox_id: str, tail: int | None = None) -> str | None:
         """What the sandbox's PID 1 wrote (stdout and stderr, capped by Podman), or None."""
-        with self._mapped(NodeError, f"logs of {_name(sandbox_id)}"):
-            container = self._get(self._client(), _name(sandbox_id))
+        with self._mapped(NodeError, f"logs of {container_name(sandbox_id)}"):
+            container = self._get(self._client(), container_name(sandbox_id))
             if container is None:
                 return None
             chunks = container.logs(stdout=True, stderr=True, tail=tail)
@@ -575,24 +534,12 @@ def _bind(source: Any, target: str) -> dict[str, Any]:
 REMOVE_ATTEMPTS = 5
 
 
-def _name(sandbox_id: str) -> str:
-    # Same as SandboxSpec.container_name, for calls that only have the id.
-    return f"dsec-{sandbox_id}"
-
-
-def _sandbox_id(name: str, labels: dict[str, str]) -> str:
-    # The name, not the label: a claimed warm container was renamed to its sandbox's
-    # name, while its labels, fixed at create, still name the warm slot.
-    name = name.lstrip("/")
-    return name[len("dsec-") :] if name.startswith("dsec-") else labels.get(label.SANDBOX_ID, "")
-
-
 def _from_list(attrs: dict[str, Any], oom_killed: bool) -> SandboxContainer:
     labels = dict(attrs.get("Labels") or {})
     names = attrs.get("Names") or [""]
     state = str(attrs.get("State", ""))
     return SandboxContainer(
-        sandbox_id=_sandbox_id(str(names[0]), labels),
+        sandbox_id=sandbox_id_of(str(names[0]), labels),
         container_id=str(attrs.get("Id", "")),
         name=str(names[0]),
         image=str(attrs.get("Image", "")),
@@ -608,7 +555,7 @@ def _from_inspect(data: dict[str, Any]) -> SandboxContainer:
     labels = dict((data.get("Config") or {}).get("Labels") or {})
     state = str(st.get("Status", ""))
     return SandboxContainer(
-        sandbox_id=_sandbox_id(str(data.get("Name", "")), labels),
+        sandbox_id=sandbox_id_of(str(data.get("Name", "")), labels),
         container_id=str(data.get("Id", "")),
         name=str(data.get("Name", "")),
         image=str(data.get("ImageName") or data.get("Image", "")),

@@ -78,8 +78,8 @@ from typing import Protocol
 from app.domain.requests import SandboxShape
 from workers import label
 from workers.agent.client import AgentPool
+from workers.container_port import ContainerDriver, SandboxContainer
 from workers.errors import NodeError
-from workers.podman_driver import PodmanDriver, SandboxContainer
 from workers.sandbox_spec import SandboxSpec
 
 
@@ -87,7 +87,7 @@ class PoolHost(Protocol):
     """What a warm pool needs of its node (:class:`workers.handlers.Node` is one)."""
 
     node_id: str
-    driver: PodmanDriver
+    driver: ContainerDriver
     agents: AgentPool
     agent_dir: Path
     sandbox_root: Path

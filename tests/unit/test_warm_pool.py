@@ -1,5 +1,5 @@
 """Warm pool logic without Podman: identity, claim records, limits rewrites, and the
-claim and refill rules against in-memory fakes of the driver and the agent pool."""
+claim and refill rules against the in-memory container driver and a fake agent pool."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import pytest
 
 from workers import label
 from workers import limits as limits_mod
+from workers.container_port import SandboxContainer
 from workers.errors import NodeError
 from workers.limits import CgroupLayout, CgroupLimiter, Hierarchy, Limits
-from workers.podman_driver import SandboxContainer, _from_list
+from workers.memory_driver import MemoryDriver
+from workers.podman_driver import _from_list
 from workers.sandbox_spec import SandboxSpec
 from workers.upkeep import held
 from workers.warm_pool import RECORD_NAME, ClaimRecord, WarmPool, read_record, write_record
@@ -89,43 +91,7 @@ def test_cgroup_v2_cannot_rename(tmp_path: Path) -> None:
         v2.rename("warm-1", "sb-9")
 
 
-# --- the pool against fakes -------------------------------------------------------
-
-
-class FakeDriver:
-    can_rename_cgroups = True
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, ...]] = []
-        self.fail_on: str | None = None
-
-    def _do(self, *call: str) -> None:
-        self.calls.append(call)
-        if call[0] == self.fail_on:
-            raise NodeError(f"{call[0]} failed")
-
-    def create_and_start(self, spec: SandboxSpec) -> str:
-        self._do("create", spec.sandbox_id)
-        return f"cid-{spec.sandbox_id}"
-
-    def update_limits(self, sandbox_id: str, *_: Any) -> None:
-        self._do("limits", sandbox_id)
-
-    def rename_cgroups(self, old: str, new: str) -> None:
-        self._do("cgroups", old, new)
-
-    def rename(self, old: str, new: str) -> None:
-        self._do("rename", old, new)
-
-    def remove(self, sandbox_id: str) -> bool:
-        self._do("remove", sandbox_id)
-        return True
-
-    def remove_cgroups(self, sandbox_id: str) -> bool:
-        return True
-
-    def list_sandboxes(self) -> list[SandboxContainer]:
-        return []
+# --- the pool against the in-memory driver --------------------------------------------
 
 
 class FakeAgents:
@@ -156,7 +122,7 @@ class FakeAgents:
 class FakeNode:
     def __init__(self, root: Path) -> None:
         self.node_id = "n"
-        self.driver = FakeDriver()
+        self.driver = MemoryDriver(images=[IMAGE])
         self.agents = FakeAgents()
         self.sandbox_root = root
         self.agent_dir = root / "agent"
@@ -191,12 +157,32 @@ def _spec(node: FakeNode, sandbox_id: str = "sb-1", **kw: Any) -> SandboxSpec:
     return SandboxSpec(sandbox_id=sandbox_id, run_dir=node.run_dir(sandbox_id), **shape)
 
 
-def test_a_claim_renames_everything_and_the_container_last(pool: WarmPool, node: FakeNode) -> None:
-    node.driver.calls.clear()
+def test_a_claim_renames_everything_and_the_container_last(
+    pool: WarmPool, node: FakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a look at the node when the container's rename (the commit) begins
+    at_commit: dict[str, Any] = {}
+    rename = node.driver.rename
+
+    def commit(old: str, new: str) -> None:
+        at_commit.update(
+            old=old,
+            limits=node.driver.limits(new),
+            run_dir=node.run_dir(new).is_dir(),
+            agent=new in node.agents.slots,
+            container=node.driver.get(new),
+        )
+        rename(old, new)
+
+    monkeypatch.setattr(node.driver, "rename", commit)
+    # When a sandbox claims a warm container
     container = pool.claim(_spec(node, memory_mb=64))
-    assert container is not None and container.startswith("cid-warm-")
-    kinds = [c[0] for c in node.driver.calls if c[0] != "create"]
-    assert kinds[:3] == ["limits", "cgroups", "rename"]  # the rename commits
+    # Then cgroups (with the sandbox's limits), run dir and agent slot had moved first
+    assert container is not None and at_commit["old"].startswith("warm-")
+    assert at_commit["limits"] == Limits.of(64, 256, 1.0)
+    assert at_commit["run_dir"] and at_commit["agent"] and at_commit["container"] is None
+    claimed = node.driver.get("sb-1")
+    assert claimed is not None and claimed.claimed and claimed.container_id == container
     assert node.agents.slots["sb-1"] == {"K": "v"}
     assert read_record(node.run_dir("sb-1")) == pool.record("sb-1")
 
@@ -208,21 +194,53 @@ def test_shapes_the_pool_cannot_serve_start_cold(pool: WarmPool, node: FakeNode)
     assert pool.ready(IMAGE) == 2
 
 
-def test_a_failed_hand_over_leaves_nothing_and_goes_cold(pool: WarmPool, node: FakeNode) -> None:
-    node.driver.fail_on = "rename"
+def test_a_failed_hand_over_leaves_nothing_and_goes_cold(
+    pool: WarmPool, node: FakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a full pool whose container rename (the commit) fails
+    pool.close(drain=False)  # no refill meanwhile
+    slots = {b.sandbox_id for b in node.driver.list_sandboxes() if b.warm}
+
+    def refused(old: str, new: str) -> None:
+        raise NodeError("rename refused")
+
+    monkeypatch.setattr(node.driver, "rename", refused)
+    # When a sandbox claims one, the create goes cold
     assert pool.claim(_spec(node)) is None
-    removed = {c[1] for c in node.driver.calls if c[0] == "remove"}
-    assert removed >= {"sb-1"} and any(r.startswith("warm-") for r in removed)
+    # Then the slot is gone with all it had, under its name and the sandbox's
+    left = {b.sandbox_id for b in node.driver.list_sandboxes()}
+    assert len(slots - left) == 1 and left < slots and pool.ready(IMAGE) == 1
+    assert node.driver.cgroup_sandbox_ids() == sorted(left)
     assert "sb-1" not in node.agents.slots and not node.run_dir("sb-1").exists()
 
 
 def test_a_slot_whose_agent_hung_up_is_skipped(pool: WarmPool, node: FakeNode) -> None:
-    node.driver.fail_on = "create"  # no refill meanwhile
+    pool.close(drain=False)  # no refill meanwhile
     first = next(s for s in node.agents.slots if s.startswith("warm-"))
     node.agents.dead.add(first)
+    hung_up = node.driver.get(first)
     container = pool.claim(_spec(node))
-    assert container is not None and first not in container
+    assert hung_up is not None and container not in (None, hung_up.container_id)
+    assert node.driver.get(first) is None
     assert pool.ready(IMAGE) == 0
+
+
+def test_a_start_removes_a_previous_lifes_warm_containers_not_its_sandboxes(
+    node: FakeNode,
+) -> None:
+    # Given a warm container and a claimed one, left by a worker that stopped
+    for slot in ("warm-old", "warm-taken"):
+        node.run_dir(slot).mkdir(parents=True)
+        warm = SandboxSpec(slot, IMAGE, labels={label.WARM: IMAGE}, run_dir=node.run_dir(slot))
+        node.driver.create_and_start(warm)
+    node.driver.rename("warm-taken", "sb-1")
+    # When a new pool starts
+    pool = WarmPool(node, {IMAGE: 0})  # type: ignore[arg-type]
+    pool.start()
+    pool.close(drain=False)
+    # Then the unclaimed one is gone with its run dir; the claimed sandbox stays
+    assert [b.sandbox_id for b in node.driver.list_sandboxes()] == ["sb-1"]
+    assert not node.run_dir("warm-old").exists()
 
 
 def test_refill_waits_while_sandboxes_are_busy(pool: WarmPool, node: FakeNode) -> None:
@@ -241,7 +259,7 @@ def test_refill_waits_while_sandboxes_are_busy(pool: WarmPool, node: FakeNode) -
 
 
 def test_concurrent_claims_never_share_a_slot(pool: WarmPool, node: FakeNode) -> None:
-    node.driver.fail_on = "create"  # no refill: two slots for eight claims
+    pool.close(drain=False)  # no refill: two slots for eight claims
     got: list[str | None] = []
     threads = [
         threading.Thread(target=lambda i=i: got.append(pool.claim(_spec(node, f"sb-{i}"))))
