@@ -173,12 +173,11 @@ def node_up(
     """Set this host up as a node and start its worker, from settings alone: Kafka and
     Redis of the control plane, the node's credential (DSEC_NODE_CREDENTIAL_FILE)."""
     from app.stack import node_host
-    from workers.errors import NodeError
 
     settings = get_settings()
     try:
         node_host.up(settings, node or settings.node_id, agent, _log, foreground=foreground)
-    except (DsecError, NodeError) as exc:
+    except DsecError as exc:
         console.print(f"[red]dsec:[/] {exc}")
         raise typer.Exit(2) from exc
 

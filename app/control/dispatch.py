@@ -65,7 +65,7 @@ from app.domain.requests import (
     expand_group,
     member_envelope,
 )
-from app.domain.trajectory import TrajectoryLog, replay_answer
+from app.domain.trajectory import TrajectoryLog
 from app.domain.trust import EVENT_SENDERS, event_refusal, may_act_on
 
 log = logging.getLogger(__name__)
@@ -832,17 +832,7 @@ class Dispatcher:
         recorded = self.trajectory.lookup(request.tenant, request.trajectory_id, request.step)
         if recorded is None:
             return False
-        event, reply = replay_answer(
-            request,
-            recorded.request_id,
-            exit_code=recorded.exit_code,
-            stdout_b64=recorded.stdout_b64,
-            stderr_b64=recorded.stderr_b64,
-            duration_ms=recorded.duration_ms,
-            timed_out=recorded.timed_out,
-            stdout_truncated=recorded.truncated,
-            stderr_truncated=recorded.truncated,
-        )
+        event, reply = recorded.answer(request)
         out.events.append((event.key, encode(event)))
         self._reply(out, admitted.sender, request.reply_to, reply)
         self.tally.handled(request.type, "replayed")

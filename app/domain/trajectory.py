@@ -57,11 +57,27 @@ class RecordedStep:
     def answer(
         self, request: Exec, node_id: str | None = None
     ) -> tuple[CommandReplayed, ExecOutput]:
-        """:func:`replay_answer` for ``request`` from this step; the log keeps one
-        truncation flag, so both streams say it."""
-        return replay_answer(
-            request,
-            self.request_id,
+        """The audit event and the trainer's reply for ``request``, a step answered from
+        this record instead of running again; the log keeps one truncation flag, so
+        both streams say it."""
+        assert request.trajectory_id is not None and request.step is not None
+        event = CommandReplayed(
+            event_id=derived_id(request.request_id, "replayed"),
+            sandbox_id=request.sandbox_id,
+            node_id=node_id,
+            tenant=request.tenant,
+            job_id=request.job_id,
+            payload=ReplayedPayload(
+                request_id=request.request_id,
+                actor=request.actor,
+                trajectory_id=request.trajectory_id,
+                step=request.step,
+                original_request_id=self.request_id,
+            ),
+        )
+        reply = ExecOutput(
+            request_id=request.request_id,
+            sandbox_id=request.sandbox_id,
             exit_code=self.exit_code,
             stdout_b64=self.stdout_b64,
             stderr_b64=self.stderr_b64,
@@ -69,8 +85,9 @@ class RecordedStep:
             timed_out=self.timed_out,
             stdout_truncated=self.truncated,
             stderr_truncated=self.truncated,
-            node_id=node_id,
+            replayed=True,
         )
+        return event, reply
 
 
 class TrajectoryLog(Protocol):
@@ -97,47 +114,3 @@ class InMemoryTrajectoryLog:
             s for (owner, t, _), s in self.recorded.items() if (owner, t) == (tenant, trajectory_id)
         ]
         return sorted(found, key=lambda s: s.step)
-
-
-def replay_answer(
-    request: Exec,
-    original_request_id: uuid.UUID,
-    *,
-    exit_code: int,
-    stdout_b64: str,
-    stderr_b64: str,
-    duration_ms: float,
-    timed_out: bool,
-    stdout_truncated: bool,
-    stderr_truncated: bool,
-    node_id: str | None = None,
-) -> tuple[CommandReplayed, ExecOutput]:
-    """The audit event and the trainer's reply for a step answered from the log."""
-    assert request.trajectory_id is not None and request.step is not None
-    event = CommandReplayed(
-        event_id=derived_id(request.request_id, "replayed"),
-        sandbox_id=request.sandbox_id,
-        node_id=node_id,
-        tenant=request.tenant,
-        job_id=request.job_id,
-        payload=ReplayedPayload(
-            request_id=request.request_id,
-            actor=request.actor,
-            trajectory_id=request.trajectory_id,
-            step=request.step,
-            original_request_id=original_request_id,
-        ),
-    )
-    reply = ExecOutput(
-        request_id=request.request_id,
-        sandbox_id=request.sandbox_id,
-        exit_code=exit_code,
-        stdout_b64=stdout_b64,
-        stderr_b64=stderr_b64,
-        duration_ms=duration_ms,
-        timed_out=timed_out,
-        stdout_truncated=stdout_truncated,
-        stderr_truncated=stderr_truncated,
-        replayed=True,
-    )
-    return event, reply
