@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from app.domain.base import derived_id
-from app.domain.events import CommandPayload, CommandReplayed, ReplayedPayload
+from app.domain.events import CommandCompleted, CommandPayload, CommandReplayed, ReplayedPayload
 from app.domain.replies import ExecOutput
 from app.domain.requests import Exec
 
@@ -105,6 +105,14 @@ class InMemoryTrajectoryLog:
     """A trajectory log in a dict (tests and benchmarks of the scheduler)."""
 
     recorded: dict[tuple[str, str, int], RecordedStep] = field(default_factory=dict)
+
+    def completed(self, event: CommandCompleted) -> None:
+        """Keep a step as the ``commands`` projection does: steps only, and of two
+        completions claiming one step the first."""
+        step = RecordedStep.of(event.payload)
+        if step is not None and event.payload.trajectory_id is not None:
+            key = (event.tenant, event.payload.trajectory_id, step.step)
+            self.recorded.setdefault(key, step)
 
     def lookup(self, tenant: str, trajectory_id: str, step: int) -> RecordedStep | None:
         return self.recorded.get((tenant, trajectory_id, step))
