@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from sqlalchemy import Connection
-
 from app import metrics
 from app.bus import Publisher
 from app.config import Settings
@@ -216,7 +214,7 @@ class Projector:
         self, good: list[event_log.SourcedEvent], offsets: dict[int, int]
     ) -> list[tuple[event_log.SourcedEvent, int]]:
         with metrics.BATCH_SECONDS.time(), transaction(self.settings.database_url) as conn:
-            appended = _append_and_project(conn, good)
+            appended = event_log.append_and_project(conn, good)
             event_log.save_offsets(
                 conn, self.name, self.settings.topic_events, self.consumer.topic_id, offsets
             )
@@ -234,7 +232,7 @@ class Projector:
             for item, record in zip(good, records, strict=True):
                 try:
                     with savepoint(conn):
-                        one = _append_and_project(conn, [item])
+                        one = event_log.append_and_project(conn, [item])
                 except StorageRefused as exc:
                     refused.append((record, str(exc)[:500]))
                     continue
@@ -415,15 +413,6 @@ def split_lanes(batch: Prepared, lanes: int) -> list[Prepared | None]:
     if batch.outcome.dead:
         next(p for p in parts if p is not None).outcome.dead += batch.outcome.dead
     return parts
-
-
-def _append_and_project(
-    conn: Connection, items: list[event_log.SourcedEvent]
-) -> list[tuple[event_log.SourcedEvent, int]]:
-    """Append the events the log does not hold yet and fold them into the projections."""
-    appended = event_log.append(conn, items)
-    projections.apply_batch(conn, [(item.event, position) for item, position in appended])
-    return appended
 
 
 def _quiet_gc() -> None:

@@ -11,7 +11,7 @@ from sqlalchemy.dialects.postgresql import insert
 
 from app.db import staging
 from app.db.engine import transaction
-from app.db.projections import commands_from
+from app.db.projections import apply_batch, commands_from
 from app.db.tables import consumer_offsets
 from app.domain.events import Event
 from app.domain.records import StoredOffset
@@ -180,3 +180,13 @@ def save_offsets(
         },
     )
     conn.execute(stmt)
+
+
+def append_and_project(
+    conn: Connection, items: list[SourcedEvent]
+) -> list[tuple[SourcedEvent, int]]:
+    """Append the events the log does not hold yet and fold them into the projections:
+    what the projector does with a batch, so the projections always equal a rebuild."""
+    appended = append(conn, items)
+    apply_batch(conn, [(item.event, position) for item, position in appended])
+    return appended

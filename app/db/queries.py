@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    ColumnElement,
     Connection,
     Date,
     DateTime,
@@ -81,6 +82,14 @@ AUDIT_COLUMNS = tuple(c.name for c in audit_trail.c)
 BILL_COLUMNS = tuple(c.name for c in billing_daily.c)
 
 
+def _equal(query: Select[Any], *filters: tuple[ColumnElement[Any], object]) -> Select[Any]:
+    """``query`` narrowed to rows whose column equals each given value (None: any)."""
+    for col, value in filters:
+        if value is not None:
+            query = query.where(col == value)
+    return query
+
+
 def _records(conn: Connection, query: Select[Any]) -> list[Record]:
     return [dict(r._mapping) for r in conn.execute(query)]
 
@@ -103,12 +112,7 @@ def audit(
     query = select(t).order_by(t.c.position.desc()).limit(limit)
     if denied:
         query = query.where(t.c.denied)
-    if sandbox_id is not None:
-        query = query.where(t.c.sandbox_id == sandbox_id)
-    if tenant is not None:
-        query = query.where(t.c.tenant == tenant)
-    if job_id is not None:
-        query = query.where(t.c.job_id == job_id)
+    query = _equal(query, (t.c.sandbox_id, sandbox_id), (t.c.tenant, tenant), (t.c.job_id, job_id))
     if since is not None:
         query = query.where(t.c.occurred_at >= since)
     return _records(conn, query)[::-1]
@@ -124,10 +128,7 @@ def bill(
     """Daily usage rows (UTC days, ``day_to`` included), by day, tenant and job."""
     t = billing_daily
     query = select(t).order_by(t.c.day, t.c.tenant, t.c.job_id)
-    if tenant is not None:
-        query = query.where(t.c.tenant == tenant)
-    if job_id is not None:
-        query = query.where(t.c.job_id == job_id)
+    query = _equal(query, (t.c.tenant, tenant), (t.c.job_id, job_id))
     if day_from is not None:
         query = query.where(t.c.day >= day_from)
     if day_to is not None:
@@ -177,7 +178,7 @@ def sandbox_list(
 ) -> list[Record]:
     """Sandboxes, newest first: live ones only unless ``include_ended``."""
     t = sandboxes
-    query = (
+    query: Select[Any] = (
         select(
             t.c.sandbox_id,
             t.c.tenant,
@@ -195,10 +196,7 @@ def sandbox_list(
     )
     if not include_ended:
         query = query.where(t.c.state.in_(_LIVE))
-    if tenant:
-        query = query.where(t.c.tenant == tenant)
-    if job_id:
-        query = query.where(t.c.job_id == job_id)
+    query = _equal(query, (t.c.tenant, tenant or None), (t.c.job_id, job_id or None))
     return _records(conn, query)
 
 

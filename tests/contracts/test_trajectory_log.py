@@ -35,7 +35,7 @@ def port(request: pytest.FixtureRequest) -> Iterator[tuple[TrajectoryLog, Comple
     def complete(event: CommandCompleted) -> None:
         sourced = event_log.SourcedEvent(event, "contract.trajectory", topic_id, 0, next(offsets))
         with transaction(stack.database_url) as conn:
-            event_log.append(conn, [sourced])
+            event_log.append_and_project(conn, [sourced])
 
     yield PostgresTrajectoryLog(stack.database_url), complete
 
