@@ -77,10 +77,30 @@ from typing import Protocol
 
 from app.domain.requests import SandboxShape
 from workers import label
-from workers.agent.client import AgentPool
 from workers.container_port import ContainerDriver, SandboxContainer
 from workers.errors import NodeError
 from workers.sandbox_spec import SandboxSpec
+
+
+class AgentLine(Protocol):
+    """A connection to a sandbox's agent, as far as the pool tests it."""
+
+    def ping(self) -> None: ...
+
+
+class PoolAgents(Protocol):
+    """What a warm pool does with its node's agents (:class:`workers.agent.client.AgentPool`
+    is one): listen for a new container's agent, move a claimed one's slot, let go."""
+
+    def register(
+        self, sandbox_id: str, run_dir: Path, env: Mapping[str, str] | None = None
+    ) -> Path: ...
+    def rename(
+        self, old: str, new: str, run_dir: Path, env: Mapping[str, str] | None = None
+    ) -> None: ...
+    def unregister(self, sandbox_id: str) -> None: ...
+    def is_connected(self, sandbox_id: str) -> bool: ...
+    def connection(self, sandbox_id: str, wait_s: float) -> AgentLine: ...
 
 
 class PoolHost(Protocol):
@@ -88,12 +108,13 @@ class PoolHost(Protocol):
 
     node_id: str
     driver: ContainerDriver
-    agents: AgentPool
     agent_dir: Path
     sandbox_root: Path
     #: When a create, destroy or stop last ran (time.monotonic()).
     last_transition: float
 
+    @property
+    def agents(self) -> PoolAgents: ...
     def run_dir(self, sandbox_id: str) -> Path: ...
     def busy_ids(self) -> set[str]: ...
 

@@ -14,7 +14,7 @@ import pytest
 
 from workers import label
 from workers import limits as limits_mod
-from workers.container_port import SandboxContainer
+from workers.container_port import ContainerDriver, SandboxContainer
 from workers.errors import NodeError
 from workers.limits import CgroupLayout, CgroupLimiter, Hierarchy, Limits
 from workers.memory_driver import MemoryDriver
@@ -99,8 +99,9 @@ class FakeAgents:
         self.slots: dict[str, dict[str, str]] = {}
         self.dead: set[str] = set()
 
-    def register(self, sandbox_id: str, run_dir: Path, env: Any = None) -> None:
+    def register(self, sandbox_id: str, run_dir: Path, env: Any = None) -> Path:
         self.slots[sandbox_id] = dict(env or {})
+        return run_dir / "agent.sock"
 
     def rename(self, old: str, new: str, run_dir: Path, env: Any = None) -> None:
         del self.slots[old]
@@ -122,7 +123,7 @@ class FakeAgents:
 class FakeNode:
     def __init__(self, root: Path) -> None:
         self.node_id = "n"
-        self.driver = MemoryDriver(images=[IMAGE])
+        self.driver: ContainerDriver = MemoryDriver(images=[IMAGE])
         self.agents = FakeAgents()
         self.sandbox_root = root
         self.agent_dir = root / "agent"
@@ -143,7 +144,7 @@ def node(tmp_path: Path) -> FakeNode:
 
 @pytest.fixture
 def pool(node: FakeNode) -> Iterator[WarmPool]:
-    pool = WarmPool(node, {IMAGE: 2}, idle_s=0.05)  # type: ignore[arg-type]
+    pool = WarmPool(node, {IMAGE: 2}, idle_s=0.05)
     pool.start()
     deadline = time.monotonic() + 5
     while pool.ready(IMAGE) < 2 and time.monotonic() < deadline:
@@ -235,7 +236,7 @@ def test_a_start_removes_a_previous_lifes_warm_containers_not_its_sandboxes(
         node.driver.create_and_start(warm)
     node.driver.rename("warm-taken", "sb-1")
     # When a new pool starts
-    pool = WarmPool(node, {IMAGE: 0})  # type: ignore[arg-type]
+    pool = WarmPool(node, {IMAGE: 0})
     pool.start()
     pool.close(drain=False)
     # Then the unclaimed one is gone with its run dir; the claimed sandbox stays
@@ -282,4 +283,4 @@ def test_heartbeats_list_sandboxes_and_creates_never_warm_slots(
     node.warm = pool  # type: ignore[attr-defined]
     # Then the heartbeat's list is the sandboxes, not the slot still waiting
     assert len(node.agents.slots) == 2 and pool.ready(IMAGE) == 1
-    assert held(node) == ["sb-1", "sb-2"]  # type: ignore[arg-type]
+    assert held(node) == ["sb-1", "sb-2"]
