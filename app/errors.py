@@ -39,15 +39,15 @@ class SandboxError(DsecError):
         self.detail = detail
 
 
-class SandboxRejected(SandboxError, ValueError):
+class SandboxRejectedError(SandboxError, ValueError):
     """The platform refused the request (invalid, no capacity, unknown sandbox)."""
 
 
-class SandboxFailed(SandboxError, RuntimeError):
+class SandboxFailedError(SandboxError, RuntimeError):
     """The node could not carry the request out (image missing, runtime error)."""
 
 
-class SandboxNotFound(SandboxRejected, LookupError):
+class SandboxNotFound(SandboxRejectedError, LookupError):
     """The sandbox does not exist (or no longer does)."""
 
 

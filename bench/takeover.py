@@ -28,7 +28,7 @@ from app import bus
 from app.config import get_settings
 from app.control import tenants
 from app.domain.requests import CreateSandbox
-from app.errors import SandboxRejected
+from app.errors import SandboxRejectedError
 from app.sdk import Client
 from app.stack import services as stack
 from app.stats import percentile
@@ -82,7 +82,7 @@ def main() -> None:
             sent = time.monotonic()
             try:
                 client.call(request, timeout_s=120)
-            except SandboxRejected:
+            except SandboxRejectedError:
                 pass  # no_nodes: the answer expected
             except Exception:  # no answer (or a wrong one): counted, never hidden
                 failures.append(request.request_id)

@@ -62,9 +62,9 @@ from app.domain.requests import (
 from app.errors import (
     ConfigError,
     RequestTimeout,
-    SandboxFailed,
+    SandboxFailedError,
     SandboxNotFound,
-    SandboxRejected,
+    SandboxRejectedError,
     TransferFailed,
 )
 from app.sdk import credentials, transfer
@@ -146,8 +146,8 @@ def _raise_for(reply: ErrorReply) -> None:
     if reply.reason == RejectReason.UNKNOWN_SANDBOX:
         raise SandboxNotFound(reply.sandbox_id, reply.reason, reply.detail)
     if reply.reason in _REJECT_REASONS:
-        raise SandboxRejected(reply.sandbox_id, reply.reason, reply.detail)
-    raise SandboxFailed(reply.sandbox_id, reply.reason, reply.detail)
+        raise SandboxRejectedError(reply.sandbox_id, reply.reason, reply.detail)
+    raise SandboxFailedError(reply.sandbox_id, reply.reason, reply.detail)
 
 
 #: Destroys sent for one sandbox before its trainer hears RequestTimeout.
@@ -418,7 +418,7 @@ class Client:
         """A rollout group of ``n`` sandboxes, admitted all together or not at all.
 
         If there is no room for all of them (within ``queue_s``), none is started and
-        :class:`SandboxRejected` says why. Destroying the group destroys them all.
+        :class:`SandboxRejectedError` says why. Destroying the group destroys them all.
         """
         gid = group_id or "grp-" + uuid.uuid4().hex[:20]
         members = [new_sandbox_id() for _ in range(n)]
@@ -475,7 +475,7 @@ class Client:
             except RequestTimeout:
                 if attempt == DESTROY_ATTEMPTS - 1:
                     raise
-            except SandboxRejected as exc:
+            except SandboxRejectedError as exc:
                 gone = (RejectReason.UNKNOWN_SANDBOX, RejectReason.SANDBOX_NOT_RUNNING)
                 if attempt == 0 or exc.reason not in gone:
                     raise

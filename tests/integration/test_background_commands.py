@@ -16,7 +16,7 @@ from sqlalchemy import text
 
 from app.config import Settings
 from app.domain.requests import KillCommand
-from app.errors import SandboxRejected
+from app.errors import SandboxRejectedError
 from app.sdk import Client, Sandbox
 from tests.conftest import tenant_client, wait_for
 
@@ -103,7 +103,7 @@ def test_another_tenant_cannot_kill_a_command(box: Sandbox, dave: Client, db: An
     victim = box.start("sleep 3; echo finished", timeout_s=60)
     wait_for(lambda: b"sleep 3" in box.exec("ps -o args").stdout, what="the command to run")
     # Through the owner's sandbox: refused by the scheduler.
-    with pytest.raises(SandboxRejected) as refused:
+    with pytest.raises(SandboxRejectedError) as refused:
         dave.call(KillCommand(command_id=victim.id, **dave._common(box.id)))
     assert refused.value.reason == "forbidden"
     # Naming the command from a sandbox of one's own: the node finds no such command.

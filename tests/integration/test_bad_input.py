@@ -16,7 +16,7 @@ from app.control.keyring import Keyring
 from app.domain.codec import encode
 from app.domain.proof import Purpose, headers
 from app.domain.requests import CreateSandbox, Exec, WriteFile
-from app.errors import SandboxRejected
+from app.errors import SandboxRejectedError
 from tests.conftest import ensure_tenant, scalar, wait_for
 
 pytestmark = pytest.mark.integration
@@ -139,7 +139,7 @@ def test_an_impossible_request_is_answered_and_logged_never_dropped(
     with client.create() as box:
         bad = kind.model_construct(**client._common(box.id), **fields)
         # Then its sender hears why, at once (not after a 60 s timeout)
-        with pytest.raises(SandboxRejected) as refused:
+        with pytest.raises(SandboxRejectedError) as refused:
             client.wait(bad, client.send(bad), 30)
         assert refused.value.reason == "invalid" and named in str(refused.value)
         # and the log says so
@@ -161,10 +161,10 @@ def test_a_sandbox_id_lives_once(client: Any, db: Any) -> None:
     # Given a sandbox
     box = client.create()
     # When its id is asked for again while it runs, then after it ended
-    with pytest.raises(SandboxRejected) as in_use:
+    with pytest.raises(SandboxRejectedError) as in_use:
         client.call(CreateSandbox(**client._common(box.id)), timeout_s=30)
     box.close()
-    with pytest.raises(SandboxRejected) as ended:
+    with pytest.raises(SandboxRejectedError) as ended:
         client.call(CreateSandbox(**client._common(box.id)), timeout_s=30)
     # Then both are refused at once with the reason, and the log holds one life
     assert in_use.value.reason == ended.value.reason == "duplicate"

@@ -157,14 +157,14 @@ def test_service_role_has_least_privilege(stack: Settings, statement: str) -> No
 def test_rebuild_equals_live_projections_after_mixed_workload(stack: Settings, client: Any) -> None:
     from app.db import projections
     from app.db.engine import engine_for
-    from app.errors import SandboxFailed
+    from app.errors import SandboxFailedError
 
     # Given a mixed workload: commands, files, a failure, a destroy
     boxes = client.create_many(3)
     for box in boxes:
         box.exec("echo hi; exit 2")
         box.write_file("/workspace/f", b"x")
-    with pytest.raises(SandboxFailed):
+    with pytest.raises(SandboxFailedError):
         client.create(image="dsec/nope:latest")
     for box in boxes:
         box.close()

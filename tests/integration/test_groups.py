@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from app.errors import SandboxRejected
+from app.errors import SandboxRejectedError
 from tests.conftest import scalar, wait_for
 
 pytestmark = pytest.mark.integration
@@ -44,7 +44,7 @@ def test_group_is_created_and_destroyed_as_one(client: Any, db: Any) -> None:
 def test_group_without_room_starts_nothing(client: Any, db: Any) -> None:
     # Given a group whose members together need more CPU than the nodes declare (each
     # member alone fits a node)
-    with pytest.raises(SandboxRejected) as info:
+    with pytest.raises(SandboxRejectedError) as info:
         client.create_group(40, cpus=2, memory_mb=16, queue_s=0)
     # Then the trainer is told why, and no member was ever requested
     assert info.value.reason in {"capacity", "no_nodes"}

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import text
 
 from app.config import Settings
-from app.errors import SandboxFailed
+from app.errors import SandboxFailedError
 from app.sdk import Client
 from app.stack import services as stack_mod
 from tests.conftest import logged, wait_for
@@ -50,7 +50,7 @@ def test_a_command_cut_by_a_worker_crash_is_answered_interrupted(
         thread.join(timeout=90)
         assert not thread.is_alive(), "no answer: the trainer would wait out its timeout"
         [failed] = outcome
-        assert isinstance(failed, SandboxFailed) and failed.reason == "interrupted"
+        assert isinstance(failed, SandboxFailedError) and failed.reason == "interrupted"
         # and the sandbox serves again once the supervisor restarted the worker
         wait_for(lambda: (pid := worker.pid(stack)) is not None and pid != before, 30)
         assert box.exec("echo back", timeout_s=30).stdout == b"back\n"

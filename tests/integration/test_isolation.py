@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from app.config import Settings
-from app.errors import SandboxFailed
+from app.errors import SandboxFailedError
 from workers.limits import CgroupLimiter
 from workers.node_user import NodeUser, find_node_user
 
@@ -114,7 +114,7 @@ def test_root_is_read_only_and_scratch_is_writable(box: Any) -> None:
         result = box.exec(attempt)
         assert result.exit_code != 0, attempt
     assert b"Read-only file system" in box.exec("touch /x").stderr
-    with pytest.raises(SandboxFailed):
+    with pytest.raises(SandboxFailedError):
         box.write_file("/etc/x", b"no")
     ok = box.exec("echo a > /workspace/a && echo b > /tmp/b && cat /workspace/a /tmp/b")
     assert ok.stdout == b"a\nb\n"
@@ -180,7 +180,7 @@ def test_egress_only_when_asked(
     client: Any, box: Any, stack: Settings, listeners: dict[str, socket.socket]
 ) -> None:
     if not stack.allow_egress:
-        with pytest.raises(SandboxFailed) as refused:
+        with pytest.raises(SandboxFailedError) as refused:
             client.create(network=True)
         assert refused.value.reason == "refused"
         return

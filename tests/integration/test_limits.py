@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from app.config import Settings
-from app.errors import SandboxError, SandboxRejected
+from app.errors import SandboxError, SandboxRejectedError
 from tests.conftest import scalar, wait_for
 from workers.limits import CgroupLimiter, Limits
 
@@ -207,7 +207,7 @@ def test_a_destroyed_sandbox_leaves_its_last_state_in_the_log(client: Any, db: A
 def test_a_limit_no_host_can_keep_is_refused_at_once(client: Any, shape: dict[str, Any]) -> None:
     # Given a create asking one sandbox for more than any node's host has, and
     # willing to wait for room: waiting would not help
-    with pytest.raises(SandboxRejected) as refused:
+    with pytest.raises(SandboxRejectedError) as refused:
         client.create(queue_s=60, timeout_s=20, **shape)
     # Then it is refused at once, saying what the nodes allow
     assert refused.value.reason == "invalid"

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import Settings
-from app.errors import SandboxRejected
+from app.errors import SandboxRejectedError
 from app.sdk import Client
 from tests.conftest import wait_for
 
@@ -71,7 +71,7 @@ def test_the_scheduler_counts_refusals_by_reason(stack: Settings, client: Client
     port = stack.metrics_port + 1  # the first scheduler's
     label = {"process": "scheduler", "reason": "unknown_sandbox"}
     before = value(scrape(port), "dsec_refusals_total", **label) or 0
-    with pytest.raises(SandboxRejected):
+    with pytest.raises(SandboxRejectedError):
         client.sandbox(f"sb-{uuid.uuid4().hex[:20]}").exec("true")
     wait_for(
         lambda: (value(scrape(port), "dsec_refusals_total", **label) or 0) > before,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from app.config import Settings
-from app.errors import SandboxRejected
+from app.errors import SandboxRejectedError
 from app.stack import services as stack_mod
 from tests.conftest import declare_lost, scalar, wait_for, wait_for_node
 
@@ -89,7 +89,7 @@ def test_sandboxes_spread_and_a_killed_node_is_declared_lost(
                 assert last["observed_by"] == "scheduler" and last["last_heartbeat_at"]
         # And a trainer using such a sandbox is told why
         for box in doomed:
-            with pytest.raises(SandboxRejected) as info:
+            with pytest.raises(SandboxRejectedError) as info:
                 box.exec("true")
             assert "node_lost" in info.value.detail
         # And sandboxes on the other nodes carry on

@@ -31,7 +31,7 @@ from app.domain.base import RejectReason, utcnow
 from app.domain.codec import encode
 from app.domain.events import RequestedPayload, SandboxRequested
 from app.domain.proof import Purpose, headers
-from app.errors import SandboxRejected
+from app.errors import SandboxRejectedError
 from app.sdk import Client
 from tests.conftest import free_port, wait_for
 from tests.pg_cluster import Cluster, own_cluster
@@ -196,7 +196,7 @@ def test_the_scheduler_answers_every_request_across_a_postgres_crash(
         Client(settings, tenant=tenant, job_id="outage", timeout_s=120) as client,
     ):
         # Given a scheduler that answers (no node here: a create is refused at once)
-        with pytest.raises(SandboxRejected) as before:
+        with pytest.raises(SandboxRejectedError) as before:
             client.create(queue_s=0)
         assert before.value.reason == RejectReason.NO_NODES
 
@@ -210,7 +210,7 @@ def test_the_scheduler_answers_every_request_across_a_postgres_crash(
             cluster.start()
             # Then every one of them is answered, none lost to the outage
             for answer in answers:
-                with pytest.raises(SandboxRejected) as refused:
+                with pytest.raises(SandboxRejectedError) as refused:
                     answer.result(timeout=120)
                 assert refused.value.reason == RejectReason.NO_NODES
         assert scheduler.poll() is None

@@ -10,7 +10,7 @@ import pytest
 
 from app.config import Settings
 from app.domain.requests import CreateSandbox
-from app.errors import SandboxRejected
+from app.errors import SandboxRejectedError
 from app.sdk import Client
 from app.stack import services as stack_mod
 from tests.conftest import scalar, wait_for
@@ -59,7 +59,7 @@ def test_sandboxes_groups_and_leases_survive_a_scheduler_restart(
 
     # Then the id of the sandbox that ended is not given a second life (or a second bill
     # row under the same id): the new scheduler learns it from the log
-    with pytest.raises(SandboxRejected) as refused:
+    with pytest.raises(SandboxRejectedError) as refused:
         client.call(CreateSandbox(**client._common(ended.id)), timeout_s=30)
     assert refused.value.reason == "duplicate", refused.value
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from app.config import Settings
-from app.errors import SandboxFailed
+from app.errors import SandboxFailedError
 from app.sdk.aio import AsyncClient
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,7 @@ def test_async_errors_are_typed(stack: Settings) -> None:
         async with AsyncClient(stack, tenant="tests", job_id="async") as client:
             await client.create(image="dsec/missing:latest")
 
-    with pytest.raises(SandboxFailed):
+    with pytest.raises(SandboxFailedError):
         asyncio.run(scenario())
 
 

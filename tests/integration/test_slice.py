@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from app.domain.requests import CreateSandbox
-from app.errors import SandboxFailed, SandboxNotFound
+from app.errors import SandboxFailedError, SandboxNotFound
 from tests.conftest import scalar, wait_for
 
 pytestmark = pytest.mark.integration
@@ -78,7 +78,7 @@ def test_files_round_trip(client: Any) -> None:
 
 
 def test_unknown_image_fails_with_reason_and_node_survives(client: Any, db: Any) -> None:
-    with pytest.raises(SandboxFailed) as info:
+    with pytest.raises(SandboxFailedError) as info:
         client.create(image="dsec/no-such-image:latest")
     assert info.value.reason == "image_not_found"
     with db() as conn:

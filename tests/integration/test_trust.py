@@ -36,7 +36,7 @@ from app.domain.requests import (
     RenewLease,
     ReplyTo,
 )
-from app.errors import RequestTimeout, SandboxRejected
+from app.errors import RequestTimeout, SandboxRejectedError
 from app.sdk import Client, Sandbox
 from app.sdk.credentials import Credential
 from tests.conftest import ensure_tenant, scalar, tenant_client, wait_for
@@ -106,7 +106,7 @@ def test_another_tenant_cannot_touch_a_sandbox(
         "destroy": lambda: theirs.close(),
     }
     # When bob acts on it, Then he is refused: forbidden
-    with pytest.raises(SandboxRejected) as refused:
+    with pytest.raises(SandboxRejectedError) as refused:
         requests[attack]()
     assert refused.value.reason == "forbidden"
     # And alice's sandbox and file are as she left them
@@ -303,7 +303,7 @@ def test_a_stale_request_is_refused_and_its_sender_told(
         sent_at=utcnow() - timedelta(seconds=stack.request_max_age_s + 60),
     )  # fmt: skip
     # When alice's client sends it, Then it is refused and she hears why
-    with pytest.raises(SandboxRejected) as refused:
+    with pytest.raises(SandboxRejectedError) as refused:
         alice.call(old, timeout_s=20)
     assert refused.value.reason == "unauthenticated" and "stale" in refused.value.detail
     assert _nothing_ran(db, old.request_id)
@@ -491,7 +491,7 @@ def test_a_revoked_credential_stops_working(stack: Settings, db: Any) -> None:
         box = client.create(memory_mb=64, ttl_s=30)  # its TTL ends it: its owner cannot
         tenants.revoke(stack, name)
         time.sleep(6)  # the keyring's refresh
-        with pytest.raises(SandboxRejected) as refused:
+        with pytest.raises(SandboxRejectedError) as refused:
             box.exec("echo still?")
         assert refused.value.reason == "unauthenticated"
         assert "revoked" in refused.value.detail
@@ -510,7 +510,7 @@ def test_denied_attempts_are_listed(stack: Settings, box: Sandbox, bob: Client) 
 
     from app.cli.main import cli
 
-    with pytest.raises(SandboxRejected):
+    with pytest.raises(SandboxRejectedError):
         bob.sandbox(box.id).exec("true")
     rows = wait_for(
         lambda: [
