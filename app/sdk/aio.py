@@ -31,7 +31,7 @@ from app.domain.requests import (
     RequestBase,
     WriteFile,
 )
-from app.errors import RequestTimeout
+from app.errors import RequestTimeout, TimeoutReason
 from app.sdk.client import Chunk, Client, Command, ExecResult, Sandbox, _raise_for, exec_request
 
 
@@ -197,7 +197,10 @@ class AsyncCommand:
                 asyncio.shield(asyncio.wrap_future(self._command.reply)), timeout_s
             )
         except TimeoutError as exc:
-            raise RequestTimeout(f"command {self.id} still running after {timeout_s}s") from exc
+            raise RequestTimeout(
+                f"command {self.id} still running after {timeout_s}s",
+                reason=TimeoutReason.STILL_RUNNING,
+            ) from exc
         return self._command.wait(0)
 
     async def kill(self, timeout_s: float | None = None) -> bool:

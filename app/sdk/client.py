@@ -31,7 +31,7 @@ from kafka import TopicPartition
 from app import bus
 from app.config import Settings, get_settings
 from app.domain import proof
-from app.domain.base import RejectReason, new_sandbox_id
+from app.domain.base import FailReason, RejectReason, new_sandbox_id
 from app.domain.codec import DecodeError, decode_reply, encode
 from app.domain.replies import (
     Done,
@@ -61,16 +61,20 @@ from app.domain.requests import (
 )
 from app.errors import (
     ConfigError,
+    ConfigReason,
     RequestTimeout,
     SandboxFailedError,
     SandboxNotFound,
     SandboxRejectedError,
+    TimeoutReason,
     TransferFailed,
+    TransferReason,
 )
 from app.sdk import credentials, transfer
 from app.sdk.credentials import Credential
 
-_REJECT_REASONS = {r.value for r in RejectReason}
+_REJECT_REASONS = {r.value: r for r in RejectReason}
+_FAIL_REASONS = {r.value: r for r in FailReason}
 
 
 @dataclass(frozen=True)
@@ -143,11 +147,16 @@ def exec_request(
 
 
 def _raise_for(reply: ErrorReply) -> None:
-    if reply.reason == RejectReason.UNKNOWN_SANDBOX:
-        raise SandboxNotFound(reply.sandbox_id, reply.reason, reply.detail)
-    if reply.reason in _REJECT_REASONS:
-        raise SandboxRejectedError(reply.sandbox_id, reply.reason, reply.detail)
-    raise SandboxFailedError(reply.sandbox_id, reply.reason, reply.detail)
+    """Raise the typed error an error reply stands for, its reason as the log's enum
+    (a reason this SDK does not know, from a newer platform, stays the string it came
+    as, on a failure)."""
+    rejected = _REJECT_REASONS.get(reply.reason)
+    if rejected == RejectReason.UNKNOWN_SANDBOX:
+        raise SandboxNotFound(reply.sandbox_id, rejected, reply.detail)
+    if rejected is not None:
+        raise SandboxRejectedError(reply.sandbox_id, rejected, reply.detail)
+    reason = _FAIL_REASONS.get(reply.reason, reply.reason)
+    raise SandboxFailedError(reply.sandbox_id, reason, reply.detail)
 
 
 #: Destroys sent for one sandbox before its trainer hears RequestTimeout.
@@ -196,7 +205,8 @@ class Client:
             self._consumer.close()
             raise ConfigError(
                 f"no replies topic {topic} for tenant {self.tenant}: is the tenant created "
-                f"(`dsec tenant create {self.tenant}`) and the platform up?"
+                f"(`dsec tenant create {self.tenant}`) and the platform up?",
+                reason=ConfigReason.NO_REPLIES_TOPIC,
             )
         self._partition = random.choice(sorted(found))
         tp = TopicPartition(topic, self._partition)
@@ -260,7 +270,7 @@ class Client:
             try:
                 reply = join_pieces(reply, pieces)
             except IncompletePieces as exc:
-                future.set_exception(TransferFailed(str(exc)))
+                future.set_exception(TransferFailed(str(exc), reason=TransferReason.INCOMPLETE))
                 return
         future.set_result(reply)
 
@@ -593,7 +603,10 @@ class Command:
             reply = self._future.result(timeout=wait_s)
         except FutureTimeout as exc:
             if time.monotonic() < self._deadline:  # it may still end: keep listening
-                raise RequestTimeout(f"command {self.id} still running after {wait_s}s") from exc
+                raise RequestTimeout(
+                    f"command {self.id} still running after {wait_s}s",
+                    reason=TimeoutReason.STILL_RUNNING,
+                ) from exc
         reply = self._client.wait(self._request, self._future, 0.1)
         assert isinstance(reply, ExecOutput)
         return ExecResult.from_reply(reply)
@@ -736,7 +749,8 @@ class Sandbox:
         )
         if not unpacked.ok:
             raise TransferFailed(
-                f"unpacking {local} into {self.id}:{dest} failed: {unpacked.stderr.decode()!r}"
+                f"unpacking {local} into {self.id}:{dest} failed: {unpacked.stderr.decode()!r}",
+                reason=TransferReason.IN_SANDBOX,
             )
         return f"{dest.rstrip('/')}/{local.resolve().name}"
 
@@ -748,12 +762,16 @@ class Sandbox:
         staging = f"/tmp/.dsec-download-{uuid.uuid4().hex[:12]}.tar"
         packed = self.exec(["sh", "-c", _PACK, "sh", src, staging], timeout_s=300)
         try:
-            size = int(packed.stdout.strip()) if packed.ok else -1
-            if not 0 <= size <= transfer.MAX_ARCHIVE:
+            size = int(packed.stdout) if packed.ok and packed.stdout.strip().isdigit() else -1
+            if size < 0:
                 raise TransferFailed(
-                    f"packing {self.id}:{src} failed: {packed.stderr.decode()[:300]!r}"
-                    if size < 0
-                    else f"{self.id}:{src} packs to {size} bytes, more than {transfer.MAX_ARCHIVE}"
+                    f"packing {self.id}:{src} failed: {packed.stderr.decode()[:300]!r}",
+                    reason=TransferReason.IN_SANDBOX,
+                )
+            if size > transfer.MAX_ARCHIVE:
+                raise TransferFailed(
+                    f"{self.id}:{src} packs to {size} bytes, more than {transfer.MAX_ARCHIVE}",
+                    reason=TransferReason.TOO_LARGE,
                 )
             step = transfer.DOWNLOAD_PIECE
             parts = [
@@ -767,7 +785,10 @@ class Sandbox:
             self.exec(["rm", "-f", staging])
         data = b"".join(parts)
         if len(data) != size:
-            raise TransferFailed(f"{self.id}:{src}: read {len(data)} of {size} bytes")
+            raise TransferFailed(
+                f"{self.id}:{src}: read {len(data)} of {size} bytes",
+                reason=TransferReason.INCOMPLETE,
+            )
         return transfer.unpack(data, Path(dest))[0]
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from app.config import Settings
 from app.domain.proof import KEY_ID, SUBJECT, Role
-from app.errors import ConfigError
+from app.errors import ConfigError, ConfigReason
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,17 @@ class Credential:
                 subject=str(raw["subject"]),
             )
         except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{source} is not a dsec credential: {exc}") from exc
+            raise ConfigError(
+                f"{source} is not a dsec credential: {exc}", reason=ConfigReason.BAD_CREDENTIAL
+            ) from exc
         if not KEY_ID.match(found.key_id) or not SUBJECT.match(found.subject):
-            raise ConfigError(f"{source}: malformed key id or subject")
+            raise ConfigError(
+                f"{source}: malformed key id or subject", reason=ConfigReason.BAD_CREDENTIAL
+            )
         if len(found.secret) != 32:
-            raise ConfigError(f"{source}: the secret must be 32 bytes")
+            raise ConfigError(
+                f"{source}: the secret must be 32 bytes", reason=ConfigReason.BAD_CREDENTIAL
+            )
         return found
 
 
@@ -73,7 +79,9 @@ def load(path: Path) -> Credential:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read credential {path}: {exc.strerror}") from exc
+        raise ConfigError(
+            f"cannot read credential {path}: {exc.strerror}", reason=ConfigReason.NO_CREDENTIAL
+        ) from exc
     return Credential.from_json(text, str(path))
 
 
@@ -96,7 +104,8 @@ def for_client(settings: Settings, tenant: str | None = None) -> Credential:
         if not path.exists():
             raise ConfigError(
                 f"no credential for tenant {tenant!r} at {path}: "
-                f"an operator makes one with `dsec tenant create {tenant}`"
+                f"an operator makes one with `dsec tenant create {tenant}`",
+                reason=ConfigReason.NO_CREDENTIAL,
             )
         return load(path)
     candidates: list[Path | None] = [
@@ -109,5 +118,6 @@ def for_client(settings: Settings, tenant: str | None = None) -> Credential:
             return load(candidate)
     raise ConfigError(
         "no dsec credential found: set DSEC_CREDENTIALS to a credential file "
-        "(an operator makes one with `dsec tenant create NAME`)"
+        "(an operator makes one with `dsec tenant create NAME`)",
+        reason=ConfigReason.NO_CREDENTIAL,
     )

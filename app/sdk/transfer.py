@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.errors import TransferFailed
+from app.errors import TransferFailed, TransferReason
 
 #: Bytes per WriteFile on upload: base64 of it stays under a request's 1 MiB.
 UPLOAD_PIECE = 512 << 10
@@ -68,13 +68,16 @@ Parts = tuple[str, ...]
 def pack(src: Path) -> bytes:
     """A tar archive holding ``src`` (a file or a directory tree) under its own name."""
     if not src.exists():
-        raise TransferFailed(f"{src} does not exist")
+        raise TransferFailed(f"{src} does not exist", reason=TransferReason.MISSING)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add(src, arcname=src.resolve().name)
     data = buf.getvalue()
     if len(data) > MAX_ARCHIVE:
-        raise TransferFailed(f"{src} packs to {len(data)} bytes, more than {MAX_ARCHIVE}")
+        raise TransferFailed(
+            f"{src} packs to {len(data)} bytes, more than {MAX_ARCHIVE}",
+            reason=TransferReason.TOO_LARGE,
+        )
     return data
 
 
@@ -111,7 +114,7 @@ def unpack(data: bytes, dest: Path) -> list[Path]:
 
 
 def _refused(why: str) -> TransferFailed:
-    return TransferFailed(f"refused the sandbox's archive: {why}")
+    return TransferFailed(f"refused the sandbox's archive: {why}", reason=TransferReason.REFUSED)
 
 
 @dataclass(frozen=True)
