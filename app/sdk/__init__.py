@@ -5,11 +5,14 @@ package imports the domain's messages and the Kafka plumbing and nothing of the
 server (`make lint` checks it), so a trainer can install and read it alone.
 """
 
-from app.sdk.aio import AsyncClient, AsyncSandbox
+from app.sdk.aio import AsyncClient, AsyncCommand, AsyncExecStream, AsyncGroup, AsyncSandbox
 from app.sdk.client import Chunk, Client, Command, ExecResult, ExecStream, Group, Sandbox
 
 __all__ = [
     "AsyncClient",
+    "AsyncCommand",
+    "AsyncExecStream",
+    "AsyncGroup",
     "AsyncSandbox",
     "Chunk",
     "Client",

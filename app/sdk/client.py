@@ -18,39 +18,31 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 from kafka import TopicPartition
 
 from app import bus
 from app.config import Settings, get_settings
 from app.domain import proof
-from app.domain.base import FailReason, RejectReason, new_sandbox_id
-from app.domain.codec import DecodeError, decode_reply, encode
+from app.domain.base import RejectReason, new_sandbox_id
+from app.domain.codec import encode
 from app.domain.replies import (
     Done,
-    ErrorReply,
     ExecOutput,
     FileContent,
-    IncompletePieces,
-    OutputChunk,
     Reply,
-    ReplyPiece,
     SandboxReady,
-    join_pieces,
 )
 from app.domain.requests import (
     CreateGroup,
     CreateSandbox,
     DestroyGroup,
     DestroySandbox,
-    Exec,
     KillCommand,
     ReadFile,
     RenewLease,
@@ -63,101 +55,20 @@ from app.errors import (
     ConfigError,
     ConfigReason,
     RequestTimeout,
-    SandboxFailedError,
-    SandboxNotFound,
     SandboxRejectedError,
-    TimeoutReason,
     TransferFailed,
     TransferReason,
 )
 from app.sdk import credentials, transfer
 from app.sdk.credentials import Credential
+from app.sdk.reader import ReplyReader
 
-_REJECT_REASONS = {r.value: r for r in RejectReason}
-_FAIL_REASONS = {r.value: r for r in FailReason}
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """What a command did."""
-
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    duration_ms: float
-    timed_out: bool = False
-    truncated: bool = False
-    replayed: bool = False
-    killed: bool = False
-
-    @property
-    def text(self) -> str:
-        """Stdout decoded as UTF-8 (invalid bytes replaced)."""
-        return self.stdout.decode(errors="replace")
-
-    @property
-    def ok(self) -> bool:
-        """Exited 0 within its timeout."""
-        return self.exit_code == 0 and not self.timed_out
-
-    @classmethod
-    def from_reply(cls, reply: ExecOutput) -> ExecResult:
-        """The result a node's reply carries."""
-        return cls(
-            exit_code=reply.exit_code,
-            stdout=base64.b64decode(reply.stdout_b64),
-            stderr=base64.b64decode(reply.stderr_b64),
-            duration_ms=reply.duration_ms,
-            timed_out=reply.timed_out,
-            truncated=reply.stdout_truncated or reply.stderr_truncated,
-            replayed=reply.replayed,
-            killed=reply.killed,
-        )
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A piece of a running command's output."""
-
-    stream: Literal["stdout", "stderr"]
-    data: bytes
-
-
-OutputHandler = Callable[[Chunk], None]
-
-
-def exec_request(
-    common: dict[str, Any],
-    command: str | Iterable[str],
-    *,
-    timeout_s: float,
-    stdin: bytes = b"",
-    stream_output: bool = False,
-    **options: Any,
-) -> Exec:
-    """The Exec request for a command (a shell string or an argv list)."""
-    return Exec(
-        command=command if isinstance(command, str) else list(command),
-        timeout_s=timeout_s,
-        stdin_b64=base64.b64encode(stdin).decode(),
-        stream_output=stream_output,
-        **options,
-        **common,
-    )
-
-
-def _raise_for(reply: ErrorReply) -> None:
-    """Raise the typed error an error reply stands for, its reason as the log's enum
-    (a reason this SDK does not know, from a newer platform, stays the string it came
-    as, on a failure)."""
-    rejected = _REJECT_REASONS.get(reply.reason)
-    if rejected == RejectReason.UNKNOWN_SANDBOX:
-        raise SandboxNotFound(reply.sandbox_id, rejected, reply.detail)
-    if rejected is not None:
-        raise SandboxRejectedError(reply.sandbox_id, rejected, reply.detail)
-    reason = _FAIL_REASONS.get(reply.reason, reply.reason)
-    raise SandboxFailedError(reply.sandbox_id, reason, reply.detail)
-
+# What a command did, and the request that runs one, are importable from here too.
+from app.sdk.results import Chunk as Chunk
+from app.sdk.results import ExecResult as ExecResult
+from app.sdk.results import OutputHandler as OutputHandler
+from app.sdk.results import exec_request as exec_request
+from app.sdk.steps import Answer, Steps, Work, blocking
 
 #: Destroys sent for one sandbox before its trainer hears RequestTimeout.
 DESTROY_ATTEMPTS = 2
@@ -194,8 +105,6 @@ class Client:
         self.credential = credential or credentials.for_client(self.settings, tenant)
         self.tenant, self.job_id = self.credential.subject, job_id
         self.timeout_s = timeout_s
-        #: Replies dropped because their proof did not hold (forged or altered).
-        self.forged_replies = 0
         self._publisher = bus.Publisher(self.settings)
         self._consumer = bus.make_consumer(self.settings, auto_offset_reset="latest")
         topic = self.settings.replies_topic(self.tenant)
@@ -213,19 +122,11 @@ class Client:
         self._consumer.assign([tp])
         self._consumer.seek_to_end(tp)
         self._consumer.position(tp)  # resolve now: replies to our first request must count
-        self._replies = tp
-        self._incarnation = bus.Incarnation(self._consumer, topic)
         self._reply_to = ReplyTo(topic=topic, partition=self._partition)
-        self._waiting: dict[uuid.UUID, Future[Reply]] = {}
-        # The key each awaited request's replies are proven with.
-        self._reply_keys: dict[uuid.UUID, bytes] = {}
-        self._output: dict[uuid.UUID, tuple[OutputHandler, list[int]]] = {}
-        # The pieces of large replies not yet complete (see ReplyPiece).
-        self._pieces: dict[uuid.UUID, list[ReplyPiece]] = {}
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._reader = threading.Thread(target=self._read_replies, name="dsec-replies", daemon=True)
-        self._reader.start()
+        self._replies = ReplyReader(
+            self._consumer, tp, self.credential.secret, self.settings.max_reply_bytes
+        )
+        self._closed = threading.Event()  # set by close(): the lease's renewals stop
         self.lease_id: str | None = None
         if lease:
             self.lease_id = lease if isinstance(lease, str) else "lease-" + uuid.uuid4().hex[:20]
@@ -235,70 +136,10 @@ class Client:
 
     # --- plumbing ---------------------------------------------------------------
 
-    def _read_replies(self) -> None:
-        while not self._closed.is_set():
-            if self._incarnation.changed():  # the broker came back empty: a new topic
-                self._consumer.seek_to_beginning(self._replies)
-            for records in self._consumer.poll(timeout_ms=100).values():
-                for record in records:
-                    value = record.value or b""
-                    try:
-                        reply = decode_reply(value, self.settings.max_reply_bytes)
-                    except DecodeError:
-                        continue  # not ours to judge: another client's garbage
-                    if not self._proven(reply, value, record.headers):
-                        continue
-                    if isinstance(reply, OutputChunk):
-                        self._pass_output(reply)
-                        continue
-                    if isinstance(reply, ReplyPiece):
-                        with self._lock:
-                            self._pieces.setdefault(reply.request_id, []).append(reply)
-                        continue
-                    with self._lock:
-                        future = self._waiting.pop(reply.request_id, None)
-                        self._output.pop(reply.request_id, None)
-                        self._reply_keys.pop(reply.request_id, None)
-                        pieces = self._pieces.pop(reply.request_id, [])
-                    if future is not None:
-                        self._complete(future, reply, pieces)
-
-    @staticmethod
-    def _complete(future: Future[Reply], reply: Reply, pieces: list[ReplyPiece]) -> None:
-        """Hand ``reply`` over, with the data its pieces carried put back in."""
-        if isinstance(reply, ExecOutput | FileContent) and reply.pieces:
-            try:
-                reply = join_pieces(reply, pieces)
-            except IncompletePieces as exc:
-                future.set_exception(TransferFailed(str(exc), reason=TransferReason.INCOMPLETE))
-                return
-        future.set_result(reply)
-
-    def _proven(self, reply: Reply, value: bytes, headers: proof.Headers | None) -> bool:
-        """The reply answers a request this client waits for, and the platform made it."""
-        with self._lock:
-            key = self._reply_keys.get(reply.request_id)
-        if key is None:
-            return False  # nobody here waits for it
-        if proof.check_mac(
-            key, proof.Purpose.REPLY, value, proof.header(headers, proof.HEADER_MAC)
-        ):
-            return True
-        self.forged_replies += 1
-        return False
-
-    def _pass_output(self, chunk: OutputChunk) -> None:
-        with self._lock:
-            handler, expected = self._output.get(chunk.request_id, (None, [0]))
-            # A producer retry can deliver a chunk twice; the partition keeps order.
-            if handler is None or chunk.seq < expected[0]:
-                return
-            expected[0] = chunk.seq + 1
-        try:
-            handler(Chunk(chunk.stream, base64.b64decode(chunk.data_b64)))
-        except Exception:  # the trainer's handler must not stop the reply reader
-            with self._lock:
-                self._output.pop(chunk.request_id, None)
+    @property
+    def forged_replies(self) -> int:
+        """Replies dropped because their proof did not hold (forged or altered)."""
+        return self._replies.forged
 
     def _renew_lease(self) -> None:
         assert self.lease_id is not None
@@ -333,43 +174,56 @@ class Client:
 
     def expect(self, request_id: uuid.UUID) -> Future[Reply]:
         """A future for the reply to ``request_id`` (register before sending)."""
-        future: Future[Reply] = Future()
-        key = proof.reply_key(self.credential.secret, request_id)
-        with self._lock:
-            self._waiting[request_id] = future
-            self._reply_keys[request_id] = key
-        return future
-
-    def _forget(self, request_id: uuid.UUID) -> None:
-        with self._lock:
-            self._waiting.pop(request_id, None)
-            self._output.pop(request_id, None)
-            self._pieces.pop(request_id, None)
-            self._reply_keys.pop(request_id, None)
+        return self._replies.expect(request_id)
 
     def send(self, request: RequestBase, on_output: OutputHandler | None = None) -> Future[Reply]:
         """Send a request; the future completes with its reply. ``on_output`` gets the
         output chunks of an Exec with ``stream_output``, in order, on the reply reader's
         thread (keep it quick)."""
-        if on_output is not None:
-            with self._lock:
-                self._output[request.request_id] = (on_output, [0])
-        future = self.expect(request.request_id)
+        future = self._replies.expect(request.request_id, on_output)
         self.publish(request)
         return future
 
+    def answer(
+        self,
+        request: RequestBase,
+        future: Future[Reply],
+        timeout_s: float | None = None,
+        *,
+        request_id: uuid.UUID | None = None,
+        keep: bool = False,
+    ) -> Answer:
+        """The step that waits for the reply to ``request``, sent (``future`` from
+        :meth:`send` or :meth:`expect`): at most ``timeout_s``, else this client's
+        timeout. ``request_id`` is the id the reply carries where it is not the
+        request's (a group member's); with ``keep``, a timeout leaves it awaited."""
+        rid = request_id or request.request_id
+        limit = timeout_s or self.timeout_s
+        return Answer(request, future, limit, lambda: self._replies.forget(rid), keep)
+
+    def ask(
+        self,
+        request: RequestBase,
+        timeout_s: float | None = None,
+        on_output: OutputHandler | None = None,
+    ) -> Answer:
+        """Send ``request``; the step that waits for its reply (see :meth:`send`)."""
+        return self.answer(request, self.send(request, on_output), timeout_s)
+
+    def ask_members(
+        self, request: CreateGroup | DestroyGroup, members: list[str], timeout_s: float | None
+    ) -> list[Answer]:
+        """Send a group's request; a step per member, each waiting for its own reply."""
+        answers = []
+        for member in members:
+            rid = member_request_id(request.request_id, member)
+            answers.append(self.answer(request, self.expect(rid), timeout_s, request_id=rid))
+        self.publish(request)
+        return answers
+
     def wait(self, request: RequestBase, future: Future[Reply], timeout_s: float | None) -> Reply:
         """The reply to ``request``, or a typed error."""
-        try:
-            reply = future.result(timeout=timeout_s or self.timeout_s)
-        except FutureTimeout as exc:
-            self._forget(request.request_id)
-            raise RequestTimeout(
-                f"{request.type} {request.sandbox_id}: no reply in {timeout_s or self.timeout_s}s"
-            ) from exc
-        if isinstance(reply, ErrorReply):
-            _raise_for(reply)
-        return reply
+        return self.answer(request, future, timeout_s).block()
 
     def call(
         self,
@@ -378,9 +232,10 @@ class Client:
         on_output: OutputHandler | None = None,
     ) -> Reply:
         """Send and wait."""
-        return self.wait(request, self.send(request, on_output), timeout_s)
+        return self.ask(request, timeout_s, on_output).block()
 
-    # --- API --------------------------------------------------------------------
+    # --- API: each operation is a generator of steps (app/sdk/steps.py), run here by
+    # blocking and by AsyncClient by awaiting -----------------------------------------
 
     def create(
         self, image: str | None = None, *, timeout_s: float | None = None, **options: Any
@@ -388,9 +243,9 @@ class Client:
         """A new running sandbox (see :class:`CreateSandbox` for options)."""
         return self.create_many(1, image, timeout_s=timeout_s, **options)[0]
 
-    def create_many(
-        self, n: int, image: str | None = None, *, timeout_s: float | None = None, **options: Any
-    ) -> list[Sandbox]:
+    def create_many_steps(
+        self, /, n: int, image: str | None = None, *, timeout_s: float | None = None, **options: Any
+    ) -> Steps[list[Sandbox]]:
         """``n`` sandboxes, requested at once. If any fails, the others are destroyed."""
         requests = [
             CreateSandbox(
@@ -400,31 +255,26 @@ class Client:
             )
             for _ in range(n)
         ]
-        futures = [self.send(r) for r in requests]
-        ready: list[Sandbox] = []
-        error: Exception | None = None
-        for request, future in zip(requests, futures, strict=True):
-            try:
-                reply = self.wait(request, future, timeout_s)
-                assert isinstance(reply, SandboxReady)
-                ready.append(Sandbox(self, request.sandbox_id, reply.node_id))
-            except Exception as exc:
-                error = error or exc
+        asked = [(request.sandbox_id, self.ask(request, timeout_s)) for request in requests]
+        ready, error = yield from self._started(asked)
         if error is not None:
             for sandbox in ready:
-                sandbox.close()
+                yield from sandbox.close_steps()
             raise error
         return ready
 
-    def create_group(
+    create_many = blocking(create_many_steps)
+
+    def create_group_steps(
         self,
+        /,
         n: int,
         image: str | None = None,
         *,
         group_id: str | None = None,
         timeout_s: float | None = None,
         **options: Any,
-    ) -> Group:
+    ) -> Steps[Group]:
         """A rollout group of ``n`` sandboxes, admitted all together or not at all.
 
         If there is no room for all of them (within ``queue_s``), none is started and
@@ -438,49 +288,39 @@ class Client:
             **self._common(gid),
             **{**self._shape(), **options},
         )
-        futures = {m: self.expect(member_request_id(request.request_id, m)) for m in members}
-        self.publish(request)
-        ready: list[Sandbox] = []
-        error: Exception | None = None
-        for member, future in futures.items():
-            try:
-                reply = self._wait_id(
-                    request, member_request_id(request.request_id, member), future, timeout_s
-                )
-                assert isinstance(reply, SandboxReady)
-                ready.append(Sandbox(self, member, reply.node_id))
-            except Exception as exc:
-                error = error or exc
+        answers = self.ask_members(request, members, timeout_s)
+        ready, error = yield from self._started(list(zip(members, answers, strict=True)))
         group = Group(self, gid, ready)
         if error is not None:
             if ready:
-                group.close()
+                yield from group.close_steps()
             raise error
         return group
 
-    def _wait_id(
-        self,
-        request: RequestBase,
-        request_id: uuid.UUID,
-        future: Future[Reply],
-        timeout_s: float | None,
-    ) -> Reply:
-        try:
-            reply = future.result(timeout=timeout_s or self.timeout_s)
-        except FutureTimeout as exc:
-            self._forget(request_id)
-            raise RequestTimeout(f"{request.type} {request.sandbox_id}: no reply in time") from exc
-        if isinstance(reply, ErrorReply):
-            _raise_for(reply)
-        return reply
+    create_group = blocking(create_group_steps)
 
-    def destroy(self, sandbox_id: str, timeout_s: float | None = None) -> None:
+    def _started(
+        self, asked: list[tuple[str, Answer]]
+    ) -> Steps[tuple[list[Sandbox], Exception | None]]:
+        """Wait for every create asked: the sandboxes that started, and the first error."""
+        ready: list[Sandbox] = []
+        error: Exception | None = None
+        for sandbox_id, answer in asked:
+            try:
+                reply = yield answer
+                assert isinstance(reply, SandboxReady)
+                ready.append(Sandbox(self, sandbox_id, reply.node_id))
+            except Exception as exc:
+                error = error or exc
+        return ready, error
+
+    def destroy_steps(self, sandbox_id: str, timeout_s: float | None = None) -> Steps[None]:
         """Destroy the sandbox. A destroy that gets no answer (a broker that died took
         the request or its reply) is sent again, as a new request: destroying is
         idempotent, and a sandbox an earlier attempt already ended counts as done."""
         for attempt in range(DESTROY_ATTEMPTS):
             try:
-                self.call(DestroySandbox(**self._common(sandbox_id)), timeout_s)
+                yield self.ask(DestroySandbox(**self._common(sandbox_id)), timeout_s)
                 return
             except RequestTimeout:
                 if attempt == DESTROY_ATTEMPTS - 1:
@@ -491,6 +331,8 @@ class Client:
                     raise
                 return
 
+    destroy = blocking(destroy_steps)
+
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox."""
         return Sandbox(self, sandbox_id, node_id=None)
@@ -498,7 +340,7 @@ class Client:
     def close(self) -> None:
         """Stop reading replies and flush what was sent."""
         self._closed.set()
-        self._reader.join(timeout=2)
+        self._replies.close()
         self._publisher.close()
         self._consumer.close()
 
@@ -518,20 +360,19 @@ class Group:
         self.sandboxes = sandboxes
         self.closed = False
 
-    def close(self, timeout_s: float | None = None) -> None:
+    def close_steps(self, timeout_s: float | None = None) -> Steps[None]:
         """Destroy every member (idempotent)."""
         if self.closed:
             return
         self.closed = True
         request = DestroyGroup(**self.client._common(self.id))
-        members = [s.id for s in self.sandboxes]
-        futures = {m: self.client.expect(member_request_id(request.request_id, m)) for m in members}
-        self.client.publish(request)
-        for member, future in futures.items():
-            rid = member_request_id(request.request_id, member)
-            self.client._wait_id(request, rid, future, timeout_s)
+        answers = self.client.ask_members(request, [s.id for s in self.sandboxes], timeout_s)
+        for answer in answers:  # noqa: UP028 (not `yield from`: a list's iterator takes no send())
+            yield answer
         for sandbox in self.sandboxes:
             sandbox.closed = True
+
+    close = blocking(close_steps)
 
     def __iter__(self) -> Iterator[Sandbox]:
         return iter(self.sandboxes)
@@ -554,18 +395,23 @@ _PACK = 'cd "$(dirname "$1")" && tar -c -f "$2" "$(basename "$1")" && wc -c < "$
 
 class Command:
     """A command running in the background (:meth:`Sandbox.start`): read its output
-    while it runs, wait for it, or kill it. Several may run in one sandbox at once."""
+    while it runs, wait for it, or kill it. Several may run in one sandbox at once.
+    ``options`` are :meth:`Sandbox.exec`'s; its ``on_output`` gets each chunk too."""
 
     def __init__(
         self, sandbox: Sandbox, command: str | Iterable[str], timeout_s: float, options: Any
     ) -> None:
+        options = dict(options)
+        self._listener: OutputHandler | None = options.pop("on_output", None)
         self._request = exec_request(
             sandbox.client._common(sandbox.id), command, timeout_s=timeout_s,
             stream_output=True, **options,
         )  # fmt: skip
         self._sandbox = sandbox
         self._client = sandbox.client
-        self._deadline = time.monotonic() + timeout_s + 30
+        #: When (``time.monotonic()``) its reply is no longer expected: its own timeout
+        #: and a margin.
+        self.deadline = time.monotonic() + timeout_s + 30
         self._lock = threading.Lock()
         self._out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         self._future = sandbox.client.send(self._request, self._take)
@@ -578,6 +424,8 @@ class Command:
     def _take(self, chunk: Chunk) -> None:
         with self._lock:
             self._out[chunk.stream] += chunk.data
+        if self._listener is not None:
+            self._listener(chunk)
 
     def output(self) -> tuple[bytes, bytes]:
         """Stdout and stderr received so far (all of it once the command ended)."""
@@ -594,30 +442,30 @@ class Command:
         """Completes with the command's final reply (what :meth:`wait` reads)."""
         return self._future
 
-    def wait(self, timeout_s: float | None = None) -> ExecResult:
+    def wait_steps(self, timeout_s: float | None = None) -> Steps[ExecResult]:
         """How the command ended (typed errors as :meth:`Sandbox.exec`); waits at most
-        ``timeout_s``, or until its own timeout (plus a margin) has passed."""
-        remaining = max(0.1, self._deadline - time.monotonic())
+        ``timeout_s``, or until its own timeout (plus a margin) has passed. A wait that
+        ends before that raises :class:`RequestTimeout` (reason ``still_running``) and
+        may be tried again."""
+        remaining = max(0.1, self.deadline - time.monotonic())
         wait_s = remaining if timeout_s is None else min(timeout_s, remaining)
-        try:
-            reply = self._future.result(timeout=wait_s)
-        except FutureTimeout as exc:
-            if time.monotonic() < self._deadline:  # it may still end: keep listening
-                raise RequestTimeout(
-                    f"command {self.id} still running after {wait_s}s",
-                    reason=TimeoutReason.STILL_RUNNING,
-                ) from exc
-        reply = self._client.wait(self._request, self._future, 0.1)
+        reply = yield self._client.answer(
+            self._request, self._future, wait_s, keep=wait_s < remaining
+        )
         assert isinstance(reply, ExecOutput)
         return ExecResult.from_reply(reply)
 
-    def kill(self, timeout_s: float | None = None) -> bool:
+    wait = blocking(wait_steps)
+
+    def kill_steps(self, timeout_s: float | None = None) -> Steps[bool]:
         """Kill the command (SIGKILL to its process group); True if it was running. Its
         :meth:`wait` then returns with ``killed`` set and the output until then."""
         request = KillCommand(command_id=self.id, **self._client._common(self._sandbox.id))
-        reply = self._client.call(request, timeout_s)
+        reply = yield self._client.ask(request, timeout_s)
         assert isinstance(reply, Done)
         return reply.detail == "killed"
+
+    kill = blocking(kill_steps)
 
 
 class ExecStream(Command):
@@ -640,7 +488,7 @@ class ExecStream(Command):
     def __iter__(self) -> Iterator[Chunk]:
         while True:
             try:
-                item = self._chunks.get(timeout=max(0.0, self._deadline - time.monotonic()))
+                item = self._chunks.get(timeout=max(0.0, self.deadline - time.monotonic()))
             except queue.Empty:
                 return  # ``result`` raises the timeout
             if item is self._END:
@@ -663,7 +511,7 @@ class Sandbox:
         self.node_id = node_id
         self.closed = False
 
-    def exec(
+    def exec_steps(
         self,
         command: str | Iterable[str],
         *,
@@ -675,7 +523,7 @@ class Sandbox:
         trajectory_id: str | None = None,
         step: int | None = None,
         on_output: OutputHandler | None = None,
-    ) -> ExecResult:
+    ) -> Steps[ExecResult]:
         """Run a command (a shell string or an argv list) and return its result.
 
         With ``on_output``, the command's output also arrives while it runs, as
@@ -686,9 +534,11 @@ class Sandbox:
             stream_output=on_output is not None, env=env or {}, cwd=cwd,
             max_output_bytes=max_output_bytes, trajectory_id=trajectory_id, step=step,
         )  # fmt: skip
-        reply = self.client.call(request, timeout_s + 30, on_output)
+        reply = yield self.client.ask(request, timeout_s + 30, on_output)
         assert isinstance(reply, ExecOutput)
         return ExecResult.from_reply(reply)
+
+    exec = blocking(exec_steps)
 
     def stream(
         self, command: str | Iterable[str], *, timeout_s: float = 60.0, **options: Any
@@ -719,7 +569,7 @@ class Sandbox:
         """
         return Command(self, command, timeout_s, options)
 
-    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    def write_file_steps(self, path: str, data: bytes, mode: int = 0o644) -> Steps[None]:
         """Write ``data`` to ``path`` inside the sandbox."""
         request = WriteFile(
             path=path,
@@ -727,24 +577,28 @@ class Sandbox:
             mode=mode,
             **self.client._common(self.id),
         )
-        self.client.call(request)
+        yield self.client.ask(request)
 
-    def read_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
+    write_file = blocking(write_file_steps)
+
+    def read_file_steps(self, path: str, max_bytes: int = 1 << 20) -> Steps[bytes]:
         """Read ``path`` from inside the sandbox (at most ``max_bytes``)."""
         request = ReadFile(path=path, max_bytes=max_bytes, **self.client._common(self.id))
-        reply = self.client.call(request)
+        reply = yield self.client.ask(request)
         assert isinstance(reply, FileContent)
         return base64.b64decode(reply.data_b64)
 
-    def upload(self, src: str | Path, dest: str = "/workspace") -> str:
+    read_file = blocking(read_file_steps)
+
+    def upload_steps(self, src: str | Path, dest: str = "/workspace") -> Steps[str]:
         """Copy a local file or directory tree into directory ``dest`` of the sandbox
         (made if missing); binary-safe, modes kept. Returns the path it landed at."""
         local = Path(src)
-        data = transfer.pack(local)
+        data: bytes = yield Work(lambda: transfer.pack(local))
         staging = f"/tmp/.dsec-upload-{uuid.uuid4().hex[:12]}"
         for i, piece in enumerate(transfer.pieces(data, transfer.UPLOAD_PIECE)):
-            self.write_file(f"{staging}/{i:06d}", piece, mode=0o600)
-        unpacked = self.exec(
+            yield from self.write_file_steps(f"{staging}/{i:06d}", piece, mode=0o600)
+        unpacked = yield from self.exec_steps(
             ["sh", "-c", _UNPACK, "sh", dest, staging], timeout_s=300, max_output_bytes=4096
         )
         if not unpacked.ok:
@@ -754,49 +608,64 @@ class Sandbox:
             )
         return f"{dest.rstrip('/')}/{local.resolve().name}"
 
-    def download(self, src: str, dest: str | Path = ".") -> Path:
+    upload = blocking(upload_steps)
+
+    def download_steps(self, src: str, dest: str | Path = ".") -> Steps[Path]:
         """Copy file or directory ``src`` out of the sandbox into local directory
         ``dest``; returns the local path. The sandbox's archive is checked before
         anything is written: ``..``, links leaving ``dest`` and device files refuse the
         whole transfer (:class:`app.errors.TransferFailed`)."""
         staging = f"/tmp/.dsec-download-{uuid.uuid4().hex[:12]}.tar"
-        packed = self.exec(["sh", "-c", _PACK, "sh", src, staging], timeout_s=300)
         try:
-            size = int(packed.stdout) if packed.ok and packed.stdout.strip().isdigit() else -1
-            if size < 0:
-                raise TransferFailed(
-                    f"packing {self.id}:{src} failed: {packed.stderr.decode()[:300]!r}",
-                    reason=TransferReason.IN_SANDBOX,
-                )
-            if size > transfer.MAX_ARCHIVE:
-                raise TransferFailed(
-                    f"{self.id}:{src} packs to {size} bytes, more than {transfer.MAX_ARCHIVE}",
-                    reason=TransferReason.TOO_LARGE,
-                )
-            step = transfer.DOWNLOAD_PIECE
-            parts = [
-                self.exec(
-                    ["dd", f"if={staging}", f"bs={step}", f"skip={i}", "count=1"],
-                    max_output_bytes=step, timeout_s=120,
-                ).stdout
-                for i in range(-(-size // step))
-            ]  # fmt: skip
-        finally:
-            self.exec(["rm", "-f", staging])
+            data = yield from self._read_archive(src, staging)
+        except Exception:
+            yield from self.exec_steps(["rm", "-f", staging])
+            raise
+        yield from self.exec_steps(["rm", "-f", staging])
+        local = Path(dest)
+        unpacked: list[Path] = yield Work(lambda: transfer.unpack(data, local))
+        return unpacked[0]
+
+    download = blocking(download_steps)
+
+    def _read_archive(self, src: str, staging: str) -> Steps[bytes]:
+        """Pack ``src`` into ``staging`` inside the sandbox and read it back."""
+        packed = yield from self.exec_steps(["sh", "-c", _PACK, "sh", src, staging], timeout_s=300)
+        size = int(packed.stdout) if packed.ok and packed.stdout.strip().isdigit() else -1
+        if size < 0:
+            raise TransferFailed(
+                f"packing {self.id}:{src} failed: {packed.stderr.decode()[:300]!r}",
+                reason=TransferReason.IN_SANDBOX,
+            )
+        if size > transfer.MAX_ARCHIVE:
+            raise TransferFailed(
+                f"{self.id}:{src} packs to {size} bytes, more than {transfer.MAX_ARCHIVE}",
+                reason=TransferReason.TOO_LARGE,
+            )
+        step = transfer.DOWNLOAD_PIECE
+        parts = []
+        for i in range(-(-size // step)):
+            part = yield from self.exec_steps(
+                ["dd", f"if={staging}", f"bs={step}", f"skip={i}", "count=1"],
+                max_output_bytes=step, timeout_s=120,
+            )  # fmt: skip
+            parts.append(part.stdout)
         data = b"".join(parts)
         if len(data) != size:
             raise TransferFailed(
                 f"{self.id}:{src}: read {len(data)} of {size} bytes",
                 reason=TransferReason.INCOMPLETE,
             )
-        return transfer.unpack(data, Path(dest))[0]
+        return data
 
-    def close(self) -> None:
+    def close_steps(self, timeout_s: float | None = None) -> Steps[None]:
         """Destroy the sandbox (idempotent)."""
         if self.closed:
             return
         self.closed = True
-        self.client.destroy(self.id)
+        yield from self.client.destroy_steps(self.id, timeout_s)
+
+    close = blocking(close_steps)
 
     def __enter__(self) -> Self:
         return self
