@@ -65,7 +65,7 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
 
 
 class SchedulerTally:
-    """The dispatcher's counts (:class:`app.control.dispatch.Tally`) as the scheduler's metrics."""
+    """The dispatcher's counts (:class:`app.control.outbox.Tally`) as the scheduler's metrics."""
 
     def handled(self, request_type: str, outcome: str) -> None:
         REQUESTS.labels(request_type, outcome).inc()

@@ -24,7 +24,8 @@ import time
 import uuid
 
 from app.config import get_settings
-from app.control.dispatch import Dispatcher, Outbox
+from app.control.dispatch import Dispatcher
+from app.control.outbox import Outbox
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.proof import KeyInfo, Purpose, Role, StaticKeys, headers

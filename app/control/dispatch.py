@@ -15,41 +15,37 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Protocol
 
 from app.config import Settings
+from app.control.creates import Pending, Waiting, placement_events, why_refused
 from app.control.leases import Leases, lease_request
 from app.control.node_health import NodeHealth
+from app.control.outbox import Courier, NoTally, Outbox, Tally
 from app.domain.base import RejectReason, StopReason, derived_id, utcnow
-from app.domain.codec import DeadLetterReason, DecodeError, decode_event, encode
+from app.domain.codec import DeadLetterReason, DecodeError, decode_event
 from app.domain.events import (
     CommandCompleted,
     LastState,
     NodeHeartbeat,
     NodeLost,
     NodeRegistered,
-    RejectedPayload,
-    RequestedPayload,
     SandboxFailed,
     SandboxFrozen,
-    SandboxRejected,
     SandboxRequested,
     SandboxScheduled,
     SandboxStarted,
     SandboxStopped,
     SandboxThawed,
-    ScheduledPayload,
     StoppedPayload,
 )
 from app.domain.gate import Admitted, Gate, GateRules, Refusal, Sender
 from app.domain.lease import Lease, LeaseAction, LeaseState
-from app.domain.node_tasks import TASK_FOR_REQUEST, VIA_INBOX, TaskEnvelope, inbox_record, seal
-from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement, SandboxMax
+from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement
 from app.domain.proof import KeyLookup, Principal, ProofError, Purpose, Role, verify
 from app.domain.records import Record
-from app.domain.replies import Done, ErrorReply, ReplyBase
+from app.domain.replies import Done, ErrorReply
 from app.domain.requests import (
     GROUP_LABEL,
     LEASE_LABEL,
@@ -59,8 +55,6 @@ from app.domain.requests import (
     DestroySandbox,
     Exec,
     RenewLease,
-    ReplyTo,
-    RequestBase,
     ThawSandbox,
     expand_group,
     member_envelope,
@@ -83,18 +77,6 @@ _NS = uuid.uuid5(uuid.NAMESPACE_URL, "dsec-scheduler")
 RECONCILER = "scheduler/reconciler"
 
 
-@dataclass
-class Pending:
-    """Creates waiting for room: one sandbox, or a whole rollout group."""
-
-    members: list[CreateSandbox]
-    sender: Sender
-    partition: int
-    offset: int
-    deadline_s: float
-    group: str | None = None
-
-
 @dataclass(frozen=True)
 class LiveSandbox:
     """A sandbox the log shows alive, as a restarted scheduler recovers it."""
@@ -109,51 +91,6 @@ class LiveSandbox:
     frozen: bool = False
     #: The create request behind it (a redelivered create is then recognised).
     request_id: uuid.UUID | None = None
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """A trainer waiting for a sandbox to start."""
-
-    request_id: uuid.UUID
-    reply_to: ReplyTo | None
-    sender: Sender
-
-
-@dataclass
-class Outbox:
-    """What one batch sends: events first, then (after they are acknowledged) replies
-    and tasks. Replies and tasks carry their proofs already; events are proven by the
-    process that sends them (the scheduler's own key)."""
-
-    events: list[tuple[str, bytes]] = field(default_factory=list)
-    replies: list[tuple[ReplyTo, str, bytes, list[tuple[str, bytes]]]] = field(default_factory=list)
-    tasks: list[tuple[str, str, list[str]]] = field(default_factory=list)
-    #: (node inbox topic, key, record): the data plane, straight to the node.
-    inbox: list[tuple[str, str, bytes]] = field(default_factory=list)
-    dead: list[tuple[Record, DecodeError]] = field(default_factory=list)
-
-
-class Tally(Protocol):
-    """Where the dispatcher counts what it did (the scheduler's Prometheus metrics:
-    :class:`app.metrics.SchedulerTally`); counting is all it may do."""
-
-    def handled(self, request_type: str, outcome: str) -> None: ...
-    def refused(self, reason: str) -> None: ...
-    def unproven(self, kind: str) -> None: ...
-
-
-class NoTally:
-    """Counts nothing (unit tests, benchmarks of the rules alone)."""
-
-    def handled(self, request_type: str, outcome: str) -> None:
-        pass
-
-    def refused(self, reason: str) -> None:
-        pass
-
-    def unproven(self, kind: str) -> None:
-        pass
 
 
 class Dispatcher:
@@ -204,6 +141,7 @@ class Dispatcher:
         # sets ``leases.keeps``).
         self.leases = Leases(settings.lease_ttl_s, settings.lease_grace_s)
         self.health = NodeHealth(heartbeat_timeout, _NS)
+        self.send = Courier(settings, keys, self.health, self.tally)
         # Ended sandboxes: why, and whose they were.
         self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
@@ -356,7 +294,7 @@ class Dispatcher:
                 reason=reason,
                 detail=detail or f"sandbox ended ({reason})",
             )
-            self._reply(out, waiting.sender, waiting.reply_to, reply)
+            self.send.reply(out, waiting.sender, waiting.reply_to, reply)
 
     def drop_pending(self, partitions: Collection[int]) -> None:
         """Forget the creates waiting for room that were read from ``partitions`` (this
@@ -432,7 +370,7 @@ class Dispatcher:
             occurred_at=at or utcnow(),
             payload=StoppedPayload(reason=reason, detail=detail, last_state=last_state),
         )
-        out.events.append((event.key, encode(event)))
+        self.send.emit(out, event)
         if waiting is not None:
             reply = ErrorReply(
                 request_id=waiting.request_id,
@@ -440,7 +378,7 @@ class Dispatcher:
                 reason=reason.value,
                 detail=detail,
             )
-            self._reply(out, waiting.sender, waiting.reply_to, reply)
+            self.send.reply(out, waiting.sender, waiting.reply_to, reply)
 
     def _reconcile(self, out: Outbox, node_id: str, reported: set[str], at: datetime) -> None:
         placed = self.placement.placed_on(node_id)
@@ -462,7 +400,7 @@ class Dispatcher:
                 break
             log.warning("scheduler: orphan %s on %s: destroying it", sandbox_id, node_id)
             request = DestroySandbox(sandbox_id=sandbox_id, tenant="system", actor=RECONCILER)
-            self._task(out, node, request)
+            self.send.task(out, node, request)
             self.health.orphan_handled(node_id, sandbox_id)
 
     def check_nodes(self, out: Outbox) -> None:
@@ -470,7 +408,7 @@ class Dispatcher:
         for node, detail in self.health.silent(list(self.placement.nodes.values()), utcnow()):
             log.warning("scheduler: node %s lost: %s", node.node_id, detail)
             lost = self.health.lost(node.node_id, detail)
-            out.events.append((lost.key, encode(lost)))
+            self.send.emit(out, lost)
             for sandbox_id in self.placement.mark_lost(node.node_id):
                 allocation = self.placement.allocations[sandbox_id]
                 # Known alive until the node last spoke for it: billed until then.
@@ -478,107 +416,6 @@ class Dispatcher:
                 self._stop(
                     out, allocation, StopReason.NODE_LOST, f"{node.node_id}: {detail}", at=seen
                 )
-
-    # --- what goes out ------------------------------------------------------------
-
-    def _emit(
-        self, out: Outbox, event: SandboxRequested | SandboxScheduled | SandboxRejected
-    ) -> None:
-        out.events.append((event.key, encode(event)))
-
-    def _reply(
-        self, out: Outbox, sender: Sender | None, reply_to: ReplyTo | None, reply: ReplyBase
-    ) -> None:
-        """Answer a waiting trainer, proven under its own key (nobody else's)."""
-        if reply_to is None or sender is None:
-            return
-        value = encode(reply)
-        proof = sender.reply_headers(reply.request_id, value)
-        out.replies.append((reply_to, reply.sandbox_id, value, proof))
-
-    def _task(
-        self,
-        out: Outbox,
-        node: NodeView,
-        request: RequestBase,
-        sender: Sender | None = None,
-        restore: list[str | list[str]] | None = None,
-    ) -> None:
-        """Hand ``request`` to ``node``, sealed with the node's key."""
-        key_id = self.health.key_of(node.node_id)
-        info = self.keys.lookup(key_id) if key_id is not None else None
-        if info is None:
-            info = self.keys.current(Role.NODE, node.node_id)
-        if info is None or info.revoked:
-            log.error("scheduler: no live key for node %s: cannot hand it %s", node.node_id,
-                      request.type)  # fmt: skip
-            return
-        envelope = TaskEnvelope(
-            request=request.model_dump_json(),
-            reply_key=sender.reply_key_hex(request.request_id) if sender is not None else None,
-            restore=restore,
-        )
-        args = seal(envelope, info.principal.key_id, info.secret)
-        task = TASK_FOR_REQUEST[request.type]
-        if task in VIA_INBOX:
-            topic = self.settings.node_topic(node.node_id)
-            out.inbox.append((topic, request.sandbox_id, inbox_record(task, args)))
-        else:
-            out.tasks.append((task, node.queue, args))
-
-    def _reject(
-        self,
-        out: Outbox,
-        refusal: Refusal,
-    ) -> None:
-        """Log a refusal, and answer it where an answer can be proven."""
-        request, raw = refusal.request, refusal.raw
-        request_id = request.request_id if request else _uuid_or_none(raw.get("request_id"))
-        sandbox_id = request.sandbox_id if request else _str_or_none(raw.get("sandbox_id"))
-        request_type = request.type if request else _str_or_none(raw.get("type")) or "unknown"
-        sender = refusal.sender
-        if refusal.reason == RejectReason.DUPLICATE and request is not None:
-            # Its own id: the first request's refusal (if any) keeps its id.
-            event_id = derived_id(request.request_id, f"replay:{refusal.detail}")
-        else:
-            event_id = derived_id(request_id, "rejected") if request_id else uuid.uuid4()
-        tenant = (
-            request.tenant if request and request.tenant
-            else sender.principal.subject if sender else "unauthenticated"
-        )  # fmt: skip
-        event = SandboxRejected(
-            event_id=event_id,
-            sandbox_id=sandbox_id,
-            tenant=tenant,
-            job_id=request.job_id if request else (_str_or_none(raw.get("job_id")) or "default"),
-            payload=RejectedPayload(
-                request_id=request_id,
-                request_type=request_type[:128],
-                reason=refusal.reason,
-                detail=refusal.detail[:2000],
-                actor=sender.principal.actor if sender else None,
-            ),
-        )
-        self._emit(out, event)
-        self.tally.handled(request_type[:64], f"rejected:{refusal.reason.value}")
-        self.tally.refused(refusal.reason.value)
-        if request_id is not None:
-            reply = ErrorReply(
-                request_id=request_id,
-                sandbox_id=sandbox_id or "",
-                reason=refusal.reason.value,
-                detail=refusal.detail[:2000],
-            )
-            self._reply(out, refusal.reply_as, refusal.reply_to, reply)
-
-    def _refuse(self, out: Outbox, admitted: Admitted, reason: RejectReason, detail: str) -> None:
-        """Refuse an admitted request for a reason found after the door."""
-        request = admitted.request
-        self._reject(
-            out,
-            Refusal(reason, detail, admitted.sender, request, {}, request.reply_to, None,
-                    admitted.sender),
-        )  # fmt: skip
 
     # --- creates ------------------------------------------------------------------
 
@@ -614,9 +451,9 @@ class Dispatcher:
             if reason != RejectReason.INVALID and time.monotonic() < pending.deadline_s:
                 return False
             largest = self.placement.largest_sandbox() if reason == RejectReason.INVALID else None
-            detail = _why(reason, members[0], len(members), pending.group, largest)
+            detail = why_refused(reason, members[0], len(members), pending.group, largest)
             for m in members:
-                self._refuse(out, Admitted(m, pending.sender), reason, detail)
+                self.send.refuse(out, Admitted(m, pending.sender), reason, detail)
             return True
         for m, allocation in zip(members, placed, strict=True):
             self._schedule(out, m, allocation, pending.sender)
@@ -638,39 +475,8 @@ class Dispatcher:
             self.leases.join(request.sandbox_id, request.tenant, request.lease_id, time.monotonic())
             # In the log, so a restarted scheduler knows the lease (and SQL the cost).
             labels = {**labels, LEASE_LABEL: request.lease_id}
-        common = {
-            "sandbox_id": request.sandbox_id,
-            "tenant": request.tenant,
-            "job_id": request.job_id,
-        }
-        self._emit(
-            out,
-            SandboxRequested(
-                event_id=derived_id(request.request_id, "requested"),
-                occurred_at=request.sent_at if request.sent_at <= utcnow() else utcnow(),
-                payload=RequestedPayload(
-                    request_id=request.request_id,
-                    actor=request.actor,
-                    image=request.image,
-                    cpus=request.cpus,
-                    memory_mb=request.memory_mb,
-                    disk_mb=request.disk_mb,
-                    ttl_s=request.ttl_s,
-                    network=request.network,
-                    labels=labels,
-                ),
-                **common,
-            ),
-        )
-        self._emit(
-            out,
-            SandboxScheduled(
-                event_id=derived_id(request.request_id, "scheduled"),
-                node_id=placed.node_id,
-                payload=ScheduledPayload(request_id=request.request_id, node_id=placed.node_id),
-                **common,
-            ),
-        )
+        for event in placement_events(request, placed.node_id, labels):
+            self.send.emit(out, event)
         node = self.placement.nodes[placed.node_id]
         restore: list[str | list[str]] | None = None
         if request.restore_trajectory and self.trajectory is not None:
@@ -678,7 +484,7 @@ class Dispatcher:
             # trajectory is looked up among the tenant's own.
             steps = self.trajectory.steps(request.tenant, request.restore_trajectory)
             restore = [s.command for s in steps]
-        self._task(out, node, request, sender, restore)
+        self.send.task(out, node, request, sender, restore)
         self.tally.handled(request.type, "scheduled")
 
     def _create(self, out: Outbox, admitted: Admitted, record: Record) -> None:
@@ -692,12 +498,12 @@ class Dispatcher:
             if holder is not None or any(
                 m.sandbox_id in (p.sandbox_id for p in pending.members) for pending in self.pending
             ):
-                self._refuse(out, admitted, RejectReason.DUPLICATE,
+                self.send.refuse(out, admitted, RejectReason.DUPLICATE,
                              f"sandbox id {m.sandbox_id} is in use")  # fmt: skip
                 return
             ended = self.ended.get(m.sandbox_id)
             if ended is not None:
-                self._refuse(
+                self.send.refuse(
                     out, admitted, RejectReason.DUPLICATE,
                     f"sandbox id {m.sandbox_id} was used before (ended: {ended[0]}); "
                     "ids are never reused",
@@ -726,7 +532,7 @@ class Dispatcher:
                 # Its proof failed: kept with its bytes, like anything a consumer refused.
                 unproven = DecodeError(DeadLetterReason.UNAUTHENTICATED, verdict.detail)
                 out.dead.append((record, unproven))
-            self._reject(out, verdict)
+            self.send.reject(out, verdict)
             return
         request = verdict.request
         if isinstance(request, CreateSandbox | CreateGroup):
@@ -748,19 +554,19 @@ class Dispatcher:
         if allocation is None:
             ended = self.ended.get(request.sandbox_id)
             if ended is not None and may_act_on(sender.principal, ended[1]):
-                self._refuse(out, admitted, RejectReason.SANDBOX_NOT_RUNNING,
+                self.send.refuse(out, admitted, RejectReason.SANDBOX_NOT_RUNNING,
                              f"sandbox {request.sandbox_id} has ended ({ended[0]})")  # fmt: skip
                 return
             owner = ended[1] if ended is not None else None
         if owner is not None and not may_act_on(sender.principal, owner):
-            self._refuse(
+            self.send.refuse(
                 out, admitted, RejectReason.FORBIDDEN,
                 f"sandbox {request.sandbox_id} is not {sender.principal.subject}'s",
             )  # fmt: skip
             return
         node = self.placement.node_of(request.sandbox_id)
         if node is None or allocation is None:
-            self._refuse(out, admitted, RejectReason.UNKNOWN_SANDBOX,
+            self.send.refuse(out, admitted, RejectReason.UNKNOWN_SANDBOX,
                          f"sandbox {request.sandbox_id} is not live on any node")  # fmt: skip
             return
         # What the node records is the owner's: an operator acts on the owner's bill.
@@ -768,14 +574,14 @@ class Dispatcher:
         admitted = Admitted(request, sender)
         lease = self.leases.lapsed(request.sandbox_id)
         if lease is not None and not isinstance(request, DestroySandbox | ThawSandbox):
-            self._refuse(
+            self.send.refuse(
                 out, admitted, RejectReason.SANDBOX_NOT_RUNNING,
                 f"sandbox {request.sandbox_id} is frozen: lease {lease.lease_id} lapsed",
             )  # fmt: skip
             return
         if isinstance(request, Exec) and self._replay(out, admitted):
             return
-        self._task(out, node, request, sender)
+        self.send.task(out, node, request, sender)
         self.tally.handled(request.type, "routed")
 
     # --- leases and groups ----------------------------------------------------------
@@ -790,7 +596,7 @@ class Dispatcher:
             log.info("scheduler: lease %s renewed after a lapse: thawing", lease.lease_id)
             self._lease_tasks(out, lease, LeaseAction.THAW)
         done = Done(request_id=request.request_id, sandbox_id=request.sandbox_id)
-        self._reply(out, admitted.sender, request.reply_to, done)
+        self.send.reply(out, admitted.sender, request.reply_to, done)
 
     def _lease_tasks(self, out: Outbox, lease: Lease, action: LeaseAction) -> None:
         """Freeze, thaw or destroy every live sandbox of a lease."""
@@ -800,7 +606,7 @@ class Dispatcher:
             if node is None or allocation is None:
                 continue
             task = lease_request(lease, action, sandbox_id, allocation.tenant, allocation.job_id)
-            self._task(out, node, task)
+            self.send.task(out, node, task)
 
     def check_leases(self, out: Outbox) -> None:
         """Freeze the sandboxes of lapsed leases; destroy them after the grace period."""
@@ -818,10 +624,10 @@ class Dispatcher:
             destroy = DestroySandbox(**member_envelope(request, member))
             node = self.placement.node_of(member)
             if node is not None:
-                self._task(out, node, destroy, admitted.sender)
+                self.send.task(out, node, destroy, admitted.sender)
             else:
                 done = Done(request_id=destroy.request_id, sandbox_id=member, detail="already gone")
-                self._reply(out, admitted.sender, request.reply_to, done)
+                self.send.reply(out, admitted.sender, request.reply_to, done)
 
     def _replay(self, out: Outbox, admitted: Admitted) -> bool:
         """Answer a completed trajectory step from the log; False if it must run."""
@@ -833,51 +639,7 @@ class Dispatcher:
         if recorded is None:
             return False
         event, reply = recorded.answer(request)
-        out.events.append((event.key, encode(event)))
-        self._reply(out, admitted.sender, request.reply_to, reply)
+        self.send.emit(out, event)
+        self.send.reply(out, admitted.sender, request.reply_to, reply)
         self.tally.handled(request.type, "replayed")
         return True
-
-
-def _why(
-    reason: RejectReason,
-    request: CreateSandbox,
-    n: int,
-    group: str | None,
-    largest: SandboxMax | None = None,
-) -> str:
-    what = f"group {group} ({n} sandboxes)" if group else "the sandbox"
-    waited = f"after waiting {request.queue_s:g}s"
-    if reason == RejectReason.INVALID:
-        most = (
-            f"the most any node allows one sandbox is {largest.cpus:g} CPU, "
-            f"{largest.memory_mb} MiB, {largest.pids} processes"
-            if largest is not None
-            else "no node declares its limits"
-        )
-        return (
-            f"no node can give one sandbox {request.cpus:g} CPU, {request.memory_mb} MiB "
-            f"and {request.pids_limit} processes: {most}"
-        )
-    if reason == RejectReason.NO_NODES:
-        return f"no live node {waited}"
-    if reason == RejectReason.QUOTA:
-        return f"tenant {request.tenant} is at its sandbox quota; {what} refused {waited}"
-    return (
-        f"no room for {what} of {request.cpus:g} CPU and {request.memory_mb} MiB each "
-        f"{waited}; all or nothing, nothing was started"
-    )
-
-
-def _uuid_or_none(value: object) -> uuid.UUID | None:
-    try:
-        return uuid.UUID(str(value)) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _str_or_none(value: object) -> str | None:
-    if not isinstance(value, str):
-        return None
-    # What goes into the log must be storable: no NUL, bounded.
-    return value[:128].replace("\x00", "\ufffd")

@@ -31,8 +31,9 @@ from sqlalchemy import Connection, text
 from app import bus, metrics
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter, key_partition
-from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox, Outbox
+from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox
 from app.control.keyring import Keyring
+from app.control.outbox import Outbox
 from app.control.waiting import until_available
 from app.db import handled, queries
 from app.db import log as event_log

@@ -8,7 +8,8 @@ from itertools import count
 from pydantic import BaseModel
 
 from app.config import Settings
-from app.control.dispatch import Dispatcher, Outbox
+from app.control.dispatch import Dispatcher
+from app.control.outbox import Outbox
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.records import Inbound
 from app.domain.requests import CreateGroup, CreateSandbox, DestroyGroup

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 
 from app.config import Settings
-from app.control.dispatch import Dispatcher, LiveSandbox, Outbox
+from app.control.dispatch import Dispatcher, LiveSandbox
+from app.control.outbox import Outbox
 from app.domain.codec import decode_event
 from app.domain.lease import LeaseState
 from app.domain.node_tasks import TASK_FOR_REQUEST

@@ -6,7 +6,8 @@ import json
 import uuid
 
 from app.config import Settings
-from app.control.dispatch import Dispatcher, Outbox
+from app.control.dispatch import Dispatcher
+from app.control.outbox import Outbox
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.requests import CreateSandbox, Exec
 from app.domain.trajectory import InMemoryTrajectoryLog, RecordedStep

@@ -7,7 +7,8 @@ import uuid
 from datetime import timedelta
 
 from app.config import Settings
-from app.control.dispatch import Dispatcher, Outbox
+from app.control.dispatch import Dispatcher
+from app.control.outbox import Outbox
 from app.domain.base import RejectReason, utcnow
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload, SandboxStopped, StoppedPayload

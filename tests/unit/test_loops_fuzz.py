@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.config import Settings
-from app.control.dispatch import Dispatcher, Outbox
+from app.control.dispatch import Dispatcher
+from app.control.outbox import Outbox
 from app.control.projector import admit_event
 from app.domain.codec import DecodeError, encode
 from app.domain.events import NodeHeartbeat, NodePayload

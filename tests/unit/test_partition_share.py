@@ -10,7 +10,7 @@ import pytest
 
 from app.config import Settings
 from app.consuming import key_partition
-from app.control.dispatch import Outbox
+from app.control.outbox import Outbox
 from app.domain.base import StopReason
 from app.domain.events import FreezePayload, SandboxFrozen, SandboxStopped, StoppedPayload
 from app.domain.lease import LeaseState

@@ -1,0 +1,187 @@
+"""What the dispatcher sends, and how: the :class:`Outbox` of one batch, and the
+:class:`Courier` that fills it (events, replies proven under the trainer's key, node
+tasks sealed with the node's key, refusals logged and answered). No I/O: the
+scheduler process sends what the outbox holds (``app/control/scheduler.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from app.config import Settings
+from app.control.node_health import NodeHealth
+from app.domain.base import RejectReason, derived_id
+from app.domain.codec import DecodeError, encode
+from app.domain.events import EventBase, RejectedPayload, SandboxRejected
+from app.domain.gate import Admitted, Refusal, Sender
+from app.domain.node_tasks import TASK_FOR_REQUEST, VIA_INBOX, TaskEnvelope, inbox_record, seal
+from app.domain.placement import NodeView
+from app.domain.proof import KeyLookup, Role
+from app.domain.records import Record
+from app.domain.replies import ErrorReply, ReplyBase
+from app.domain.requests import ReplyTo, RequestBase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outbox:
+    """What one batch sends: events first, then (after they are acknowledged) replies
+    and tasks. Replies and tasks carry their proofs already; events are proven by the
+    process that sends them (the scheduler's own key)."""
+
+    events: list[tuple[str, bytes]] = field(default_factory=list)
+    replies: list[tuple[ReplyTo, str, bytes, list[tuple[str, bytes]]]] = field(default_factory=list)
+    tasks: list[tuple[str, str, list[str]]] = field(default_factory=list)
+    #: (node inbox topic, key, record): the data plane, straight to the node.
+    inbox: list[tuple[str, str, bytes]] = field(default_factory=list)
+    dead: list[tuple[Record, DecodeError]] = field(default_factory=list)
+
+
+class Tally(Protocol):
+    """Where the dispatcher counts what it did (the scheduler's Prometheus metrics:
+    :class:`app.metrics.SchedulerTally`); counting is all it may do."""
+
+    def handled(self, request_type: str, outcome: str) -> None: ...
+    def refused(self, reason: str) -> None: ...
+    def unproven(self, kind: str) -> None: ...
+
+
+class NoTally:
+    """Counts nothing (unit tests, benchmarks of the rules alone)."""
+
+    def handled(self, request_type: str, outcome: str) -> None:
+        pass
+
+    def refused(self, reason: str) -> None:
+        pass
+
+    def unproven(self, kind: str) -> None:
+        pass
+
+
+class Courier:
+    """Puts what the dispatcher decided into an outbox, proven for whoever reads it."""
+
+    def __init__(
+        self, settings: Settings, keys: KeyLookup, health: NodeHealth, tally: Tally
+    ) -> None:
+        self._settings = settings
+        self._keys = keys
+        self._health = health
+        self._tally = tally
+
+    def emit(self, out: Outbox, event: EventBase) -> None:
+        """An event for the log (proven by the scheduler's key when it is sent)."""
+        out.events.append((event.key, encode(event)))
+
+    def reply(
+        self, out: Outbox, sender: Sender | None, reply_to: ReplyTo | None, reply: ReplyBase
+    ) -> None:
+        """Answer a waiting trainer, proven under its own key (nobody else's)."""
+        if reply_to is None or sender is None:
+            return
+        value = encode(reply)
+        proof = sender.reply_headers(reply.request_id, value)
+        out.replies.append((reply_to, reply.sandbox_id, value, proof))
+
+    def task(
+        self,
+        out: Outbox,
+        node: NodeView,
+        request: RequestBase,
+        sender: Sender | None = None,
+        restore: list[str | list[str]] | None = None,
+    ) -> None:
+        """Hand ``request`` to ``node``, sealed with the node's key."""
+        key_id = self._health.key_of(node.node_id)
+        info = self._keys.lookup(key_id) if key_id is not None else None
+        if info is None:
+            info = self._keys.current(Role.NODE, node.node_id)
+        if info is None or info.revoked:
+            log.error("scheduler: no live key for node %s: cannot hand it %s", node.node_id,
+                      request.type)  # fmt: skip
+            return
+        envelope = TaskEnvelope(
+            request=request.model_dump_json(),
+            reply_key=sender.reply_key_hex(request.request_id) if sender is not None else None,
+            restore=restore,
+        )
+        args = seal(envelope, info.principal.key_id, info.secret)
+        task = TASK_FOR_REQUEST[request.type]
+        if task in VIA_INBOX:
+            topic = self._settings.node_topic(node.node_id)
+            out.inbox.append((topic, request.sandbox_id, inbox_record(task, args)))
+        else:
+            out.tasks.append((task, node.queue, args))
+
+    def reject(
+        self,
+        out: Outbox,
+        refusal: Refusal,
+    ) -> None:
+        """Log a refusal, and answer it where an answer can be proven."""
+        request, raw = refusal.request, refusal.raw
+        request_id = request.request_id if request else _uuid_or_none(raw.get("request_id"))
+        sandbox_id = request.sandbox_id if request else _str_or_none(raw.get("sandbox_id"))
+        request_type = request.type if request else _str_or_none(raw.get("type")) or "unknown"
+        sender = refusal.sender
+        if refusal.reason == RejectReason.DUPLICATE and request is not None:
+            # Its own id: the first request's refusal (if any) keeps its id.
+            event_id = derived_id(request.request_id, f"replay:{refusal.detail}")
+        else:
+            event_id = derived_id(request_id, "rejected") if request_id else uuid.uuid4()
+        tenant = (
+            request.tenant if request and request.tenant
+            else sender.principal.subject if sender else "unauthenticated"
+        )  # fmt: skip
+        event = SandboxRejected(
+            event_id=event_id,
+            sandbox_id=sandbox_id,
+            tenant=tenant,
+            job_id=request.job_id if request else (_str_or_none(raw.get("job_id")) or "default"),
+            payload=RejectedPayload(
+                request_id=request_id,
+                request_type=request_type[:128],
+                reason=refusal.reason,
+                detail=refusal.detail[:2000],
+                actor=sender.principal.actor if sender else None,
+            ),
+        )
+        self.emit(out, event)
+        self._tally.handled(request_type[:64], f"rejected:{refusal.reason.value}")
+        self._tally.refused(refusal.reason.value)
+        if request_id is not None:
+            reply = ErrorReply(
+                request_id=request_id,
+                sandbox_id=sandbox_id or "",
+                reason=refusal.reason.value,
+                detail=refusal.detail[:2000],
+            )
+            self.reply(out, refusal.reply_as, refusal.reply_to, reply)
+
+    def refuse(self, out: Outbox, admitted: Admitted, reason: RejectReason, detail: str) -> None:
+        """Refuse an admitted request for a reason found after the door."""
+        request = admitted.request
+        self.reject(
+            out,
+            Refusal(reason, detail, admitted.sender, request, {}, request.reply_to, None,
+                    admitted.sender),
+        )  # fmt: skip
+
+
+def _uuid_or_none(value: object) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _str_or_none(value: object) -> str | None:
+    if not isinstance(value, str):
+        return None
+    # What goes into the log must be storable: no NUL, bounded.
+    return value[:128].replace("\x00", "\ufffd")
