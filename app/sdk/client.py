@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from kafka import TopicPartition
+from kafka.errors import KafkaError
 
 from app import bus
 from app.config import Settings, get_settings
@@ -56,6 +57,7 @@ from app.errors import (
     ConfigReason,
     RequestTimeout,
     SandboxRejectedError,
+    ServiceUnavailable,
     TransferFailed,
     TransferReason,
 )
@@ -108,7 +110,20 @@ class Client:
         self._publisher = bus.Publisher(self.settings)
         self._consumer = bus.make_consumer(self.settings, auto_offset_reset="latest")
         topic = self.settings.replies_topic(self.tenant)
-        found = self._consumer.partitions_for_topic(topic)
+        try:
+            found = self._consumer.partitions_for_topic(topic)
+            if found:
+                self._partition = random.choice(sorted(found))
+                tp = TopicPartition(topic, self._partition)
+                self._consumer.assign([tp])
+                self._consumer.seek_to_end(tp)
+                self._consumer.position(tp)  # now: replies to our first request must count
+        except KafkaError as exc:
+            self._publisher.close()
+            self._consumer.close()
+            raise ServiceUnavailable(
+                f"Kafka at {self.settings.kafka_bootstrap}: cannot follow {topic}: {exc}"
+            ) from exc
         if not found:
             self._publisher.close()
             self._consumer.close()
@@ -117,11 +132,6 @@ class Client:
                 f"(`dsec tenant create {self.tenant}`) and the platform up?",
                 reason=ConfigReason.NO_REPLIES_TOPIC,
             )
-        self._partition = random.choice(sorted(found))
-        tp = TopicPartition(topic, self._partition)
-        self._consumer.assign([tp])
-        self._consumer.seek_to_end(tp)
-        self._consumer.position(tp)  # resolve now: replies to our first request must count
         self._reply_to = ReplyTo(topic=topic, partition=self._partition)
         self._replies = ReplyReader(
             self._consumer, tp, self.credential.secret, self.settings.max_reply_bytes
