@@ -26,6 +26,10 @@ class SandboxCreateFailed(NodeError):
     """Podman refused to create or start a sandbox container."""
 
 
+class EgressDisabled(SandboxCreateFailed, PermissionError):
+    """A sandbox asked for network on a node that gives none (``allow_egress`` off)."""
+
+
 class NoSpace(SandboxCreateFailed, OSError):
     """The node's disk is too full to hold another sandbox."""
 
@@ -33,6 +37,10 @@ class NoSpace(SandboxCreateFailed, OSError):
 class StaleCreate(SandboxCreateFailed, TimeoutError):
     """A create reached the node after its trainer gave up on it (a task held by a worker
     that died, given back late): making the sandbox then would leave it to nobody."""
+
+
+class CommandInterrupted(NodeError):
+    """The node's worker stopped while the command ran (its agent killed it)."""
 
 
 class RedisFailed(NodeError):

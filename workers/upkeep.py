@@ -138,15 +138,17 @@ def reconcile(node: Node) -> list[str]:
         deadline = label.expires_at(labels)
         if box.running and deadline is not None and deadline <= datetime.now(UTC):
             # Missed by the deadlines thread (the worker was down): billed to the deadline.
-            node.stop(
+            node.lifecycle.stop(
                 box.sandbox_id, tenant, job, StopReason.TTL, "time to live reached",
                 ended_at=deadline,
             )  # fmt: skip
         elif box.running and box.oom_killed:
-            node.stop(box.sandbox_id, tenant, job, StopReason.OOM, "out of memory (OOM kill)")
+            node.lifecycle.stop(
+                box.sandbox_id, tenant, job, StopReason.OOM, "out of memory (OOM kill)"
+            )
         elif box.state in ENDED_STATES:
             reason = StopReason.OOM if box.oom_killed else StopReason.FAILED
-            node.stop(
+            node.lifecycle.stop(
                 box.sandbox_id,
                 tenant,
                 job,

@@ -6,8 +6,9 @@ import shutil
 from pathlib import Path
 
 from app.domain.base import FailReason
+from workers.answers import reason_for
+from workers.creation import room_shortage
 from workers.errors import NoSpace, SandboxCreateFailed, StaleCreate
-from workers.handlers import _reason_for, room_shortage
 
 
 def test_a_disk_with_room_is_no_shortage(tmp_path: Path) -> None:
@@ -22,11 +23,11 @@ def test_a_disk_below_the_floor_says_how_full_it_is(tmp_path: Path) -> None:
 
 
 def test_no_space_is_its_own_reason_whoever_says_it() -> None:
-    assert _reason_for(NoSpace("full")) == FailReason.NO_SPACE
+    assert reason_for(NoSpace("full")) == FailReason.NO_SPACE
     podman = SandboxCreateFailed("creating container storage: write ...: no space left on device")
-    assert _reason_for(podman) == FailReason.NO_SPACE
-    assert _reason_for(SandboxCreateFailed("some other trouble")) == FailReason.RUNTIME_ERROR
+    assert reason_for(podman) == FailReason.NO_SPACE
+    assert reason_for(SandboxCreateFailed("some other trouble")) == FailReason.RUNTIME_ERROR
 
 
 def test_a_create_nobody_waits_for_any_more_fails_timeout() -> None:
-    assert _reason_for(StaleCreate("sent 400s ago")) == FailReason.TIMEOUT
+    assert reason_for(StaleCreate("sent 400s ago")) == FailReason.TIMEOUT

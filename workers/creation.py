@@ -1,0 +1,214 @@
+"""A sandbox made on a node: cold, or claimed from the warm pool (workers/warm_pool.py),
+its agent called home, restored from a trajectory if asked, then announced.
+
+A create is idempotent: the sandbox id names the container and its events carry ids
+derived from the request id. It is refused before anything is made when its trainer
+gave up on it, when it asks for network the node does not give, or when the node's
+disk is too full; a create that fails leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from app import metrics
+from app.config import Settings
+from app.domain.base import StopReason, derived_id, utcnow
+from app.domain.events import SandboxStarted, StartedPayload
+from app.domain.replies import SandboxReady
+from app.domain.requests import CreateSandbox, Exec
+from workers import label
+from workers.agent.client import AgentPool
+from workers.answers import AGENT_WAIT_S, Answers, envelope
+from workers.container_port import ContainerDriver
+from workers.deadlines import Deadlines, Due
+from workers.errors import EgressDisabled, NoSpace, StaleCreate
+from workers.events_out import Outlet
+from workers.exec_path import command_completed
+from workers.lifecycle import Lifecycle
+from workers.sandbox_spec import SandboxSpec
+
+if TYPE_CHECKING:
+    from workers.warm_pool import WarmPool
+
+#: How long a create waits for the in-sandbox agent to call home.
+AGENT_CONNECT_S = 15.0
+#: Each replayed command of a trajectory restore gets this long.
+RESTORE_COMMAND_TIMEOUT_S = 300.0
+
+
+class CreateHost(Protocol):
+    """What a create needs of its node (:class:`workers.handlers.Node` is one)."""
+
+    node_id: str
+    settings: Settings
+    driver: ContainerDriver
+    agents: AgentPool
+    outlet: Outlet
+    answers: Answers
+    deadlines: Deadlines
+    #: Warm containers a create claims; None: always cold.
+    warm: WarmPool | None
+    agent_dir: Path
+    sandbox_root: Path
+
+    def run_dir(self, sandbox_id: str) -> Path: ...
+    def busy(self, sandbox_id: str) -> AbstractContextManager[None]: ...
+
+
+def room_shortage(path: Path, min_free_mb: int) -> str | None:
+    """Why the filesystem of ``path`` (or of its nearest existing parent) is too full
+    to keep ``min_free_mb`` free, or None."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    free_mb = shutil.disk_usage(path).free // 2**20
+    if free_mb >= min_free_mb:
+        return None
+    return f"{path} has {free_mb} MiB free, below the {min_free_mb} MiB kept free"
+
+
+class Creation:
+    """Makes one node's sandboxes; ``ends`` removes what a failed create left and stops
+    a sandbox whose restore broke."""
+
+    def __init__(self, node: CreateHost, ends: Lifecycle) -> None:
+        self.node = node
+        self.ends = ends
+
+    def check_fresh(self, request: CreateSandbox) -> None:
+        """Raise :class:`StaleCreate` for a create sent longer ago than
+        ``request_max_age_s``: its trainer has given up waiting (the gate refuses such a
+        request at the door; this is one that waited in a dead worker's hands)."""
+        max_age_s = self.node.settings.request_max_age_s
+        waited = (utcnow() - request.sent_at).total_seconds()
+        if waited > max_age_s:
+            raise StaleCreate(
+                f"sent {waited:.0f}s ago, longer than DSEC_REQUEST_MAX_AGE_S"
+                f" ({max_age_s:g}s): no one waits for it"
+            )
+
+    def check_room(self) -> None:
+        """Raise :class:`NoSpace` while the node's disk has less free than
+        ``node_min_free_mb``: a create refused with that reason beats one that fills
+        the disk and breaks the sandboxes already there."""
+        node = self.node
+        short = room_shortage(node.sandbox_root.parent, node.settings.node_min_free_mb)
+        if short is not None:
+            raise NoSpace(f"node {node.node_id}: {short} (DSEC_NODE_MIN_FREE_MB)")
+
+    def spec_for(self, request: CreateSandbox) -> SandboxSpec:
+        """The container a create asks for, with the node's mounts and labels."""
+        expires = utcnow() + timedelta(seconds=request.ttl_s)
+        return SandboxSpec(
+            sandbox_id=request.sandbox_id,
+            image=request.image,
+            cpus=request.cpus,
+            memory_mb=request.memory_mb,
+            pids_limit=request.pids_limit,
+            disk_mb=request.disk_mb,
+            network=request.network,
+            env=dict(request.env),
+            labels={
+                label.SANDBOX_ID: request.sandbox_id,
+                label.TENANT: request.tenant,
+                label.JOB: request.job_id,
+                label.EXPIRES: expires.isoformat(),
+                label.NODE: self.node.node_id,
+            },
+            agent_bin_dir=self.node.agent_dir,
+            run_dir=self.node.run_dir(request.sandbox_id),
+        )
+
+    def create(self, request: CreateSandbox, restore: list[str | list[str]] | None = None) -> None:
+        """Create and start the sandbox, wait for its agent, say so.
+
+        ``restore``: a trajectory's commands, replayed in order into the fresh sandbox
+        before the trainer hears it is ready (rebuilding a lost sandbox's state).
+        """
+        with self.node.busy(request.sandbox_id):
+            self._create(request, restore or [])
+
+    def _create(self, request: CreateSandbox, restore: list[str | list[str]]) -> None:
+        node = self.node
+        began = time.monotonic()
+        spec = self.spec_for(request)
+        try:
+            self.check_fresh(request)
+            if spec.network and not node.settings.allow_egress:
+                raise EgressDisabled(
+                    f"node {node.node_id} gives no sandbox network (DSEC_ALLOW_EGRESS=false)"
+                )
+            self.check_room()
+            # A claim hands a pre-started container over; None: start one cold.
+            claimed = node.warm.claim(spec) if node.warm is not None else None
+            if claimed is None:
+                spec.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+                node.agents.register(request.sandbox_id, spec.run_dir)
+                container_id = node.driver.create_and_start(spec)
+            else:
+                container_id = claimed
+            node.agents.connection(request.sandbox_id, AGENT_CONNECT_S).ping()
+        except Exception as exc:
+            node.answers.fail(request, exc)
+            self.ends.discard(request.sandbox_id)
+            return
+        node.outlet.event(
+            SandboxStarted(
+                event_id=derived_id(request.request_id, "started"),
+                **envelope(request, node.node_id),
+                payload=StartedPayload(
+                    request_id=request.request_id,
+                    container_id=container_id,
+                    warm=claimed is not None,
+                ),
+            )
+        )
+        node.deadlines.watch(
+            Due(label.expires_at(spec.labels) or utcnow(), request.sandbox_id, request.tenant,
+                request.job_id)
+        )  # fmt: skip
+        if restore and not self._restore(request, restore):
+            return
+        node.outlet.reply(
+            request.reply_to,
+            SandboxReady(
+                request_id=request.request_id, sandbox_id=request.sandbox_id, node_id=node.node_id
+            ),
+        )
+        metrics.CREATE_SECONDS.labels(str(claimed is not None).lower()).observe(
+            time.monotonic() - began
+        )
+
+    def _restore(self, request: CreateSandbox, commands: list[str | list[str]]) -> bool:
+        """Replay a trajectory's commands into the new sandbox; False if it broke."""
+        node = self.node
+        for i, command in enumerate(commands):
+            replay = Exec(
+                request_id=derived_id(request.request_id, f"restore:{i}"),
+                sandbox_id=request.sandbox_id,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                actor=f"restore of {request.restore_trajectory}",
+                command=command,
+                timeout_s=RESTORE_COMMAND_TIMEOUT_S,
+            )
+            try:
+                argv = ["/bin/sh", "-c", command] if isinstance(command, str) else command
+                with node.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
+                    result = conn.exec(argv, timeout_s=RESTORE_COMMAND_TIMEOUT_S)
+            except Exception as exc:
+                node.answers.fail(request, exc)
+                self.ends.stop(
+                    request.sandbox_id, request.tenant, request.job_id, StopReason.FAILED,
+                    f"restore of {request.restore_trajectory} broke at command {i}: {exc}",
+                )  # fmt: skip
+                return False
+            node.outlet.event(
+                command_completed(replay, result, node.node_id, node.settings.step_output_bytes)
+            )
+        return True

@@ -1,0 +1,361 @@
+"""The exec path on a node: a command from its claim to its answer.
+
+An exec is claimed by its request id in Redis before it runs (:meth:`ExecPath.admit_exec`),
+so a redelivered task never runs a command twice; a trajectory step is claimed too,
+and a second request for it waits for the first one's result. The command runs
+through the sandbox's agent, its output streamed to the trainer if asked, and ends
+in a CommandCompleted for the log and an ExecOutput for the trainer. Also here: a
+KillCommand, the commands a previous worker left unanswered, and a sandbox the
+kernel's OOM killer hit.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import logging
+import shlex
+import signal
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from app import metrics
+from app.config import Settings
+from app.domain.base import StopReason, derived_id
+from app.domain.events import CommandCompleted, CommandPayload
+from app.domain.replies import Done, ExecOutput, OutputChunk
+from app.domain.requests import Exec, KillCommand
+from app.domain.trajectory import RecordedStep
+from workers.agent.client import AgentPool
+from workers.agent.errors import AgentError, AgentTimeout
+from workers.agent.protocol import AgentExecResult
+from workers.agent.protocol import Output as AgentOutput
+from workers.answers import AGENT_WAIT_S, Answers, envelope
+from workers.commands import Commands, Job, Running
+from workers.container_port import ContainerDriver
+from workers.errors import CommandInterrupted, NodeError
+from workers.events_out import Outlet
+from workers.redis_state import Claims, StepGuard
+
+log = logging.getLogger(__name__)
+
+#: Bytes of each output stream copied into the audit event.
+AUDIT_HEAD = 256
+
+
+class CommandKilled(AgentError):
+    """A KillCommand reached the command before it started."""
+
+
+@dataclass
+class Activity:
+    """What a node saw happen in one sandbox."""
+
+    commands: int = 0
+    last_command: str | None = None
+    last_exit_code: int | None = None
+    frozen: bool = False
+
+
+class ExecHost(Protocol):
+    """What the exec path needs of its node (:class:`workers.handlers.Node` is one)."""
+
+    node_id: str
+    settings: Settings
+    driver: ContainerDriver
+    agents: AgentPool
+    outlet: Outlet
+    claims: Claims
+    steps: StepGuard
+    commands: Commands
+    answers: Answers
+    #: What the node saw happen in each sandbox, for the last state its Stopped records.
+    activity: dict[str, Activity]
+
+    def busy(self, sandbox_id: str) -> AbstractContextManager[None]: ...
+
+
+class Ender(Protocol):
+    """Ends a sandbox the OOM killer hit (:class:`workers.lifecycle.Lifecycle` is one)."""
+
+    def stop(
+        self, sandbox_id: str, tenant: str, job_id: str, reason: StopReason, detail: str = ""
+    ) -> None: ...
+
+
+def command_completed(
+    request: Exec,
+    result: AgentExecResult,
+    node_id: str,
+    step_output_bytes: int,
+    killed_by: str | None = None,
+) -> CommandCompleted:
+    """The log's record of one command that ran. A trajectory command's carries the
+    outputs its replays answer with, each cut to what the log keeps
+    (``step_output_bytes``: an event must stay within the log's message size)."""
+    truncated = result.stdout_truncated or result.stderr_truncated
+    stdout_b64 = stderr_b64 = None
+    if request.trajectory_id is not None:
+        cap = step_output_bytes
+        truncated |= len(result.stdout) > cap or len(result.stderr) > cap
+        stdout_b64 = base64.b64encode(result.stdout[:cap]).decode()
+        stderr_b64 = base64.b64encode(result.stderr[:cap]).decode()
+    return CommandCompleted(
+        event_id=derived_id(request.request_id, "completed"),
+        **envelope(request, node_id),
+        payload=CommandPayload(
+            request_id=request.request_id,
+            actor=request.actor,
+            command=request.command,
+            exit_code=result.exit_code,
+            duration_ms=result.duration_s * 1000,
+            stdout_bytes=len(result.stdout),
+            stderr_bytes=len(result.stderr),
+            stdout_head=_audit_head(result.stdout),
+            stderr_head=_audit_head(result.stderr),
+            timed_out=result.timed_out,
+            truncated=truncated,
+            killed_by=killed_by,
+            trajectory_id=request.trajectory_id,
+            step=request.step,
+            stdout_b64=stdout_b64,
+            stderr_b64=stderr_b64,
+        ),
+    )
+
+
+def _killed_result(running: Running, duration_s: float) -> AgentExecResult:
+    """What a killed command answers: SIGKILL, and the output it streamed."""
+    return AgentExecResult(
+        exit_code=-signal.SIGKILL,
+        stdout=bytes(running.stdout),
+        stderr=bytes(running.stderr),
+        duration_s=duration_s,
+    )
+
+
+def _audit_head(data: bytes) -> str:
+    """The start of a command's output as text for the log.
+
+    NUL becomes U+FFFD: Postgres' jsonb refuses ``\\u0000``, and one such event would
+    stop the projector (a sandbox printing /proc/*/cmdline did).
+    """
+    return data[:AUDIT_HEAD].decode(errors="replace").replace("\x00", "\ufffd")
+
+
+class ExecPath:
+    """Runs one node's commands, at most once per request id."""
+
+    def __init__(self, node: ExecHost, ends: Ender) -> None:
+        self.node = node
+        self.ends = ends
+
+    def exec(self, request: Exec) -> None:
+        """Run one command through the sandbox's agent, at most once per request id
+        (claim and run on the calling thread)."""
+        job = self.admit_exec(request)
+        if job is not None:
+            job(Running(request.request_id, request.sandbox_id, request.tenant))
+
+    def admit_exec(self, request: Exec, reply_key: bytes | None = None) -> Job | None:
+        """Claim an exec (on the task's thread: a worker that dies before this gets the
+        task again) and return what is left to do, the command itself or the answer of
+        a step another request runs; None if this request ran already. Until that job
+        ends the command is recorded as in flight (see :meth:`answer_interrupted`)."""
+        claims = self.node.claims
+        if not claims.claim(request, reply_key):
+            log.info("exec %s already ran on this node; skipping", request.request_id)
+            return None
+        traj, step = request.trajectory_id, request.step
+        replayed = (
+            traj is not None
+            and step is not None
+            and not self.node.steps.claim(request.tenant, traj, step, str(request.request_id))
+        )
+
+        claimed_at = time.monotonic()
+
+        def answering(running: Running) -> None:
+            try:
+                if replayed:
+                    assert traj is not None and step is not None
+                    self._answer_claimed_step(request, traj, step)
+                else:
+                    self._run_exec(request, running)
+            finally:
+                claims.answered(request.request_id)
+                metrics.EXEC_SECONDS.observe(time.monotonic() - claimed_at)
+
+        return answering
+
+    def answer_interrupted(self) -> int:
+        """Answer the commands a previous worker of this node claimed and never
+        answered: its agent connections died with it, and the agents killed those
+        commands. Each gets a failure (reason ``interrupted``), never a second run."""
+        stranded = self.node.claims.unanswered()
+        for request, key in stranded:
+            with self.node.outlet.answering(request.request_id, key):
+                self._exec_failed(
+                    request,
+                    CommandInterrupted(
+                        f"the worker of node {self.node.node_id} stopped while command"
+                        f" {request.request_id} ran or waited; the command was killed"
+                    ),
+                )
+            self.node.claims.answered(request.request_id)
+        return len(stranded)
+
+    def kill_command(self, request: KillCommand) -> None:
+        """Kill a command of this sandbox that was claimed here and has not ended; its
+        own reply says ``killed``. A command of another sandbox is not found, whoever
+        owns it: the scheduler checked the sandbox's owner, not the command's."""
+        running = self.node.commands.find(request.command_id)
+        found = running is not None and running.sandbox_id == request.sandbox_id
+        if found:
+            assert running is not None
+            running.kill(request.actor or request.tenant)
+        self.node.outlet.reply(
+            request.reply_to,
+            Done(
+                request_id=request.request_id,
+                sandbox_id=request.sandbox_id,
+                detail="killed" if found else "not running",
+            ),
+        )
+
+    def _run_exec(self, request: Exec, running: Running) -> None:
+        argv = (
+            ["/bin/sh", "-c", request.command]
+            if isinstance(request.command, str)
+            else request.command
+        )
+        started = time.monotonic()
+        killed_by: str | None = None
+        try:
+            with self.node.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
+                if not running.attach(conn):
+                    raise CommandKilled
+                result = conn.exec(
+                    argv,
+                    env=dict(request.env) or None,
+                    cwd=request.cwd,
+                    timeout_s=request.timeout_s,
+                    max_output=request.max_output_bytes,
+                    stdin=base64.b64decode(request.stdin_b64),
+                    on_output=self._streamer(request, running) if request.stream_output else None,
+                )
+        except Exception as exc:
+            killed_by = running.killed_by  # the kill broke its connection
+            if killed_by is None:
+                self._exec_failed(request, exc)
+                return
+            result = _killed_result(running, time.monotonic() - started)
+        self._exec_done(request, result, killed_by)
+
+    def _exec_failed(self, request: Exec, exc: Exception) -> None:
+        """Answer a command that did not run to its end; its trajectory step is free
+        again, so a retry may run it."""
+        traj, step = request.trajectory_id, request.step
+        if traj is not None and step is not None:
+            self.node.steps.release(request.tenant, traj, step)
+        self.node.answers.fail(request, exc)
+
+    def _exec_done(
+        self, request: Exec, result: AgentExecResult, killed_by: str | None = None
+    ) -> None:
+        """Record and answer a command that ran (``killed_by``: ended by that kill)."""
+        node = self.node
+        completed = command_completed(
+            request, result, node.node_id, node.settings.step_output_bytes, killed_by
+        )
+        # What a replay of this step answers: kept here until the log has it.
+        recorded = RecordedStep.of(completed.payload)
+        if recorded is not None and request.trajectory_id is not None:
+            node.steps.record(request.tenant, request.trajectory_id, recorded)
+        node.outlet.event(completed)
+        seen = node.activity.setdefault(request.sandbox_id, Activity())
+        seen.commands += 1
+        command = (
+            request.command if isinstance(request.command, str) else shlex.join(request.command)
+        )
+        seen.last_command, seen.last_exit_code = command[:200], result.exit_code
+        if result.exit_code == -signal.SIGKILL and not result.timed_out and killed_by is None:
+            self._end_if_oom(request)
+        node.outlet.reply_with_data(
+            request.reply_to,
+            ExecOutput(
+                request_id=request.request_id,
+                sandbox_id=request.sandbox_id,
+                exit_code=result.exit_code,
+                stdout_b64="",
+                stderr_b64="",
+                duration_ms=result.duration_s * 1000,
+                timed_out=result.timed_out,
+                stdout_truncated=result.stdout_truncated,
+                stderr_truncated=result.stderr_truncated,
+                killed=killed_by is not None,
+            ),
+            {"stdout": result.stdout, "stderr": result.stderr},
+        )
+
+    def _streamer(self, request: Exec, running: Running) -> Callable[[AgentOutput], None]:
+        """Pass a running command's output to its trainer as OutputChunk replies, and
+        keep it: a killed command answers with what it streamed."""
+        seq = itertools.count()
+
+        def send(output: AgentOutput) -> None:
+            (running.stdout if output.stream == 1 else running.stderr).extend(output.data)
+            self.node.outlet.reply(
+                request.reply_to,
+                OutputChunk(
+                    request_id=request.request_id,
+                    sandbox_id=request.sandbox_id,
+                    seq=next(seq),
+                    stream="stdout" if output.stream == 1 else "stderr",
+                    data_b64=base64.b64encode(output.data).decode(),
+                ),
+            )
+
+        return send
+
+    def _answer_claimed_step(self, request: Exec, traj: str, step: int) -> None:
+        """A step another request already ran (or runs): answer with its result."""
+        node = self.node
+        recorded = node.steps.wait(request.tenant, traj, step, request.timeout_s + AGENT_WAIT_S)
+        if recorded is None:
+            node.answers.fail(
+                request,
+                AgentTimeout(f"trajectory {traj} step {step} is claimed but has no result yet"),
+            )
+            return
+        event, reply = recorded.answer(request, node_id=node.node_id)
+        node.outlet.event(event)
+        node.outlet.reply(request.reply_to, reply)
+
+    def _end_if_oom(self, request: Exec) -> None:
+        """End the sandbox (reason oom) once the kernel's OOM killer has hit it.
+
+        Runs after CommandCompleted and before the reply: the trainer still gets the
+        killed command's result (-9), and whatever it sends next (a destroy, say) finds
+        the sandbox already stopped instead of racing this stop into a second Stopped.
+        The reconciler checks the same counter every round (an OOM in a background
+        process) and stops with the same event id, so the log holds one Stopped
+        whichever comes first.
+        """
+        try:
+            kills = self.node.driver.oom_kills(request.sandbox_id)
+        except NodeError:
+            log.exception("reading the OOM count of %s", request.sandbox_id)
+            return
+        if kills:
+            with self.node.busy(request.sandbox_id):
+                self.ends.stop(
+                    request.sandbox_id,
+                    request.tenant,
+                    request.job_id,
+                    StopReason.OOM,
+                    f"out of memory: the kernel killed {kills} process(es)",
+                )
