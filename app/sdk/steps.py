@@ -25,11 +25,12 @@ awaited execs are a thousand futures, not a thousand threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable, Coroutine, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast
 
 from app.domain.base import FailReason, RejectReason
 from app.domain.replies import ErrorReply, Reply
@@ -139,23 +140,28 @@ Step = Answer | Work[Any]
 Steps = Generator[Step, Any, T]
 
 
+def _next(steps: Steps[T], outcome: Any, error: Exception | None) -> tuple[bool, Any]:
+    """Hand the last step's outcome (or error) to the operation: (True, its result) if
+    it finished, else (False, its next step)."""
+    try:
+        return False, steps.send(outcome) if error is None else steps.throw(error)
+    except StopIteration as done:
+        return True, done.value
+
+
 def run(steps: Steps[T]) -> T:
     """Carry an operation out, blocking on each step."""
     outcome: Any = None
     error: Exception | None = None
-    try:
+    with contextlib.closing(steps):
         while True:
-            try:
-                step = steps.send(outcome) if error is None else steps.throw(error)
-            except StopIteration as done:
-                result: T = done.value
-                return result
+            finished, step = _next(steps, outcome, error)
+            if finished:
+                return cast(T, step)
             try:
                 outcome, error = step.block(), None
             except Exception as exc:
                 outcome, error = None, exc
-    finally:
-        steps.close()
 
 
 async def run_async(steps: Steps[T]) -> T:
@@ -163,19 +169,15 @@ async def run_async(steps: Steps[T]) -> T:
     where it blocks (the one place the two clients differ)."""
     outcome: Any = None
     error: Exception | None = None
-    try:
+    with contextlib.closing(steps):
         while True:
-            try:
-                step = steps.send(outcome) if error is None else steps.throw(error)
-            except StopIteration as done:
-                result: T = done.value
-                return result
+            finished, step = _next(steps, outcome, error)
+            if finished:
+                return cast(T, step)
             try:
                 outcome, error = await step.wait(), None
             except Exception as exc:
                 outcome, error = None, exc
-    finally:
-        steps.close()
 
 
 def blocking(operation: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatenate[S, P], T]:
