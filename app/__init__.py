@@ -1,1 +1,4 @@
-"""dsec control plane: schemas, Kafka plumbing, scheduler, projector, SDK and CLI."""
+"""dsec, all but the node: the trainer's SDK (sdk/), the control plane (control/), the
+hosts (stack/), the commands (cli/), Postgres (db/) and the domain below them all
+(domain/), with the plumbing they share at this level (config, errors, the bus, the
+task queue, the ports). The map: docs/architecture.md."""
