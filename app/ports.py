@@ -5,7 +5,7 @@ queue, each with a real adapter (:class:`app.bus.KafkaBus`,
 The contract suites in ``tests/contracts/`` run the same tests against both, so a
 unit test that uses the in-memory one relies only on what the real one does too. The
 trajectory log's port is the domain's (:class:`app.domain.trajectory.TrajectoryLog`),
-the container driver's the node's (``workers/container_port.py``).
+the container driver's the node's (``workers/containers/port.py``).
 """
 
 from __future__ import annotations

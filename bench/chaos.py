@@ -44,8 +44,8 @@ from app.db.engine import transaction
 from app.errors import DsecError
 from app.sdk import Client
 from app.stack import services as stack_mod
-from workers.node_user import find_node_user
-from workers.podman_service import service_pids
+from workers.host.podman_service import service_pids
+from workers.host.user import find_node_user
 
 console = Console()
 TARGETS = ("projector", "scheduler", "worker-node0", "redis", "flower", "broker", "podman-node0")

@@ -41,9 +41,9 @@ from app.control import tenants
 from app.domain.requests import CreateSandbox, DestroySandbox
 from app.sdk import Client
 from app.stats import percentile
-from workers.node_user import set_up_node_user
-from workers.podman_driver import PodmanDriver, container_args
-from workers.sandbox_spec import SandboxSpec
+from workers.containers.podman_driver import PodmanDriver, container_args
+from workers.containers.spec import SandboxSpec
+from workers.host.user import set_up_node_user
 
 SHAPE: dict[str, Any] = {"cpus": 0.25, "memory_mb": 128, "ttl_s": 900}
 

@@ -30,9 +30,9 @@ from app.config import Settings, get_settings
 from app.control import tenants
 from app.domain.requests import DestroySandbox
 from app.sdk import Client, Sandbox
-from workers.limits import CgroupLimiter
-from workers.node_user import set_up_node_user
-from workers.podman_driver import PodmanDriver
+from workers.containers.limits import CgroupLimiter
+from workers.containers.podman_driver import PodmanDriver
+from workers.host.user import set_up_node_user
 
 SHAPE = {"memory_mb": 16, "cpus": 0.005, "ttl_s": 6 * 3600}
 SETTLE_S = 10.0

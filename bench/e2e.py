@@ -38,9 +38,9 @@ from app.config import Settings, get_settings
 from app.control import tenants
 from app.sdk import Client
 from app.stats import summary_ms
-from workers.node_user import set_up_node_user
-from workers.podman_driver import container_args
-from workers.sandbox_spec import SandboxSpec
+from workers.containers.podman_driver import container_args
+from workers.containers.spec import SandboxSpec
+from workers.host.user import set_up_node_user
 
 T = TypeVar("T")
 COMMAND = ["echo", "hi"]

@@ -20,9 +20,9 @@ from procstat import HZ, named, ticks
 from app import bus
 from app.config import Settings
 from workers.agent.client import AgentConnection, AgentPool
-from workers.node_user import set_up_node_user
-from workers.podman_driver import PodmanDriver, container_args
-from workers.sandbox_spec import SandboxSpec
+from workers.containers.podman_driver import PodmanDriver, container_args
+from workers.containers.spec import SandboxSpec
+from workers.host.user import set_up_node_user
 
 #: Records a command costs on the bus: request, inbox record, CommandCompleted, reply.
 RECORDS_PER_COMMAND = 4

@@ -18,7 +18,7 @@ from sqlalchemy import Connection, text
 
 from app.config import Settings, get_settings
 from app.db.engine import transaction
-from workers.limits import CgroupLimiter
+from workers.containers.limits import CgroupLimiter
 
 
 @pytest.fixture(scope="session")

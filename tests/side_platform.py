@@ -20,7 +20,7 @@ from app.control import tenants
 from app.domain.proof import Role
 from tests.conftest import ensure_tenant, wait_for
 from workers.agent.build import AGENT_BINARY, ensure_agent_dir
-from workers.node_user import user_name
+from workers.host.user import user_name
 
 DSEC = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "dsec"
 

@@ -21,7 +21,7 @@ from app.domain.replies import ErrorReply
 from app.domain.requests import RequestBase
 from workers.agent.client import AgentConnection, AgentPool
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
-from workers.container_port import ContainerDriver
+from workers.containers.port import ContainerDriver
 from workers.errors import (
     CommandInterrupted,
     EgressDisabled,

@@ -22,16 +22,16 @@ from app.domain.base import StopReason, derived_id, utcnow
 from app.domain.events import SandboxStarted, StartedPayload
 from app.domain.replies import SandboxReady
 from app.domain.requests import CreateSandbox, Exec
-from workers import label
 from workers.agent.client import AgentPool
 from workers.answers import AGENT_WAIT_S, Answers, envelope
-from workers.container_port import ContainerDriver
+from workers.containers import label
+from workers.containers.port import ContainerDriver
+from workers.containers.spec import SandboxSpec
 from workers.deadlines import Deadlines, Due
 from workers.errors import EgressDisabled, NoSpace, StaleCreate
 from workers.events_out import Outlet
 from workers.exec_path import command_completed
 from workers.lifecycle import Lifecycle
-from workers.sandbox_spec import SandboxSpec
 
 if TYPE_CHECKING:
     from workers.warm_pool import WarmPool

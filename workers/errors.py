@@ -1,7 +1,7 @@
 """The node's errors, a branch of the platform's tree (:class:`app.errors.DsecError`).
 
 Drivers' errors are translated where the driver is called: podman-py's and requests'
-in :mod:`workers.podman_driver`, redis-py's in :mod:`workers.redis_state`. Callers
+in :mod:`workers.containers.podman_driver`, redis-py's in :mod:`workers.redis_state`. Callers
 never see a driver's exception.
 """
 

@@ -35,7 +35,7 @@ from workers.agent.protocol import AgentExecResult
 from workers.agent.protocol import Output as AgentOutput
 from workers.answers import AGENT_WAIT_S, Answers, envelope
 from workers.commands import Commands, Job, Running
-from workers.container_port import ContainerDriver
+from workers.containers.port import ContainerDriver
 from workers.errors import CommandInterrupted, NodeError
 from workers.events_out import Outlet
 from workers.redis_state import Claims, StepGuard

@@ -43,7 +43,8 @@ from app.sdk.credentials import Credential
 from workers.agent.client import AgentPool
 from workers.answers import Answers
 from workers.commands import Commands, Job
-from workers.container_port import ContainerDriver
+from workers.containers.port import ContainerDriver
+from workers.containers.spec import AGENT_SOCKET_NAME
 from workers.creation import Creation
 from workers.deadlines import Deadlines, Due
 from workers.events_out import Outlet
@@ -51,7 +52,6 @@ from workers.exec_path import Activity, ExecPath
 from workers.file_ops import FileOps
 from workers.lifecycle import Lifecycle
 from workers.redis_state import Claims, StepGuard, connect
-from workers.sandbox_spec import AGENT_SOCKET_NAME
 
 if TYPE_CHECKING:
     from workers.warm_pool import WarmPool

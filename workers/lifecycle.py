@@ -32,12 +32,12 @@ from app.domain.replies import Done
 from app.domain.requests import DestroySandbox, FreezeSandbox, RequestBase, ThawSandbox
 from workers.agent.client import AgentConnection, AgentPool
 from workers.answers import Answers, Failed, envelope
-from workers.container_port import ContainerDriver
+from workers.containers.port import ContainerDriver
+from workers.containers.spec import AGENT_BIN_MOUNT
 from workers.deadlines import Deadlines, Due
 from workers.errors import NodeError
 from workers.events_out import Outlet
 from workers.exec_path import Activity
-from workers.sandbox_spec import AGENT_BIN_MOUNT
 
 log = logging.getLogger(__name__)
 

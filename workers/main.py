@@ -12,14 +12,14 @@ from app.sdk import credentials
 from workers import runtime, tasks
 from workers.agent.client import AgentPool, peer_is_sandbox_init
 from workers.celery_app import celery, restore_unacked
+from workers.containers.limits import CgroupLimiter
+from workers.containers.podman_driver import PodmanDriver
 from workers.handlers import Node
+from workers.host.layer_store import store_lock_path
+from workers.host.podman_service import ensure_podman_service
+from workers.host.podman_watch import PodmanWatch
+from workers.host.setup import ensure_node_user
 from workers.inbox import READY_WAIT_S, Inbox
-from workers.layer_store import store_lock_path
-from workers.limits import CgroupLimiter
-from workers.node_setup import ensure_node_user
-from workers.podman_driver import PodmanDriver
-from workers.podman_service import ensure_podman_service
-from workers.podman_watch import PodmanWatch
 from workers.upkeep import Upkeep
 from workers.warm_pool import WarmPool
 

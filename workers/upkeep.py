@@ -36,7 +36,7 @@ from pathlib import Path
 from app import metrics
 from app.domain.base import StopReason
 from app.domain.events import NodeHeartbeat, NodePayload, NodeRegistered
-from workers import label
+from workers.containers import label
 from workers.deadlines import Due
 from workers.handlers import Node
 

@@ -76,10 +76,10 @@ from pathlib import Path
 from typing import Protocol
 
 from app.domain.requests import SandboxShape
-from workers import label
-from workers.container_port import ContainerDriver, SandboxContainer
+from workers.containers import label
+from workers.containers.port import ContainerDriver, SandboxContainer
+from workers.containers.spec import SandboxSpec
 from workers.errors import NodeError
-from workers.sandbox_spec import SandboxSpec
 
 
 class AgentLine(Protocol):

@@ -41,7 +41,7 @@ def import_(
 ) -> None:
     """Import a root filesystem tarball (podman import) or an image archive (podman load)."""
     from workers.errors import NodeError
-    from workers.image_build import import_image, spooled
+    from workers.images.build import import_image, spooled
 
     settings = get_settings()
     try:
@@ -79,7 +79,7 @@ def build(
 ) -> None:
     """Build a Containerfile into the store with root's Podman (--pull=never)."""
     from workers.errors import NodeError
-    from workers.image_build import build_image
+    from workers.images.build import build_image
 
     if debian:
         build_debian(image=name)
@@ -114,7 +114,7 @@ def build_debian(
 ) -> None:
     """Debian 12 with python3 and git from Debian packages (debootstrap, cached)."""
     from workers.errors import NodeError
-    from workers.image_debian import build_debian_image
+    from workers.images.debian import build_debian_image
 
     try:
         done = build_debian_image(
@@ -138,7 +138,7 @@ def build_platform(
 ) -> None:
     """The platform's own images from this checkout: dsec/control and dsec/node."""
     from workers.errors import NodeError
-    from workers.image_platform import build_platform_images
+    from workers.images.platform import build_platform_images
 
     try:
         build_platform_images(
@@ -155,7 +155,7 @@ def build_platform(
 def ls(as_json: JsonOpt = False) -> None:
     """Images in the store: name, id, size, created."""
     from app.cli import render as cli_render
-    from workers.layer_store import list_images
+    from workers.host.layer_store import list_images
 
     rows: list[dict[str, Any]] = []
     for image in list_images(get_settings()):
@@ -183,8 +183,8 @@ def rm(
 ) -> None:
     """Remove images from the store (refused while a sandbox runs one, unless --force)."""
     from workers.errors import NodeError
-    from workers.image_store import image_users, remove_image
-    from workers.layer_store import image_exists
+    from workers.host.layer_store import image_exists
+    from workers.images.store import image_users, remove_image
 
     settings = get_settings()
     failed = False

@@ -49,7 +49,7 @@ def up(
     ``foreground``, become the worker instead (a container's or a unit's process)."""
     from app.stack import services as stack
     from workers.agent.build import ensure_agent_dir
-    from workers.image_store import import_busybox_image
+    from workers.images.store import import_busybox_image
 
     path = check(settings, node_id)
     log(f"node {node_id}: credential {path}; Kafka at {settings.kafka_bootstrap} and Redis answer")

@@ -154,7 +154,7 @@ class Service:
             return self._start(settings)
 
     def _locked(self, settings: Settings) -> contextlib.AbstractContextManager[None]:
-        from workers.file_lock import file_lock
+        from workers.host.file_lock import file_lock
 
         return file_lock(settings.state_dir / "run" / f"{self.name}.lock")
 
@@ -425,7 +425,7 @@ def check_backing_services(settings: Settings) -> None:
 def prepare_node_store(settings: Settings) -> None:
     """The shared read-only layer store with the base image, and the agent binaries."""
     from workers.agent.build import ensure_agent_dir
-    from workers.image_store import import_busybox_image
+    from workers.images.store import import_busybox_image
 
     ensure_agent_dir(settings.state_dir / "agent")
     import_busybox_image()
@@ -558,7 +558,7 @@ def down(
     Postgres and Redis are always left alone; ``podman`` in ``keep`` spares the
     nodes' Podman services.
     """
-    from workers.podman_service import stop_all_podman_services
+    from workers.host.podman_service import stop_all_podman_services
 
     for service in reversed(services(settings, known_node_ids(settings))):
         if service.name not in keep and service.stop(settings):

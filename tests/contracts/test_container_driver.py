@@ -1,6 +1,6 @@
 """The container driver contract: what every ContainerDriver does, whatever it drives.
 
-One suite, run against each implementation of :class:`workers.container_port.
+One suite, run against each implementation of :class:`workers.containers.port.
 ContainerDriver` (after eventsourcing's recorder test cases): the in-memory driver,
 and PodmanDriver against the rootless Podman service of the running node
 (``integration``), with the image the node's other tests use (built locally, never
@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 
 from app.config import Settings
-from workers import label
-from workers.container_port import ContainerDriver, SandboxContainer
+from workers.containers import label
+from workers.containers.memory_driver import MemoryDriver
+from workers.containers.port import ContainerDriver, SandboxContainer
+from workers.containers.spec import SandboxSpec
 from workers.errors import ImageNotFound, NodeError
-from workers.memory_driver import MemoryDriver
-from workers.sandbox_spec import SandboxSpec
 
 IMAGE = "dsec/busybox:latest"
 MISSING_IMAGE = "localhost/dsec-contract/never-built:none"
@@ -91,7 +91,7 @@ class Harness:
 def podman_node(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Path]]:
     """The running node's user and a directory of it the node can read."""
     stack: Settings = request.getfixturevalue("stack")
-    from workers.node_user import find_node_user
+    from workers.host.user import find_node_user
 
     user = find_node_user(stack.node_id)
     if user is None:
@@ -108,7 +108,7 @@ def podman_node(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Path]]:
 def _podman(request: pytest.FixtureRequest) -> Iterator[Harness]:
     import podman
 
-    from workers.podman_driver import PodmanDriver
+    from workers.containers.podman_driver import PodmanDriver
 
     user, base = request.getfixturevalue("podman_node")
     driver = PodmanDriver(user.socket_url, command=SLEEP)

@@ -24,9 +24,10 @@ from typer.testing import CliRunner, Result
 from app.cli.main import cli
 from app.config import Settings
 from tests.conftest import wait_for
-from workers import image_store, layer_store
-from workers.image_build import tarball_kind
-from workers.image_debian import DEBIAN_IMAGE, build_debian_image, debian_mirror
+from workers.host import layer_store
+from workers.images import store as image_store
+from workers.images.build import tarball_kind
+from workers.images.debian import DEBIAN_IMAGE, build_debian_image, debian_mirror
 
 pytestmark = pytest.mark.integration
 

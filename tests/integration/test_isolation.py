@@ -18,8 +18,8 @@ import pytest
 
 from app.config import Settings
 from app.errors import SandboxFailedError
-from workers.limits import CgroupLimiter
-from workers.node_user import NodeUser, find_node_user
+from workers.containers.limits import CgroupLimiter
+from workers.host.user import NodeUser, find_node_user
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """Resource limits hold (on this cgroup v1 host as on v2 ones), attacked from inside.
 
-The node's own cgroups carry the limits (workers/limits.py); these tests read them
+The node's own cgroups carry the limits (workers/containers/limits.py); these tests read them
 from the host where a figure is needed (CPU time, task counts, OOM kills).
 """
 
@@ -15,7 +15,7 @@ import pytest
 from app.config import Settings
 from app.errors import SandboxError, SandboxRejectedError
 from tests.conftest import scalar, wait_for
-from workers.limits import CgroupLimiter, Limits
+from workers.containers.limits import CgroupLimiter, Limits
 
 pytestmark = pytest.mark.integration
 

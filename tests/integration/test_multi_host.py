@@ -32,7 +32,7 @@ from app.config import Settings
 from app.stack.services import broker_binary, port_open
 from tests.conftest import flower_workers, wait_for
 from tests.pg_cluster import own_cluster
-from workers.mounts import remove_tree
+from workers.host.mounts import remove_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -23,7 +23,7 @@ from app.config import Settings
 from app.errors import SandboxError
 from app.sdk import Client
 from tests.side_platform import first_sandbox, side_platform
-from workers.mounts import remove_tree
+from workers.host.mounts import remove_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -11,9 +11,9 @@ import pytest
 
 from app.config import Settings
 from tests.conftest import wait_for
-from workers.image_platform import CONTROL, NODE, build_platform_images
-from workers.image_store import remove_image
-from workers.layer_store import image_exists, store_podman
+from workers.host.layer_store import image_exists, store_podman
+from workers.images.platform import CONTROL, NODE, build_platform_images
+from workers.images.store import remove_image
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -19,14 +19,15 @@ from pathlib import Path
 import pytest
 
 from app.config import Settings, get_settings
-from workers import image_store, layer_store
+from workers.containers.podman_driver import PodmanDriver
+from workers.containers.spec import AGENT_BIN_MOUNT, SandboxSpec
 from workers.errors import ImageNotFound, PodmanUnavailable
-from workers.host_ops import live_processes_of
-from workers.node_setup import ensure_node_user
-from workers.node_user import NodeUser
-from workers.podman_driver import PodmanDriver
-from workers.podman_service import ensure_podman_service
-from workers.sandbox_spec import AGENT_BIN_MOUNT, SandboxSpec
+from workers.host import layer_store
+from workers.host.ops import live_processes_of
+from workers.host.podman_service import ensure_podman_service
+from workers.host.setup import ensure_node_user
+from workers.host.user import NodeUser
+from workers.images import store as image_store
 
 pytestmark = pytest.mark.integration
 

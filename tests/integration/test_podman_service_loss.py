@@ -20,9 +20,9 @@ from app.config import Settings
 from app.sdk import Client
 from tests.conftest import wait_for
 from tests.side_platform import first_sandbox, side_platform
-from workers.mounts import remove_tree
-from workers.node_user import find_node_user
-from workers.podman_service import service_pids
+from workers.host.mounts import remove_tree
+from workers.host.podman_service import service_pids
+from workers.host.user import find_node_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -29,7 +29,7 @@ from app.sdk import Client
 from app.stack.services import broker_binary, port_open
 from tests.conftest import declare_lost, free_port, wait_for
 from tests.side_platform import first_sandbox, side_platform
-from workers.mounts import remove_tree
+from workers.host.mounts import remove_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

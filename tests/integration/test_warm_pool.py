@@ -15,11 +15,11 @@ import pytest
 from app.config import Settings
 from app.stack import services as stack_mod
 from tests.conftest import wait_for
-from workers import label
-from workers.limits import CgroupLimiter
-from workers.node_user import find_node_user
-from workers.podman_driver import PodmanDriver
-from workers.sandbox_spec import SandboxSpec
+from workers.containers import label
+from workers.containers.limits import CgroupLimiter
+from workers.containers.podman_driver import PodmanDriver
+from workers.containers.spec import SandboxSpec
+from workers.host.user import find_node_user
 
 pytestmark = pytest.mark.integration
 

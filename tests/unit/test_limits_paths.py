@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.limits import (
+from workers.containers.limits import (
     CgroupLayout,
     CgroupLimiter,
     Hierarchy,
@@ -15,8 +15,8 @@ from workers.limits import (
     parse_flat_keyed,
     parse_mountinfo,
 )
-from workers.podman_driver import container_args
-from workers.sandbox_spec import SandboxSpec
+from workers.containers.podman_driver import container_args
+from workers.containers.spec import SandboxSpec
 
 # This CI machine: v1 hybrid, cpu and cpuacct in separate hierarchies.
 HYBRID = """\

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from workers import label
-from workers import limits as limits_mod
-from workers.container_port import ContainerDriver, SandboxContainer
+from workers.containers import label
+from workers.containers import limits as limits_mod
+from workers.containers.limits import CgroupLayout, CgroupLimiter, Hierarchy, Limits
+from workers.containers.memory_driver import MemoryDriver
+from workers.containers.podman_driver import _from_list
+from workers.containers.port import ContainerDriver, SandboxContainer
+from workers.containers.spec import SandboxSpec
 from workers.errors import NodeError
-from workers.limits import CgroupLayout, CgroupLimiter, Hierarchy, Limits
-from workers.memory_driver import MemoryDriver
-from workers.podman_driver import _from_list
-from workers.sandbox_spec import SandboxSpec
 from workers.upkeep import held
 from workers.warm_pool import RECORD_NAME, ClaimRecord, WarmPool, read_record, write_record
 

@@ -59,7 +59,7 @@ from workers.agent.protocol import (
     op_of,
     response_limit,
 )
-from workers.sandbox_spec import AGENT_SOCKET_NAME
+from workers.containers.spec import AGENT_SOCKET_NAME
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Images in the shared, read-only image-layer store (``settings.layer_store``, kept by
-:mod:`workers.layer_store`): importing, removing, and telling the running nodes.
+:mod:`workers.host.layer_store`): importing, removing, and telling the running nodes.
 
 Decision: root writes the store; each node user reads it through an idmapped view.
 
@@ -8,7 +8,7 @@ Decision: root writes the store; each node user reads it through an idmapped vie
   Files keep the image's own ownership on disk (uid 0 is the image's root), the store
   belongs to real root, and no node user can change a layer another node runs.
 - Each node user sees the store through a read-only, nodev, nosuid *idmapped* bind
-  mount at ``~/store`` (made by :mod:`workers.store_view`), shifted by that user's
+  mount at ``~/store`` (made by :mod:`workers.host.store_view`), shifted by that user's
   rootless mapping (0 -> the user's uid, 1.. -> its subuids). On-disk uid 0 thus
   appears as the node user's uid, which is uid 0 inside its sandboxes. That node
   user's ``additionalimagestores`` points at its view. One copy on disk and in the
@@ -30,7 +30,7 @@ filesystem). The view is a bind of the same directory, so new images are in it a
 once. A running ``podman system service`` may cache the store's contents (reported on
 these hosts; Podman 4.3 here re-read it when root's Podman changed it): after an
 import or removal every running node service is asked about the image and the ones
-that disagree are restarted (:func:`workers.podman_service.refresh_podman_services`).
+that disagree are restarted (:func:`workers.host.podman_service.refresh_podman_services`).
 """
 
 from __future__ import annotations
@@ -42,17 +42,17 @@ import tarfile
 from pathlib import Path
 
 from app.config import Settings, get_settings
+from workers.containers.podman_driver import PodmanDriver
 from workers.errors import ImageNotFound
-from workers.layer_store import (
+from workers.host.layer_store import (
     find_image,
     image_exists,
     normalize_name,
     store_lock,
     store_podman,
 )
-from workers.node_user import node_users
-from workers.podman_driver import PodmanDriver
-from workers.podman_service import refresh_podman_services, service_answers
+from workers.host.podman_service import refresh_podman_services, service_answers
+from workers.host.user import node_users
 
 #: The busybox every sandbox image can rely on: Debian's busybox-static.
 BUSYBOX = Path("/bin/busybox")

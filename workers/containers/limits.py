@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from workers.mounts import unescape
+from workers.host.mounts import unescape
 
 log = logging.getLogger(__name__)
 

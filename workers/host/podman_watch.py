@@ -5,7 +5,7 @@ of memory, a crash), nothing the sandboxes need goes with it (conmon keeps them,
 their agents talk to the worker directly), but every create, removal and listing
 fails until a service answers again. The watch looks every second and starts a new
 one; a create, removal, listing or inspect that meets the gap first revives it itself
-and tries again (:meth:`workers.podman_driver.PodmanDriver._reviving`).
+and tries again (:meth:`workers.containers.podman_driver.PodmanDriver._reviving`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import threading
 
 from app import metrics
 from app.config import Settings
-from workers.node_user import NodeUser
-from workers.podman_service import ensure_podman_service, service_answers
+from workers.host.podman_service import ensure_podman_service, service_answers
+from workers.host.user import NodeUser
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ must allow for them. Each step lives in its module; this one runs them in order.
 Everything here runs as root and is idempotent: run it on a clean machine, or again
 on a configured one, and the end state is the same.
 
-- :mod:`workers.node_user`: the node's system user, subordinate ids, home and
+- :mod:`workers.host.user`: the node's system user, subordinate ids, home and
   runtime dir, containers.conf and storage.conf (the layout of its home is there);
-- :mod:`workers.store_view`: the idmapped read-only view of the shared layer store;
-- :mod:`workers.podman_service`: the rootless ``podman system service`` of the node
+- :mod:`workers.host.store_view`: the idmapped read-only view of the shared layer store;
+- :mod:`workers.host.podman_service`: the rootless ``podman system service`` of the node
   user, which the worker starts once the node is set up;
 - here: the kernel's key quota, /dev/net/tun and the firewall rule of a node that
   gives sandboxes network.
@@ -23,10 +23,10 @@ from pathlib import Path
 
 from app.config import Settings, get_settings
 from workers.errors import NodeError
-from workers.layer_store import ensure_store
-from workers.node_user import NodeUser, create_node_user, write_config
-from workers.podman_service import service_pids, stop_podman_service
-from workers.store_view import ensure_store_view
+from workers.host.layer_store import ensure_store
+from workers.host.podman_service import service_pids, stop_podman_service
+from workers.host.store_view import ensure_store_view
+from workers.host.user import NodeUser, create_node_user, write_config
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def ensure_node_user(
     """Create or repair node ``node_id``'s user, configuration and store view.
 
     A running service whose configuration changed here is stopped, so that the next
-    :func:`~workers.podman_service.ensure_podman_service` starts one that reads the
+    :func:`~workers.host.podman_service.ensure_podman_service` starts one that reads the
     new files. With ``allow_egress`` /dev/net/tun is opened to all users (slirp4netns
     needs it for sandboxes with network; it is root-only on our hosts), and the node
     user's connections to the node's own addresses are refused (:func:`_fence_host`).

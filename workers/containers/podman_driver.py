@@ -11,9 +11,9 @@ identifies a sandbox: a warm-pool container is renamed when it is claimed, and i
 labels, fixed at create, keep naming its warm slot (workers/warm_pool.py).
 
 Rootless Podman ignores the limits here (cgroup v1, and cgroup v2 with cgroupfs), so
-with a :class:`~workers.limits.CgroupLimiter` the driver creates the sandbox's cgroups
+with a :class:`~workers.containers.limits.CgroupLimiter` the driver creates the sandbox's cgroups
 first, then ``init``s the container, moves its PID 1 into them and only then starts
-it (see :mod:`workers.limits`). The limits are still passed to Podman too, for hosts
+it (see :mod:`workers.containers.limits`). The limits are still passed to Podman too, for hosts
 where it can apply them; the node's own cgroups are the ones the sandbox ends up in.
 """
 
@@ -35,18 +35,18 @@ import podman
 import podman.errors
 import requests
 
-from workers import label
-from workers.container_port import SandboxContainer, Usage, container_name, sandbox_id_of
-from workers.errors import ImageNotFound, NodeError, PodmanUnavailable, SandboxCreateFailed
-from workers.file_lock import file_lock
-from workers.limits import CPU_PERIOD_US, CgroupLimiter, Limits, View
-from workers.sandbox_spec import (
+from workers.containers import label
+from workers.containers.limits import CPU_PERIOD_US, CgroupLimiter, Limits, View
+from workers.containers.port import SandboxContainer, Usage, container_name, sandbox_id_of
+from workers.containers.spec import (
     AGENT_BIN_MOUNT,
     AGENT_RUN_MOUNT,
     AGENT_SOCKET_NAME,
     WORKDIR,
     SandboxSpec,
 )
+from workers.errors import ImageNotFound, NodeError, PodmanUnavailable, SandboxCreateFailed
+from workers.host.file_lock import file_lock
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -66,7 +66,7 @@ NOFILE = 1024
 
 class PodmanDriver:
     """Creates, lists and removes sandbox containers on one node's Podman service: the
-    real :class:`~workers.container_port.ContainerDriver`.
+    real :class:`~workers.containers.port.ContainerDriver`.
 
     Thread-safe: each thread gets its own podman-py client (HTTP session).
     Without a ``limiter`` only Podman's own limits apply (none on a rootless cgroup v1
@@ -89,7 +89,7 @@ class PodmanDriver:
         self.limiter = limiter
         # Held shared around calls that read the shared layer store, so root's
         # imports (holding it exclusive) never interleave with them: see
-        # workers.image_store.store_lock. None: the caller coordinates.
+        # workers.images.store.store_lock. None: the caller coordinates.
         self.store_lock = store_lock
         # Starts the node's Podman service again when it does not answer (an idempotent
         # call that meets a dead service revives it and tries once more: _reviving).
@@ -98,7 +98,7 @@ class PodmanDriver:
 
     def _reviving(self, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """``call``, once more after reviving the node's Podman service if it did not
-        answer (see :mod:`workers.podman_watch`). Only for idempotent calls: a create
+        answer (see :mod:`workers.host.podman_watch`). Only for idempotent calls: a create
         (by container name), a removal, a listing or an inspect."""
         try:
             return call(*args, **kwargs)
@@ -475,7 +475,7 @@ def container_args(spec: SandboxSpec, cgroup_views: Sequence[View] = ()) -> dict
     """podman-py ``containers.create`` keyword arguments for ``spec`` (no I/O).
 
     ``cgroup_views`` replace Podman's view of the host's cgroup hierarchies with the
-    sandbox's own cgroups (:meth:`workers.limits.CgroupLayout.views`).
+    sandbox's own cgroups (:meth:`workers.containers.limits.CgroupLayout.views`).
     """
     return {
         "name": spec.container_name,

@@ -1,7 +1,7 @@
 """The platform's own images, built from this checkout: ``dsec/control`` (projector,
 schedulers, Flower, the CLI) and ``dsec/node`` (a node host in a container).
 
-Both come FROM the debootstrap import of bookworm (:mod:`workers.image_debian`), so no
+Both come FROM the debootstrap import of bookworm (:mod:`workers.images.debian`), so no
 registry is involved. Their RUN steps take Debian packages from the mirror apt is
 configured with (the host's network); Python packages come from a wheelhouse that
 this host's pip fills first (``build/wheels``), with the host's package index and
@@ -23,12 +23,12 @@ from pathlib import Path
 
 from app.config import Settings
 from workers.errors import NodeError
-from workers.image_build import build_image
-from workers.image_debian import DEBOOTSTRAP_IMAGE, ensure_debootstrap_image
-from workers.image_store import remove_image
-from workers.layer_store import image_exists
+from workers.host.layer_store import image_exists
+from workers.images.build import build_image
+from workers.images.debian import DEBOOTSTRAP_IMAGE, ensure_debootstrap_image
+from workers.images.store import remove_image
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 #: Wheels the image's Python (Debian's 3.11.2) needs where this host's does not: redis
 #: asks for async-timeout below Python 3.11.3.

@@ -1,12 +1,12 @@
 """The container driver port: what the node and its warm pool ask of a container driver.
 
-:class:`~workers.podman_driver.PodmanDriver` is the real adapter (rootless Podman);
-:class:`~workers.memory_driver.MemoryDriver` keeps containers in a dict, for tests of
+:class:`~workers.containers.podman_driver.PodmanDriver` is the real adapter (rootless Podman);
+:class:`~workers.containers.memory_driver.MemoryDriver` keeps containers in a dict, for tests of
 the logic above it. One contract suite, ``tests/contracts/test_container_driver.py``,
 states the behaviour both must have.
 
 A driver knows a sandbox by its id: its container is named ``dsec-<sandbox id>`` and
-labelled ``dsec.sandbox_id`` (:mod:`workers.label`); the sandbox's cgroups carry the
+labelled ``dsec.sandbox_id`` (:mod:`workers.containers.label`); the sandbox's cgroups carry the
 id too. Every error a driver raises is a :class:`workers.errors.NodeError`.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from workers import label
-from workers.sandbox_spec import SandboxSpec
+from workers.containers import label
+from workers.containers.spec import SandboxSpec
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,11 @@ from pathlib import Path
 
 from app.config import Settings, get_settings
 from workers.errors import NodeError
-from workers.file_lock import file_lock
-from workers.image_build import build_image, import_image
-from workers.image_store import remove_image
-from workers.layer_store import image_exists
-from workers.mounts import remove_tree
+from workers.host.file_lock import file_lock
+from workers.host.layer_store import image_exists
+from workers.host.mounts import remove_tree
+from workers.images.build import build_image, import_image
+from workers.images.store import remove_image
 
 #: The image trainers ask for.
 DEBIAN_IMAGE = "dsec/debian-python:12"
@@ -40,7 +40,7 @@ SUITE = "bookworm"
 PACKAGES: tuple[str, ...] = ("python3", "git", "ca-certificates")
 #: The Containerfile, shipped in the repository's docker/ directory.
 CONTAINERFILE = (
-    Path(__file__).resolve().parents[1] / "docker" / "sandbox-debian-python.Containerfile"
+    Path(__file__).resolve().parents[2] / "docker" / "sandbox-debian-python.Containerfile"
 )
 _SOURCES = (Path("/etc/apt/sources.list"), Path("/etc/apt/sources.list.d"))
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -1,7 +1,7 @@
 """A node user's view of the shared layer store: the store bind-mounted read-only at
 ``~/store``, idmapped through the user's own rootless id mapping.
 
-Why a view and not the store itself: see :mod:`workers.image_store`. In short, the
+Why a view and not the store itself: see :mod:`workers.images.store`. In short, the
 store on disk is owned by real root (uid 0 inside the images), and the view shows it
 to each node user through that user's mapping, so files are owned by uid 0 *inside*
 every sandbox, on every node, with one copy on disk.
@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from workers.errors import NodeError
-from workers.host_ops import run
-from workers.mounts import mount_points
-from workers.node_user import NodeUser
+from workers.host.mounts import mount_points
+from workers.host.ops import run
+from workers.host.user import NodeUser
 
 log = logging.getLogger(__name__)
 

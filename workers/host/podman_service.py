@@ -27,11 +27,11 @@ from pathlib import Path
 
 from app.config import Settings, get_settings
 from workers.errors import PodmanUnavailable
-from workers.file_lock import file_lock
-from workers.host_ops import alive, live_processes_of, send_signal
-from workers.layer_store import store_lock_path
-from workers.mounts import mount_points
-from workers.node_user import NodeUser, node_users
+from workers.host.file_lock import file_lock
+from workers.host.layer_store import store_lock_path
+from workers.host.mounts import mount_points
+from workers.host.ops import alive, live_processes_of, send_signal
+from workers.host.user import NodeUser, node_users
 
 log = logging.getLogger(__name__)
 

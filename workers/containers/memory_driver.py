@@ -7,7 +7,7 @@ taken twice, only containers labelled ``dsec.sandbox_id`` are listed, and every 
 is a :class:`~workers.errors.NodeError` (:class:`ImageNotFound` for a missing image).
 
 It stands for a node whose driver has a cgroup v1 limiter: a create makes the
-sandbox's cgroups (kept as their :class:`~workers.limits.Limits`), they can be renamed
+sandbox's cgroups (kept as their :class:`~workers.containers.limits.Limits`), they can be renamed
 and rewritten, and a removal takes them with the container. No process runs: usage is
 not known, the OOM killer never strikes, and killing a sandbox's processes ends its
 container as SIGKILL would (exit code 137).
@@ -21,17 +21,17 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from workers import label
-from workers.container_port import (
+from workers.containers import label
+from workers.containers.limits import Limits
+from workers.containers.port import (
     ContainerDriver,
     SandboxContainer,
     Usage,
     container_name,
     sandbox_id_of,
 )
+from workers.containers.spec import SandboxSpec
 from workers.errors import ImageNotFound, NodeError
-from workers.limits import Limits
-from workers.sandbox_spec import SandboxSpec
 
 #: The exit code of a container whose PID 1 was SIGKILLed.
 KILLED_EXIT_CODE = 128 + signal.SIGKILL

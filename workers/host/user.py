@@ -29,8 +29,8 @@ from pathlib import Path
 
 from app.config import Settings, get_settings
 from workers.errors import NodeError
-from workers.file_lock import file_lock
-from workers.host_ops import live_processes_of, mkdir, run
+from workers.host.file_lock import file_lock
+from workers.host.ops import live_processes_of, mkdir, run
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def containers_conf() -> str:
     nproc = _cap(resource.getrlimit(resource.RLIMIT_NPROC)[1], 32768)
     nofile = _cap(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1024)
     return (
-        "# Written by dsec node setup (workers/node_user.py); rewritten on every setup.\n"
+        "# Written by dsec node setup (workers/host/user.py); rewritten on every setup.\n"
         "[containers]\n"
         f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
         "keyring = false\n"
@@ -203,7 +203,7 @@ def containers_conf() -> str:
 def storage_conf(user: NodeUser) -> str:
     """The node user's storage.conf: own overlay store, shared one read-only."""
     return (
-        "# Written by dsec node setup (workers/node_user.py); rewritten on every setup.\n"
+        "# Written by dsec node setup (workers/host/user.py); rewritten on every setup.\n"
         "[storage]\n"
         'driver = "overlay"\n'
         f'graphroot = "{user.graphroot}"\n'

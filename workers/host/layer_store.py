@@ -1,7 +1,7 @@
 """The shared, read-only image-layer store as root's Podman keeps it: where it is and
 how it is laid out, the Podman that reads and writes it, its writer lock, and what it
-holds. Nothing here knows about nodes (:mod:`workers.image_store` adds images and
-tells the running nodes; :mod:`workers.store_view` gives each node its view).
+holds. Nothing here knows about nodes (:mod:`workers.images.store` adds images and
+tells the running nodes; :mod:`workers.host.store_view` gives each node its view).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from app.config import Settings, get_settings
 from workers.errors import NodeError
-from workers.file_lock import file_lock
+from workers.host.file_lock import file_lock
 
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -164,7 +164,7 @@ def store_lock(settings: Settings) -> Iterator[None]:
     takes the layers lock then the images lock, a node service creating a container
     takes them the other way round, and each waits for the other for ever (seen on
     these hosts with Podman 4.3). Node workers hold this lock shared around every
-    call that reads the store (:class:`workers.podman_driver.PodmanDriver`), so the
+    call that reads the store (:class:`workers.containers.podman_driver.PodmanDriver`), so the
     two never interleave. It also makes check-then-write (exists? import) atomic.
     """
     with file_lock(store_lock_path(settings)):

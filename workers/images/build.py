@@ -1,6 +1,6 @@
 """Adding images to the shared layer store: tarball imports and Containerfile builds.
 
-Both run as root's Podman against the store (:func:`workers.image_store.store_podman`)
+Both run as root's Podman against the store (:func:`workers.images.store.store_podman`)
 and nothing ever reaches a registry:
 
 - :func:`import_image` takes a root filesystem tarball (``podman import``) or an image
@@ -28,14 +28,14 @@ from typing import BinaryIO, Literal
 
 from app.config import Settings, get_settings
 from workers.errors import NodeError
-from workers.image_store import refresh_nodes
-from workers.layer_store import (
+from workers.host.layer_store import (
     image_exists,
     normalize_name,
     store_conf_dir,
     store_lock,
     store_podman,
 )
+from workers.images.store import refresh_nodes
 
 TarballKind = Literal["rootfs", "archive"]
 
