@@ -1,9 +1,10 @@
-"""Small latency statistics shared by the demo and the benchmarks."""
+"""Small latency statistics and timing shared by the demo and the benchmarks."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -25,3 +26,15 @@ def summary_ms(values: Sequence[float]) -> dict[str, float]:
         "mean": statistics.fmean(values) * 1000,
         "max": max(values) * 1000,
     }
+
+
+def durations(n: int, call: Callable[[], object], warmup: int = 10) -> list[float]:
+    """Seconds each of ``n`` calls took, after ``warmup`` unmeasured ones."""
+    for _ in range(warmup):
+        call()
+    samples = []
+    for _ in range(n):
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+    return samples

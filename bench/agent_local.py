@@ -12,27 +12,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+from app.stats import durations, percentile
 from workers.agent.build import ensure_agent_dir
 from workers.agent.client import AgentListener
-
-
-def _measure(n: int, call: Callable[[], object]) -> tuple[float, float]:
-    for _ in range(min(50, n)):
-        call()
-    samples = []
-    for _ in range(n):
-        started = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - started)
-    samples.sort()
-    return statistics.median(samples), samples[max(0, int(len(samples) * 0.99) - 1)]
 
 
 def main() -> None:
@@ -55,7 +42,8 @@ def main() -> None:
                 "exec sh -c 'echo hi'": lambda: conn.exec(["sh", "-c", "echo hi"], cwd=str(tmp)),
             }
             for name, call in cases.items():
-                p50, p99 = _measure(args.n, call)
+                samples = durations(args.n, call, warmup=min(50, args.n))
+                p50, p99 = percentile(samples, 50), percentile(samples, 99)
                 print(f"{name:24} n={args.n}  p50 {p50 * 1e3:6.3f} ms  p99 {p99 * 1e3:6.3f} ms")
             conn.close()
         finally:

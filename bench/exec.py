@@ -20,27 +20,13 @@ Needs `dsec up`. The last line prints the headline figures.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 from substrate import HOPS_PER_EXEC, kafka_hop, raw_sandbox
 
 from app.config import get_settings
 from app.control import tenants
 from app.sdk import Client
-from app.stats import percentile
-
-
-def measure(n: int, call: Callable[[], object], warmup: int = 10) -> list[float]:
-    """Durations of ``n`` calls, after a few unmeasured ones."""
-    for _ in range(warmup):
-        call()
-    samples = []
-    for _ in range(n):
-        started = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - started)
-    return samples
+from app.stats import durations, percentile
 
 
 def line(name: str, samples: list[float]) -> str:
@@ -57,11 +43,11 @@ def main() -> None:
     settings = get_settings()
     results: dict[str, list[float]] = {}
     with raw_sandbox(settings) as (container, conn):
-        results["agent: true"] = measure(args.n, lambda: conn.exec(["true"], timeout_s=10))
-        results["agent: sh -c 'echo hi'"] = measure(
+        results["agent: true"] = durations(args.n, lambda: conn.exec(["true"], timeout_s=10))
+        results["agent: sh -c 'echo hi'"] = durations(
             args.n, lambda: conn.exec(["/bin/sh", "-c", "echo hi"], timeout_s=10)
         )
-        results["podman exec: true"] = measure(
+        results["podman exec: true"] = durations(
             args.podman_n, lambda: container.exec_run(["true"]), warmup=2
         )
     results["one Kafka hop"] = kafka_hop(settings, args.platform_n)
@@ -69,7 +55,7 @@ def main() -> None:
         Client(settings, credential=tenants.local(settings, "bench"), job_id="exec") as client,
         client.create() as box,
     ):
-        results["platform (SDK): true"] = measure(
+        results["platform (SDK): true"] = durations(
             args.platform_n, lambda: box.exec("true"), warmup=5
         )
     for name, samples in results.items():

@@ -177,6 +177,21 @@ def logged(db: Callable[[], Any], sandbox_id: str, field: str, *types: str) -> l
         return list(conn.execute(query, {"f": field, "s": sandbox_id, "t": list(types)}).scalars())
 
 
+def live_and_rebuilt(settings: Settings) -> tuple[set[Any], set[Any]]:
+    """Every projection row as it stands, and as a rebuild from the log makes it (in a
+    transaction rolled back after, so nothing changes)."""
+    from app.db import projections
+    from app.db.engine import engine_for
+
+    with engine_for(settings.database_url).connect() as conn, conn.begin() as tx:
+        projections.lock(conn)
+        live = projections.snapshot(conn)
+        projections.rebuild(conn)
+        rebuilt = projections.snapshot(conn)
+        tx.rollback()
+    return set(live), set(rebuilt)
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (for a service a test starts itself)."""
     with socket.socket() as s:

@@ -14,7 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from app.config import Settings
 from app.domain.events import NodeLost, NodeLostPayload
 from app.errors import LogTamperRefused
-from tests.conftest import PlatformPublisher, scalar, wait_for
+from tests.conftest import PlatformPublisher, live_and_rebuilt, scalar, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -155,8 +155,6 @@ def test_service_role_has_least_privilege(stack: Settings, statement: str) -> No
 
 
 def test_rebuild_equals_live_projections_after_mixed_workload(stack: Settings, client: Any) -> None:
-    from app.db import projections
-    from app.db.engine import engine_for
     from app.errors import SandboxFailedError
 
     # Given a mixed workload: commands, files, a failure, a destroy
@@ -170,14 +168,9 @@ def test_rebuild_equals_live_projections_after_mixed_workload(stack: Settings, c
         box.close()
     time.sleep(1.0)  # let the projector catch up
     # When the projections are rebuilt from the log (inside a rolled-back transaction)
-    with engine_for(stack.database_url).connect() as conn, conn.begin() as tx:
-        projections.lock(conn)
-        live = projections.snapshot(conn)
-        projections.rebuild(conn)
-        rebuilt = projections.snapshot(conn)
-        tx.rollback()
+    live, rebuilt = live_and_rebuilt(stack)
     # Then they equal the live ones row for row
-    assert set(live) ^ set(rebuilt) == set()
+    assert live ^ rebuilt == set()
     assert any(row[0] == "commands" for row in live)
 
 

@@ -17,8 +17,6 @@ import pytest
 
 from app import bus
 from app.config import Settings
-from app.db import projections
-from app.db.engine import engine_for
 from app.domain.base import StopReason, utcnow
 from app.domain.events import (
     CommandCompleted,
@@ -31,7 +29,7 @@ from app.domain.events import (
     StartedPayload,
     StoppedPayload,
 )
-from tests.conftest import PlatformPublisher, scalar, wait_for
+from tests.conftest import PlatformPublisher, live_and_rebuilt, scalar, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -154,10 +152,5 @@ def test_sigkill_at_random_moments_loses_and_duplicates_nothing(stack: Settings,
             == 2 * 10 * SANDBOXES
         )
     assert kills >= 6
-    with engine_for(stack.database_url).connect() as conn, conn.begin() as tx:
-        projections.lock(conn)
-        live = projections.snapshot(conn)
-        projections.rebuild(conn)
-        rebuilt = projections.snapshot(conn)
-        tx.rollback()
-    assert set(live) ^ set(rebuilt) == set()
+    live, rebuilt = live_and_rebuilt(stack)
+    assert live ^ rebuilt == set()
