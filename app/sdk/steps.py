@@ -140,44 +140,51 @@ Step = Answer | Work[Any]
 Steps = Generator[Step, Any, T]
 
 
-def _next(steps: Steps[T], outcome: Any, error: Exception | None) -> tuple[bool, Any]:
+#: What a step came to: its outcome, or the error it raised.
+Settled = tuple[Any, Exception | None]
+
+
+def _next(steps: Steps[T], settled: Settled) -> tuple[bool, Any]:
     """Hand the last step's outcome (or error) to the operation: (True, its result) if
     it finished, else (False, its next step)."""
+    outcome, error = settled
     try:
         return False, steps.send(outcome) if error is None else steps.throw(error)
     except StopIteration as done:
         return True, done.value
 
 
+def _blocked(step: Step) -> Settled:
+    try:
+        return step.block(), None
+    except Exception as exc:
+        return None, exc
+
+
+async def _awaited(step: Step) -> Settled:
+    try:
+        return await step.wait(), None
+    except Exception as exc:
+        return None, exc
+
+
 def run(steps: Steps[T]) -> T:
     """Carry an operation out, blocking on each step."""
-    outcome: Any = None
-    error: Exception | None = None
     with contextlib.closing(steps):
-        while True:
-            finished, step = _next(steps, outcome, error)
-            if finished:
-                return cast(T, step)
-            try:
-                outcome, error = step.block(), None
-            except Exception as exc:
-                outcome, error = None, exc
+        finished, step = _next(steps, (None, None))
+        while not finished:
+            finished, step = _next(steps, _blocked(step))
+        return cast(T, step)
 
 
 async def run_async(steps: Steps[T]) -> T:
     """Carry an operation out, awaiting each step: :func:`run`'s loop, with ``await``
     where it blocks (the one place the two clients differ)."""
-    outcome: Any = None
-    error: Exception | None = None
     with contextlib.closing(steps):
-        while True:
-            finished, step = _next(steps, outcome, error)
-            if finished:
-                return cast(T, step)
-            try:
-                outcome, error = await step.wait(), None
-            except Exception as exc:
-                outcome, error = None, exc
+        finished, step = _next(steps, (None, None))
+        while not finished:
+            finished, step = _next(steps, await _awaited(step))
+        return cast(T, step)
 
 
 def blocking(operation: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatenate[S, P], T]:
