@@ -33,8 +33,6 @@ from app.sdk import Client
 from app.stack import services as stack
 from app.stats import percentile
 
-PARTITIONS = 8
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -46,6 +44,10 @@ def main() -> None:
     settings = get_settings().model_copy(update={"topic_prefix": prefix})
     tenants.local(settings, "bench")
     bus.ensure_topics(settings, ["bench"])
+    # As many as the broker made (the embedded one makes every topic with its own count).
+    probe = bus.make_consumer(settings)
+    partitions = len(bus.partitions(probe, settings.topic_requests))
+    probe.close()
     env = {**os.environ, "DSEC_TOPIC_PREFIX": prefix, "DSEC_SCHEDULER_METRICS_PORT": "0"}
 
     def start() -> subprocess.Popen[bytes]:
@@ -66,9 +68,10 @@ def main() -> None:
         return time.monotonic() - started
 
     procs = [start()]
-    wait_until(lambda: owners().get(procs[0].pid) == list(range(PARTITIONS)), "one owner")
+    wait_until(lambda: owners().get(procs[0].pid) == list(range(partitions)), "one owner")
     procs.append(start())
-    wait_until(lambda: sorted(map(len, owners().values())) == [4, 4], "two owners")
+    half = [partitions // 2, partitions - partitions // 2]
+    wait_until(lambda: sorted(map(len, owners().values())) == half, "two owners")
 
     # (sent at, round trip) of every request
     samples: list[tuple[float, float]] = []
@@ -101,12 +104,12 @@ def main() -> None:
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         takeover = wait_until(
-            lambda s=survivor: owners().get(s.pid) == list(range(PARTITIONS)), "takeover"
+            lambda s=survivor: owners().get(s.pid) == list(range(partitions)), "takeover"
         )
         takeovers.append(takeover)
         windows.append((killed_at, killed_at + takeover))
         procs = [survivor, start()]
-        wait_until(lambda: sorted(map(len, owners().values())) == [4, 4], "two owners again")
+        wait_until(lambda: sorted(map(len, owners().values())) == half, "two owners again")
         time.sleep(3)
     stop.set()
     for t in threads:
@@ -127,7 +130,7 @@ def main() -> None:
     print(
         f"rounds={args.rounds} trainers={args.trainers} requests={len(samples)} "
         f"unanswered={len(failures)}\n"
-        f"takeover (SIGKILL -> survivor owns all {PARTITIONS}): "
+        f"takeover (SIGKILL -> survivor owns all {partitions}): "
         f"p50={percentile(takeovers, 50):.2f}s max={max(takeovers):.2f}s\n"
         f"round trip, steady: p50={percentile(steady, 50) * ms:.0f}ms "
         f"p99={percentile(steady, 99) * ms:.0f}ms (n={len(steady)})\n"
