@@ -50,11 +50,15 @@ def main() -> None:
     probe.close()
     env = {**os.environ, "DSEC_TOPIC_PREFIX": prefix, "DSEC_SCHEDULER_METRICS_PORT": "0"}
 
+    started: list[subprocess.Popen[bytes]] = []
+
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "app.cli", "run", "scheduler"], env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
+        started.append(proc)
+        return proc
 
     def owners() -> dict[int, list[int]]:
         return stack.scheduler_partitions(settings) or {}
@@ -67,58 +71,66 @@ def main() -> None:
             time.sleep(0.02)
         return time.monotonic() - started
 
-    procs = [start()]
-    wait_until(lambda: owners().get(procs[0].pid) == list(range(partitions)), "one owner")
-    procs.append(start())
-    half = [partitions // 2, partitions - partitions // 2]
-    wait_until(lambda: sorted(map(len, owners().values())) == half, "two owners")
+    try:
+        procs = [start()]
+        wait_until(lambda: owners().get(procs[0].pid) == list(range(partitions)), "one owner")
+        procs.append(start())
+        half = [partitions // 2, partitions - partitions // 2]
+        wait_until(lambda: sorted(map(len, owners().values())) == half, "two owners")
 
-    # (sent at, round trip) of every request
-    samples: list[tuple[float, float]] = []
-    failures: list[uuid.UUID] = []
-    stop = threading.Event()
-    client = Client(settings, tenant="bench", job_id="takeover", timeout_s=120)
+        # (sent at, round trip) of every request
+        samples: list[tuple[float, float]] = []
+        failures: list[uuid.UUID] = []
+        stop = threading.Event()
+        client = Client(settings, tenant="bench", job_id="takeover", timeout_s=120)
 
-    def trainer() -> None:
-        while not stop.is_set():
-            request = CreateSandbox(queue_s=0, **client._common(f"sb-{uuid.uuid4().hex[:12]}"))
-            sent = time.monotonic()
-            try:
-                client.call(request, timeout_s=120)
-            except SandboxRejectedError:
-                pass  # no_nodes: the answer expected
-            except Exception:  # no answer (or a wrong one): counted, never hidden
-                failures.append(request.request_id)
-            samples.append((sent, time.monotonic() - sent))
+        def trainer() -> None:
+            while not stop.is_set():
+                request = CreateSandbox(queue_s=0, **client._common(f"sb-{uuid.uuid4().hex[:12]}"))
+                sent = time.monotonic()
+                try:
+                    client.call(request, timeout_s=120)
+                except SandboxRejectedError:
+                    pass  # no_nodes: the answer expected
+                except Exception:  # no answer (or a wrong one): counted, never hidden
+                    failures.append(request.request_id)
+                samples.append((sent, time.monotonic() - sent))
 
-    threads = [threading.Thread(target=trainer, daemon=True) for _ in range(args.trainers)]
-    for t in threads:
-        t.start()
-    time.sleep(3)
-    takeovers: list[float] = []
-    windows: list[tuple[float, float]] = []
-    for _ in range(args.rounds):
-        victim = next(p for p in procs if 0 in owners().get(p.pid, []))
-        survivor = next(p for p in procs if p is not victim)
-        killed_at = time.monotonic()
-        victim.send_signal(signal.SIGKILL)
-        victim.wait()
-        takeover = wait_until(
-            lambda s=survivor: owners().get(s.pid) == list(range(partitions)), "takeover"
-        )
-        takeovers.append(takeover)
-        windows.append((killed_at, killed_at + takeover))
-        procs = [survivor, start()]
-        wait_until(lambda: sorted(map(len, owners().values())) == half, "two owners again")
+        threads = [threading.Thread(target=trainer, daemon=True) for _ in range(args.trainers)]
+        for t in threads:
+            t.start()
         time.sleep(3)
-    stop.set()
-    for t in threads:
-        t.join(timeout=150)
-    client.close()
-    for proc in procs:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-    bus.drop_topics(settings)
+        takeovers: list[float] = []
+        windows: list[tuple[float, float]] = []
+        for _ in range(args.rounds):
+            victim = next(p for p in procs if 0 in owners().get(p.pid, []))
+            survivor = next(p for p in procs if p is not victim)
+            killed_at = time.monotonic()
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            takeover = wait_until(
+                lambda s=survivor: owners().get(s.pid) == list(range(partitions)), "takeover"
+            )
+            takeovers.append(takeover)
+            windows.append((killed_at, killed_at + takeover))
+            procs = [survivor, start()]
+            wait_until(lambda: sorted(map(len, owners().values())) == half, "two owners again")
+            time.sleep(3)
+        stop.set()
+        for t in threads:
+            t.join(timeout=150)
+        client.close()
+    finally:
+        # Every scheduler this run started goes, whatever ended it (a timeout too).
+        for proc in started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in started:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        bus.drop_topics(settings)
 
     def touched(sent: float, took: float) -> bool:
         """In flight at, or sent during, a takeover."""
