@@ -5,7 +5,6 @@ to what the real adapters do."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 
@@ -42,14 +41,10 @@ class InMemoryBus:
     def read(
         self, topic: str, partition: int, offset: int, *, limit: int = 500, wait_s: float = 1.0
     ) -> list[Record]:
-        deadline = time.monotonic() + wait_s
         with self._changed:
             part = self._parts[(topic, partition)]
-            while len(part) <= offset:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return []
-                self._changed.wait(left)
+            if not self._changed.wait_for(lambda: len(part) > offset, timeout=wait_s):
+                return []
             return list(part[offset : offset + limit])
 
     def end(self, topic: str, partition: int) -> int:
@@ -70,12 +65,8 @@ class InMemoryTaskQueue:
             self._changed.notify_all()
 
     def take(self, queue: str, wait_s: float = 1.0) -> tuple[str, list[str]] | None:
-        deadline = time.monotonic() + wait_s
         with self._changed:
             waiting = self._queues[queue]
-            while not waiting:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._changed.wait(left)
+            if not self._changed.wait_for(lambda: len(waiting) > 0, timeout=wait_s):
+                return None
             return waiting.popleft()
