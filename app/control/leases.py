@@ -9,7 +9,7 @@ several schedulers, only the one that reads a lease's renewals keeps its clock
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from app.domain.base import StopReason, new_id
 from app.domain.lease import Lease, LeaseAction, LeaseState
@@ -34,9 +34,6 @@ class Leases:
 
     def __getitem__(self, key: LeaseKey) -> Lease:
         return self._by_key[key]
-
-    def __iter__(self) -> Iterator[Lease]:
-        return iter(self._by_key.values())
 
     def join(self, sandbox_id: str, owner: str, lease_id: str, now_s: float) -> Lease:
         """Put a sandbox under its owner's lease, made with the default terms on first
@@ -83,9 +80,8 @@ class Leases:
         """The scheduler that keeps the sandbox's lease froze or thawed it: requests are
         refused while it is frozen, here too. (The keeper's own state leads its events:
         a late freeze must not undo a renewal there.)"""
-        key = self._of.get(sandbox_id)
-        lease = self._by_key.get(key) if key is not None else None
-        if lease is None or key is None or self.keeps(key[1]):
+        lease = self.of(sandbox_id)
+        if lease is None or self.keeps(lease.lease_id):
             return
         if frozen and lease.state == LeaseState.HELD:
             lease.state, lease.lapsed_s = LeaseState.LAPSED, now_s
