@@ -55,6 +55,7 @@ from app.domain.requests import (
 from app.errors import (
     ConfigError,
     ConfigReason,
+    DsecError,
     RequestTimeout,
     SandboxRejectedError,
     ServiceUnavailable,
@@ -111,28 +112,12 @@ class Client:
         self._consumer = bus.make_consumer(self.settings, auto_offset_reset="latest")
         topic = self.settings.replies_topic(self.tenant)
         try:
-            found = self._consumer.partitions_for_topic(topic)
-            if found:
-                self._partition = random.choice(sorted(found))
-                tp = TopicPartition(topic, self._partition)
-                self._consumer.assign([tp])
-                self._consumer.seek_to_end(tp)
-                self._consumer.position(tp)  # now: replies to our first request must count
-        except KafkaError as exc:
+            tp = self._follow(topic)
+        except DsecError:
             self._publisher.close()
             self._consumer.close()
-            raise ServiceUnavailable(
-                f"Kafka at {self.settings.kafka_bootstrap}: cannot follow {topic}: {exc}"
-            ) from exc
-        if not found:
-            self._publisher.close()
-            self._consumer.close()
-            raise ConfigError(
-                f"no replies topic {topic} for tenant {self.tenant}: is the tenant created "
-                f"(`dsec tenant create {self.tenant}`) and the platform up?",
-                reason=ConfigReason.NO_REPLIES_TOPIC,
-            )
-        self._reply_to = ReplyTo(topic=topic, partition=self._partition)
+            raise
+        self._reply_to = ReplyTo(topic=topic, partition=tp.partition)
         self._replies = ReplyReader(
             self._consumer, tp, self.credential.secret, self.settings.max_reply_bytes
         )
@@ -143,6 +128,27 @@ class Client:
             self._lease_ttl_s, self._lease_grace_s = lease_ttl_s, lease_grace_s
             self._renew_lease()
             threading.Thread(target=self._keep_lease, name="dsec-lease", daemon=True).start()
+
+    def _follow(self, topic: str) -> TopicPartition:
+        """Read replies from one partition of ``topic``, picked at random, from its end
+        (resolved now: replies to this client's first request must count)."""
+        try:
+            found = self._consumer.partitions_for_topic(topic)
+            if not found:
+                raise ConfigError(
+                    f"no replies topic {topic} for tenant {self.tenant}: is the tenant created "
+                    f"(`dsec tenant create {self.tenant}`) and the platform up?",
+                    reason=ConfigReason.NO_REPLIES_TOPIC,
+                )
+            tp = TopicPartition(topic, random.choice(sorted(found)))
+            self._consumer.assign([tp])
+            self._consumer.seek_to_end(tp)
+            self._consumer.position(tp)
+        except KafkaError as exc:
+            raise ServiceUnavailable(
+                f"Kafka at {self.settings.kafka_bootstrap}: cannot follow {topic}: {exc}"
+            ) from exc
+        return tp
 
     # --- plumbing ---------------------------------------------------------------
 
