@@ -4,6 +4,7 @@ CPU each process spends per unit of work)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 #: Clock ticks per second (/proc/PID/stat counts in these).
 HZ = os.sysconf("SC_CLK_TCK")
@@ -31,3 +32,57 @@ def named(prefix: str) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+def _pidfile(state_dir: Path, name: str) -> list[int]:
+    try:
+        return [int((state_dir / "run" / f"{name}.pid").read_text())]
+    except (OSError, ValueError):
+        return []
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """``pids`` and every process below them (a JVM's or a service's children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def broker_pids(state_dir: Path) -> list[int]:
+    """The embedded broker's JVM and its children."""
+    return descendants(_pidfile(state_dir, "broker"))
+
+
+def stack_processes(state_dir: Path, node_id: str) -> dict[str, list[int]]:
+    """The embedded stack's processes by role, found from its pid files (the broker
+    with its children) and by name (Postgres, Podman, conmon)."""
+    return {
+        "scheduler": _pidfile(state_dir, "scheduler"),
+        "projector": _pidfile(state_dir, "projector"),
+        "node worker": _pidfile(state_dir, f"worker-{node_id}"),
+        "flower": _pidfile(state_dir, "flower"),
+        "supervisor": _pidfile(state_dir, "supervisor"),
+        "redis": named("redis-server"),
+        "postgres": named("postgres"),
+        "podman service": named("podman"),
+        "conmon": named("conmon"),
+        "broker": broker_pids(state_dir),
+    }
+
+
+def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds spent so far by each group of processes."""
+    return {name: sum(map(ticks, pids)) / HZ for name, pids in groups.items()}

@@ -23,7 +23,7 @@ import os
 import time
 import uuid
 
-from procstat import HZ, named, ticks
+from procstat import HZ, cpu_seconds, named, stack_processes, ticks
 from rich.console import Console
 from rich.table import Table
 from substrate import RECORDS_PER_COMMAND, kafka_records, raw_sandbox, run
@@ -34,31 +34,9 @@ from app.sdk import Client
 from app.stats import percentile
 
 
-def _pidfile(settings: Settings, name: str) -> list[int]:
-    try:
-        return [int((settings.state_dir / "run" / f"{name}.pid").read_text())]
-    except (OSError, ValueError):
-        return []
-
-
 def processes(settings: Settings) -> dict[str, list[int]]:
     """The platform's processes by role (the client is this process)."""
-    return {
-        "client (SDK)": [os.getpid()],
-        "scheduler": _pidfile(settings, "scheduler"),
-        "projector": _pidfile(settings, "projector"),
-        "node worker": _pidfile(settings, f"worker-{settings.node_id}"),
-        "flower": _pidfile(settings, "flower"),
-        "redis": named("redis-server"),
-        "postgres": named("postgres"),
-        "podman service": named("podman"),
-        "conmon": named("conmon"),
-        "broker": named("tansu"),
-    }
-
-
-def cpu(groups: dict[str, list[int]]) -> dict[str, float]:
-    return {name: sum(map(ticks, pids)) / HZ for name, pids in groups.items()}
+    return {"client (SDK)": [os.getpid()], **stack_processes(settings.state_dir, settings.node_id)}
 
 
 def main() -> None:
@@ -72,9 +50,9 @@ def main() -> None:
     # The raw substrate first: podman exec, the agent alone, and Kafka records.
     raw_groups = {"podman + conmon": named("podman") + named("conmon")}
     with raw_sandbox(settings) as (container, conn):
-        raw_before = cpu(raw_groups)
+        raw_before = cpu_seconds(raw_groups)
         podman_wall, _ = run(args.podman, 8, lambda _: container.exec_run(["true"]))
-        raw_after = cpu(raw_groups)
+        raw_after = cpu_seconds(raw_groups)
         agent_cpu = ticks(os.getpid())
         agent_wall, _ = run(args.commands, 1, lambda _: conn.exec(["true"], timeout_s=10))
         agent_ms = (ticks(os.getpid()) - agent_cpu) / HZ / args.commands * 1000
@@ -87,12 +65,12 @@ def main() -> None:
         for box in boxes:  # warm every path once
             box.exec("true")
         time.sleep(1)
-        before = cpu(groups)
+        before = cpu_seconds(groups)
         wall, latencies = run(
             args.commands, args.in_flight, lambda i: boxes[i % len(boxes)].exec("true")
         )
         time.sleep(0.5)  # the projector's share of the last commands
-        after = cpu(groups)
+        after = cpu_seconds(groups)
         for box in boxes:
             box.close()
     per_command = {k: (after[k] - before[k]) / args.commands * 1000 for k in groups}
