@@ -1,268 +1,223 @@
-"""The Kafka adapter: topics, a publisher and statically assigned consumers.
+"""The Kafka adapter: who a client is, a publisher, and statically assigned consumers.
 
 Consumers here never join a consumer group: partitions are assigned statically and
 positions are kept by the owner (Postgres for the projector and the scheduler, the
-end of the partition for a trainer waiting for replies). Group joins on Tansu take
-10-30 s, and offsets stored next to the data they produced are what gives exactly
-once anyway.
+end of the partition for a trainer waiting for replies). Offsets stored next to the
+data they produced are what gives exactly once; a group would add a coordinator's
+rebalances and nothing else. Topics, principals and ACLs: :mod:`app.kafka_admin`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
+import ssl
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
-from kafka.errors import (
-    InvalidTopicError,
-    KafkaError,
-    MessageSizeTooLargeError,
-    TopicAlreadyExistsError,
-)
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
 from pydantic import BaseModel
 
-from app.config import EMBEDDED_BROKER_PARTITIONS, Settings
+from app.config import Settings
 from app.domain.codec import encode
 from app.domain.records import Inbound, Record
-from app.domain.topics import TopicRole, TopicRules, TopicSpec, differences, plan
 from app.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
+#: Who the stack's own administrator is to Kafka (topics, principals, ACLs).
+ADMIN_PRINCIPAL = "dsec-admin"
 
-def _servers(settings: Settings) -> list[str]:
-    return [s.strip() for s in settings.kafka_bootstrap.split(",") if s.strip()]
+
+@dataclass(frozen=True)
+class KafkaLogin:
+    """How one principal reaches Kafka: its SASL name and password, and, where its
+    credential file says so, the brokers, the protocol and the CA to check them with
+    (a trainer on another host then needs nothing but the file)."""
+
+    username: str
+    password: str
+    bootstrap: str | None = None
+    security_protocol: str | None = None
+    mechanism: str | None = None
+    #: The brokers' CA certificate, PEM (for SSL and SASL_SSL).
+    ca_pem: str | None = None
+
+    def to_json(self) -> dict[str, str]:
+        """The credential file's ``kafka`` block (what is set)."""
+        fields = {
+            "username": self.username,
+            "password": self.password,
+            "bootstrap": self.bootstrap,
+            "security_protocol": self.security_protocol,
+            "mechanism": self.mechanism,
+            "ca_pem": self.ca_pem,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> KafkaLogin:
+        """Read a credential file's ``kafka`` block (KeyError/TypeError if malformed)."""
+        optional = ("bootstrap", "security_protocol", "mechanism", "ca_pem")
+        return cls(
+            username=str(raw["username"]),
+            password=str(raw["password"]),
+            **{k: str(raw[k]) for k in optional if raw.get(k) is not None},
+        )
 
 
-def client_options(settings: Settings) -> dict[str, Any]:
-    """Bootstrap servers and security settings every Kafka client of ours takes (TLS,
-    SASL PLAIN/SCRAM, client certificates): one principal per process, the one Kafka's
-    ACLs know it by (docs/security.md)."""
+def local_admin_login(settings: Settings) -> KafkaLogin | None:
+    """The stack's administrator, where this process can read its password (root on
+    the stack's host: `dsec up`, the CLI, tests and benchmarks)."""
+    path = settings.secrets_dir / "kafka" / f"{ADMIN_PRINCIPAL}.password"
+    try:
+        password = path.read_text().strip()
+    except OSError:
+        return None
+    return KafkaLogin(ADMIN_PRINCIPAL, password) if password else None
+
+
+def resolve_login(settings: Settings, login: KafkaLogin | None = None) -> KafkaLogin | None:
+    """Who this client is to Kafka: ``login`` (a credential file's) if given, else the
+    principal the settings name (DSEC_KAFKA_SASL_USERNAME and its password file), else
+    the local administrator (root on the stack's host), else nobody."""
+    if login is not None:
+        return login
+    if settings.kafka_sasl_username:
+        path = settings.kafka_sasl_password_file
+        try:
+            password = path.read_text().strip() if path is not None else ""
+        except OSError as exc:
+            raise ServiceUnavailable(
+                f"Kafka: cannot read the password of {settings.kafka_sasl_username} "
+                f"at {path}: {exc.strerror}"
+            ) from exc
+        return KafkaLogin(settings.kafka_sasl_username, password)
+    return local_admin_login(settings)
+
+
+def _servers(bootstrap: str) -> list[str]:
+    return [s.strip() for s in bootstrap.split(",") if s.strip()]
+
+
+def client_options(settings: Settings, login: KafkaLogin | None = None) -> dict[str, Any]:
+    """Bootstrap servers and security settings of a Kafka client of ours: one
+    principal per process (:func:`resolve_login`), the one Kafka's ACLs know it by
+    (docs/security.md). A credential's own brokers, protocol and CA count unless the
+    settings name them explicitly."""
+    who = resolve_login(settings, login)
+    explicit = settings.model_fields_set
+    bootstrap = settings.kafka_bootstrap
+    protocol: str = settings.kafka_security_protocol
+    mechanism: str | None = settings.kafka_sasl_mechanism
+    if who is not None:
+        if who.bootstrap and "kafka_bootstrap" not in explicit:
+            bootstrap = who.bootstrap
+        if who.security_protocol and "kafka_security_protocol" not in explicit:
+            protocol = who.security_protocol
+        if who.mechanism and "kafka_sasl_mechanism" not in explicit:
+            mechanism = who.mechanism
     options: dict[str, Any] = {
-        "bootstrap_servers": _servers(settings),
-        "security_protocol": settings.kafka_security_protocol,
+        "bootstrap_servers": _servers(bootstrap),
+        "security_protocol": protocol,
         # Topics are made by the platform with their partitions and settings
-        # (ensure_topics), never by a client's metadata request: a broker that came
-        # back empty otherwise got dsec.events back with its default of 4 partitions
-        # from the first producer that asked.
+        # (app.kafka_admin.ensure_topics), never by a client's metadata request.
         "allow_auto_create_topics": False,
     }
-    if settings.kafka_sasl_mechanism:
-        password = (
-            settings.kafka_sasl_password_file.read_text().strip()
-            if settings.kafka_sasl_password_file
-            else None
-        )
+    if protocol.startswith("SASL"):
+        if who is None:
+            raise ServiceUnavailable(
+                f"Kafka at {bootstrap} asks for SASL and this process has no principal:"
+                " set DSEC_CREDENTIALS (a trainer or a node) or DSEC_KAFKA_SASL_USERNAME"
+                " and DSEC_KAFKA_SASL_PASSWORD_FILE"
+            )
         options.update(
-            sasl_mechanism=settings.kafka_sasl_mechanism,
-            sasl_plain_username=settings.kafka_sasl_username,
-            sasl_plain_password=password,
+            sasl_mechanism=mechanism,
+            sasl_plain_username=who.username,
+            sasl_plain_password=who.password,
         )
-    for name in ("cafile", "certfile", "keyfile"):
-        path = getattr(settings, f"kafka_ssl_{name}")
-        if path is not None:
-            options[f"ssl_{name}"] = str(path)
+    if protocol in ("SSL", "SASL_SSL"):
+        options["ssl_context"] = _tls_context(settings, who)
     return options
 
 
-def _admin(settings: Settings) -> KafkaAdminClient:
-    try:
-        options = client_options(settings)
-        options.pop("allow_auto_create_topics")  # not an admin client's setting
-        return KafkaAdminClient(**options, request_timeout_ms=10_000)
-    except KafkaError as exc:
-        raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
-
-
-def drop_topics(settings: Settings, names: Iterable[str] | None = None) -> None:
-    """Delete ``names``, or every topic of the settings' prefix (a benchmark's or a
-    test's own)."""
-    admin = _admin(settings)
-    try:
-        listed = admin.list_topics()
-        if names is None:
-            mine = [t for t in listed if t.startswith(f"{settings.topic_prefix}.")]
-        else:
-            mine = sorted(set(listed) & set(names))
-        if mine:
-            admin.delete_topics(mine)
-    finally:
-        admin.close()
-
-
-#: Room for a record's headers and batch framing above its value.
-_RECORD_OVERHEAD = 64 * 1024
-
-
-def topic_rules(settings: Settings) -> TopicRules:
-    """The topic plan's rules, from settings."""
-    hour = 3_600_000
-    log_ms = settings.log_retention_hours * hour
-    largest = settings.max_message_bytes + _RECORD_OVERHEAD
-    return TopicRules(
-        prefix=settings.topic_prefix,
-        partitions=settings.topic_partitions,
-        reply_partitions=settings.reply_partitions,
-        replication=settings.kafka_replication_factor,
-        min_insync_replicas=settings.kafka_min_insync_replicas,
-        retention_ms={
-            TopicRole.REQUESTS: log_ms,
-            TopicRole.EVENTS: log_ms,
-            TopicRole.INBOX: log_ms,
-            TopicRole.REPLIES: settings.replies_retention_hours * hour,
-            TopicRole.DEAD_LETTERS: settings.dead_letters_retention_hours * hour,
-        },
-        # Replies too: larger outputs and files travel as pieces (ReplyPiece).
-        max_message_bytes=dict.fromkeys(TopicRole, largest),
-        embedded_partitions=EMBEDDED_BROKER_PARTITIONS if settings.embedded_broker else None,
-    )
-
-
-def ensure_topics(
-    settings: Settings,
-    tenants: Iterable[str] = (),
-    nodes: Iterable[str] = (),
-    *,
-    platform: bool = True,
-) -> list[str]:
-    """Make the topics of the plan (:mod:`app.domain.topics`) that are missing: the
-    platform's (unless ``platform`` is false), each tenant's replies topic and each
-    node's inbox. Those that exist are checked against it (not on the embedded broker,
-    which keeps no topic settings); returns how they fall short, each also logged."""
-    specs = plan(topic_rules(settings), tenants, nodes, platform=platform)
-    admin = _admin(settings)
-    try:
-        existing = set(admin.list_topics())
-        for spec in specs.values():
-            if spec.name in existing:
-                continue
-            new = NewTopic(
-                spec.name, spec.partitions, spec.replication, topic_configs=dict(spec.configs)
-            )
-            with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent `up`
-                admin.create_topics([new])
-        found = []
-        if not settings.embedded_broker:
-            found = _check(admin, [spec for spec in specs.values() if spec.name in existing])
-    except KafkaError as exc:
-        raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
-    finally:
-        admin.close()
-    for finding in found:
-        log.warning("topic made beforehand differs from the plan: %s", finding)
-    return found
-
-
-def _check(admin: KafkaAdminClient, specs: Sequence[TopicSpec]) -> list[str]:
-    """How the pre-made topics of ``specs`` fall short of them."""
-    if not specs:
-        return []
-    described = {t["name"]: t for t in admin.describe_topics([s.name for s in specs])}
-    resources = [ConfigResource(ConfigResourceType.TOPIC, s.name) for s in specs]
-    configs = _topic_configs(admin.describe_configs(resources))
-    found: list[str] = []
-    for spec in specs:
-        parts = described.get(spec.name, {}).get("partitions", [])
-        replication = min((len(p.get("replica_nodes", [])) for p in parts), default=0)
-        found += differences(spec, len(parts), replication, configs.get(spec.name, {}))
-    return found
-
-
-def _topic_configs(answer: dict[str, Any]) -> dict[str, dict[str, str]]:
-    """Topic settings by topic from kafka-python's DescribeConfigs answer,
-    ``{"topic": {name: {key: {"value": ...}}}}`` (only those set on the topic)."""
-    return {
-        name: {
-            key: str(data.get("value") if isinstance(data, dict) else data)
-            for key, data in (entries or {}).items()
-        }
-        for name, entries in (answer or {}).get("topic", {}).items()
-    }
-
-
-#: Times a refused send is sent again (Publisher._send_failed).
-RESENDS = 5
-
-
-class _Send(NamedTuple):
-    """One record as handed to :meth:`Publisher.publish`."""
-
-    topic: str
-    key: str
-    value: bytes
-    partition: int | None
-    headers: Sequence[tuple[str, bytes]] | None
-    attempt: int = 0
+def _tls_context(settings: Settings, who: KafkaLogin | None) -> ssl.SSLContext:
+    """Checks the brokers against the configured CA file, else the credential's CA,
+    else the stack's own CA where readable; a client certificate where configured."""
+    cafile = settings.kafka_ssl_cafile
+    if cafile is None and (who is None or who.ca_pem is None):
+        local = settings.secrets_dir / "kafka" / "ca.pem"
+        cafile = local if local.exists() else None
+    if cafile is not None:
+        context = ssl.create_default_context(cafile=str(cafile))
+    elif who is not None and who.ca_pem is not None:
+        context = ssl.create_default_context(cadata=who.ca_pem)
+    else:
+        context = ssl.create_default_context()
+    if settings.kafka_ssl_certfile is not None:
+        keyfile = settings.kafka_ssl_keyfile
+        context.load_cert_chain(
+            str(settings.kafka_ssl_certfile), str(keyfile) if keyfile is not None else None
+        )
+    return context
 
 
 class Publisher:
-    """Sends typed messages; thread-safe (one per process is enough)."""
+    """Sends typed messages; thread-safe (one per process is enough).
 
-    def __init__(self, settings: Settings, *, linger_ms: int = 0) -> None:
+    Idempotent (the broker drops a batch it already has, so a retry never writes a
+    record twice, and order within a partition holds with several requests in flight)
+    and acks=all: a record is acknowledged once every in-sync replica has it. Sends
+    are retried by the client until ``delivery_timeout_ms``; a record still not
+    delivered then is counted and :meth:`flush` raises.
+    """
+
+    def __init__(
+        self, settings: Settings, *, linger_ms: int = 0, login: KafkaLogin | None = None
+    ) -> None:
         self._settings = settings
         self._linger_ms = linger_ms
+        self._login = login
         self._lock = threading.Lock()
         self._producer = self._make()
         self._tracked: set[str] = set()
-        # Sends that failed and wait to be sent again (see _send_failed), and those
-        # given up on since the last flush.
-        self._again: queue.Queue[_Send] = queue.Queue()
-        self._settled = threading.Condition()
-        self._resending = 0
-        self._resent = 0
-        self._given_up = 0
-        self._resender: threading.Thread | None = None
+        self._failures = 0
+        self._last_failure: BaseException | None = None
 
     def _make(self) -> KafkaProducer:
         settings = self._settings
         try:
             return KafkaProducer(
-                **client_options(settings),
+                **client_options(settings, self._login),
                 acks="all",
+                enable_idempotence=True,
                 linger_ms=self._linger_ms,
                 # Replies may be large (an exec's output); consumers bound requests and
                 # events themselves, by max_message_bytes.
                 max_request_size=max(settings.max_message_bytes * 2, settings.max_reply_bytes),
-                # Retried until delivered or delivery_timeout_ms (2 min): a broker that
-                # restarts is back within seconds, and what was sent meanwhile arrives.
-                **(
-                    {"enable_idempotence": False, "max_in_flight_requests_per_connection": 1}
-                    if settings.embedded_broker
-                    else {"enable_idempotence": True}
-                ),
             )
         except KafkaError as exc:
             raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
 
-    def _dead(self) -> bool:
-        """The producer failed for good: kafka-python aborts every batch of an
-        idempotent producer whose producer id the broker lost (an embedded broker that
-        came back empty), without a word to send() or flush()."""
+    def _fatal(self) -> bool:
+        """The producer failed for good (kafka-python aborts every batch of an
+        idempotent producer the broker fenced), without a word to send() or flush()."""
         manager = getattr(self._producer, "_transaction_manager", None)
         return manager is not None and manager.has_fatal_error()
 
     def _renew(self) -> None:
-        """Put a new producer in place of this one. (An idempotent producer whose
-        broker came back empty is dead for good: the broker no longer knows its
-        producer id.)"""
+        """Put a new producer (a new producer id) in place of a failed one."""
         with self._lock:
             old, self._producer = self._producer, self._make()
             self._tracked = set()
-        with contextlib.suppress(Exception):
+        try:
             old.close(timeout=0)
-
-    def _failed(self, what: str, exc: KafkaError) -> ServiceUnavailable:
-        """A send or flush failed: the next one goes through a new producer, and the
-        caller hears of the failure."""
-        self._renew()
-        return ServiceUnavailable(f"{what}: {exc} (a new producer takes over)")
+        except Exception as exc:  # a failed producer may fail to close too
+            log.debug("closing a failed producer: %s", exc)
 
     def _track(self, topic: str) -> None:
         """Make the producer's metadata follow ``topic`` for good.
@@ -271,12 +226,22 @@ class Publisher:
         tracks none of them; the first topic it must look up later (a new tenant's
         replies topic) replaces its metadata with that topic alone, the partitions it
         sent to before lose their leader, and its sender thread asks for metadata in a
-        tight loop: a whole core, for good (seen on the scheduler after a tenant was
-        created). Tracking each topic on first use keeps them all in every refresh.
+        tight loop: a whole core, for good. Tracking each topic on first use keeps
+        them all in every refresh.
         """
         if topic not in self._tracked:
             self._producer._sender.add_topic(topic)
             self._tracked.add(topic)
+
+    def partitions_for(self, topic: str) -> int | None:
+        """How many partitions ``topic`` has, from the broker's metadata (None: no such
+        topic, or the broker does not say)."""
+        self._track(topic)
+        try:
+            found = self._producer.partitions_for(topic)
+        except KafkaError:
+            return None
+        return len(found) if found else None
 
     def publish(
         self,
@@ -289,109 +254,59 @@ class Publisher:
         headers: Sequence[tuple[str, bytes]] | None = None,
     ) -> None:
         """Send one message (with its proof in ``headers``); with ``wait`` block until
-        the broker acknowledged it. Without ``wait``, a send the broker refuses is sent
-        again (see :meth:`_send_failed`), and :meth:`flush` waits for that too."""
+        the broker acknowledged it."""
         value = message if isinstance(message, bytes) else encode(message)
-        self._send(_Send(topic, key, value, partition, headers), wait)
-
-    def _send(self, send: _Send, wait: bool = False) -> None:
-        topic = send.topic
-        if self._dead():
-            # What it held is lost (the broker it was sent to is gone); what comes now
-            # goes through a new producer.
+        if self._fatal():
             log.warning("Kafka producer failed for good: a new one takes over")
             self._renew()
         self._track(topic)
         try:
             future = self._producer.send(
-                topic, key=send.key.encode(), value=send.value, partition=send.partition,
-                headers=list(send.headers) if send.headers else None,
+                topic, key=key.encode(), value=value, partition=partition,
+                headers=list(headers) if headers else None,
             )  # fmt: skip
             if wait:
                 future.get(timeout=30)
             else:
-                future.add_errback(lambda exc: self._send_failed(send, exc))
+                future.add_errback(self._failed)
         except KafkaError as exc:
-            raise self._failed(f"publish to {topic}", exc) from exc
+            raise ServiceUnavailable(f"publish to {topic}: {exc}") from exc
 
-    def _send_failed(self, send: _Send, exc: BaseException) -> None:
-        """A send the broker refused, or that ran out of time (on the producer's I/O
-        thread): send it again, up to RESENDS times, from a thread of its own.
-
-        kafka-python retries only what Kafka calls retriable. The embedded broker that
-        restarted empty answers a record it cannot store with an unknown error (a
-        producer with the old broker's metadata wrote where a topic made anew then
-        writes again), and a producer that failed for good aborts its batches: a
-        record lost there would be a trainer's request, reply or a fact of the log.
-        Consumers drop what arrives twice by id.
-        """
-        hopeless = isinstance(exc, MessageSizeTooLargeError | InvalidTopicError)
-        if hopeless or send.attempt >= RESENDS:
-            self._give_up(send, exc)
-            return
-        log.warning("a record for %s failed (%s): sending it again", send.topic, exc)
-        with self._settled:
-            self._resending += 1
-            self._resent += 1
-            if self._resender is None:
-                self._resender = threading.Thread(
-                    target=self._resend_loop, name="dsec-resend", daemon=True
-                )
-                self._resender.start()
-        self._again.put(send)
-
-    def _give_up(self, send: _Send, exc: BaseException) -> None:
-        """The record is lost: say so, and let the next flush raise."""
-        log.error("a record for %s is lost: %s", send.topic, exc)
-        with self._settled:
-            self._given_up += 1
-
-    def _resend_loop(self) -> None:
-        while True:
-            send = self._again.get()
-            time.sleep(0.05 * 2**send.attempt)
-            try:
-                self._send(send._replace(attempt=send.attempt + 1))
-            except Exception as exc:  # a send that fails at once counts as given up
-                self._give_up(send, exc)
-            finally:
-                with self._settled:
-                    self._resending -= 1
-                    self._settled.notify_all()
+    def _failed(self, exc: BaseException) -> None:
+        """A record the client gave up on (on its I/O thread): the next flush raises."""
+        log.error("a record could not be delivered: %s", exc)
+        with self._lock:
+            self._failures += 1
+            self._last_failure = exc
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Block until every message sent so far is acknowledged (those sent again
-        included); raises if one could not be delivered since the last flush."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            resent = self._resent
-            try:
-                self._producer.flush(timeout=max(deadline - time.monotonic(), 0.001))
-            except KafkaError as exc:
-                raise self._failed("flush", exc) from exc
-            if self._dead():  # its batches were aborted, not acknowledged
-                raise self._failed("flush", KafkaError("the producer failed for good"))
-            with self._settled:
-                if not self._settled.wait_for(
-                    lambda: self._resending == 0, max(deadline - time.monotonic(), 0)
-                ):
-                    raise ServiceUnavailable("flush: records still being sent again")
-                given_up, self._given_up = self._given_up, 0
-                if given_up:
-                    raise ServiceUnavailable(f"flush: {given_up} record(s) could not be sent")
-            if self._resent != resent:  # sent again meanwhile: flush that too
-                continue
-            return
+        """Block until every message sent so far is acknowledged; raises
+        :class:`ServiceUnavailable` if one could not be delivered since the last flush."""
+        try:
+            self._producer.flush(timeout=timeout_s)
+        except KafkaError as exc:
+            raise ServiceUnavailable(f"flush: {exc}") from exc
+        with self._lock:
+            failures, self._failures = self._failures, 0
+            last, self._last_failure = self._last_failure, None
+        if self._fatal():
+            self._renew()
+            raise ServiceUnavailable("flush: the producer failed for good (a new one takes over)")
+        if failures:
+            raise ServiceUnavailable(f"flush: {failures} record(s) not delivered: {last}")
 
     def close(self) -> None:
         """Flush and close."""
         self._producer.close(timeout=10)
 
 
-def make_consumer(settings: Settings, **overrides: Any) -> KafkaConsumer:
-    """A consumer without group membership and without auto-commit."""
+def make_consumer(
+    settings: Settings, *, login: KafkaLogin | None = None, **overrides: Any
+) -> KafkaConsumer:
+    """A consumer without group membership and without auto-commit. Its fetches wait
+    on the broker (long poll, answered as soon as data arrives)."""
     options: dict[str, Any] = {
-        **client_options(settings),
+        **client_options(settings, login),
         "group_id": None,
         "enable_auto_commit": False,
         "fetch_max_wait_ms": settings.fetch_max_wait_ms,
@@ -405,36 +320,24 @@ def make_consumer(settings: Settings, **overrides: Any) -> KafkaConsumer:
         raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
 
 
-def high_watermarks(
-    settings: Settings, parts: Sequence[TopicPartition], timeout_s: float = 10.0
+def end_offsets(
+    consumer: KafkaConsumer, parts: Sequence[TopicPartition]
 ) -> dict[TopicPartition, int]:
-    """The partitions' ends (next offset to be written), as fetch responses report them.
+    """The partitions' ends (the offset the next record written gets)."""
+    try:
+        found: dict[TopicPartition, int] = consumer.end_offsets(list(parts))
+    except KafkaError as exc:
+        raise ServiceUnavailable(f"Kafka: end offsets: {exc}") from exc
+    return found
 
-    The embedded broker answers ListOffsets (``end_offsets``) with the base offset of
-    the partition's last record batch plus one: after a batch of three records at
-    offsets 1-3 it says 2, not 4. A consumer that compared its stored position with
-    that took a valid position for one past the end. A fetch's high watermark is right,
-    so a probe consumer fetches from the claimed end and reads it.
-    """
+
+def high_watermarks(
+    settings: Settings, parts: Sequence[TopicPartition]
+) -> dict[TopicPartition, int]:
+    """The partitions' ends, asked through a consumer of its own."""
     probe = make_consumer(settings)
     try:
-        probe.assign(list(parts))
-        claimed: dict[TopicPartition, int] = probe.end_offsets(list(parts))
-        for tp, end in claimed.items():
-            probe.seek(tp, end)
-        found: dict[TopicPartition, int] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(found) < len(parts) and time.monotonic() < deadline:
-            probe.poll(timeout_ms=100)
-            for tp in parts:
-                mark = probe.highwater(tp)
-                if mark is not None:
-                    found[tp] = max(mark, claimed[tp])
-        if len(found) < len(parts):
-            raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: no high watermark")
-        return found
-    except KafkaError as exc:
-        raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+        return end_offsets(probe, parts)
     finally:
         probe.close()
 
@@ -474,7 +377,7 @@ class KafkaBus:
                 self._reader.seek(tp, offset)
                 while True:
                     left_ms = max(int((deadline - time.monotonic()) * 1000), 0)
-                    got = self._reader.poll(timeout_ms=min(left_ms, 200), max_records=limit)
+                    got = self._reader.poll(timeout_ms=left_ms, max_records=limit)
                     records = got.get(tp, [])
                     if records or left_ms == 0:
                         break
@@ -489,7 +392,8 @@ class KafkaBus:
 
     def end(self, topic: str, partition: int) -> int:
         tp = TopicPartition(topic, partition)
-        return high_watermarks(self._settings, [tp])[tp]
+        with self._lock:
+            return end_offsets(self._reader, [tp])[tp]
 
     def close(self) -> None:
         """Flush what was published and let go of the broker."""
@@ -498,64 +402,21 @@ class KafkaBus:
 
 
 def partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
-    """All partitions of ``topic`` (raises if the topic does not exist)."""
-    ids: Iterable[int] | None = consumer.partitions_for_topic(topic)
+    """All partitions of ``topic``, as the broker's metadata has them."""
+    try:
+        ids: Iterable[int] | None = consumer.partitions_for_topic(topic)
+    except KafkaError as exc:
+        raise ServiceUnavailable(f"Kafka: partitions of {topic}: {exc}") from exc
     if not ids:
         raise ServiceUnavailable(f"topic {topic} does not exist (is the stack up?)")
     return [TopicPartition(topic, p) for p in sorted(ids)]
 
 
-class Incarnation:
-    """Tells a consumer when its topic was made anew: a broker that came back empty
-    (the embedded one keeps topics in memory) recreates topics under their names with
-    new ids and offsets from zero, and answers a fetch past the new end with nothing,
-    not an error, so a consumer would wait at its old position for good. Asked every
-    few seconds (one metadata request)."""
-
-    EVERY_S = 5.0
-
-    def __init__(self, consumer: KafkaConsumer, topic: str) -> None:
-        self._consumer = consumer
-        self.topic = topic
-        self.topic_id = topic_id(consumer, topic)
-        self._checked_at = time.monotonic()
-
-    def changed(self) -> bool:
-        """True once per new incarnation (then :attr:`topic_id` names it)."""
-        if time.monotonic() - self._checked_at < self.EVERY_S:
-            return False
-        self._checked_at = time.monotonic()
-        self._consumer._client.cluster.request_update()  # its metadata, now
-        found = _known_id(self._consumer, self.topic)
-        if found is None:
-            return False  # no answer for the topic now: no evidence of a new one
-        if found == self.topic_id:
-            return False
-        # An id learned for the first time (none at start) is no new incarnation.
-        first = self.topic_id == _nameless_id(self.topic)
-        self.topic_id = found
-        return not first
-
-
-def _nameless_id(topic: str) -> uuid.UUID:
-    """The id taken for a topic whose broker gives none."""
-    return uuid.uuid5(uuid.NAMESPACE_URL, f"kafka-topic:{topic}")
-
-
 def topic_id(consumer: KafkaConsumer, topic: str) -> uuid.UUID:
-    """The broker's id for this incarnation of ``topic``.
-
-    A broker that lost its data (the embedded one keeps topics in memory) recreates
-    topics under the same names with new ids and offsets from zero; the id is how a
-    consumer holding offsets in Postgres tells the two apart.
-    """
-    return _known_id(consumer, topic) or _nameless_id(topic)
-
-
-def _known_id(consumer: KafkaConsumer, topic: str) -> uuid.UUID | None:
-    """The id the consumer's metadata holds for ``topic``, if any."""
+    """The broker's id for ``topic``: a topic deleted and made again under the same
+    name gets a new one, and offsets stored with the old id are not its offsets."""
     # kafka-python keeps topic ids from metadata responses on its cluster object.
     found = consumer._client.cluster.topic_id(topic)
     if found is None:
-        return None
+        return uuid.uuid5(uuid.NAMESPACE_URL, f"kafka-topic:{topic}")
     return found if isinstance(found, uuid.UUID) else uuid.UUID(str(found))

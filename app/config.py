@@ -10,9 +10,6 @@ from urllib.parse import SplitResult, quote, urlsplit, urlunsplit
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-#: Partitions the embedded broker gives a topic it makes on a client's question.
-EMBEDDED_BROKER_PARTITIONS = 4
-
 
 class Settings(BaseSettings):
     """Platform configuration, read from ``DSEC_*`` environment variables."""
@@ -22,29 +19,34 @@ class Settings(BaseSettings):
     kafka_bootstrap: str = Field(
         "127.0.0.1:19092", description="Kafka bootstrap servers, comma separated."
     )
-    embedded_broker: bool = Field(
-        True,
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "SASL_PLAINTEXT",
         description=(
-            "The broker is the embedded stack's (Tansu, memory only), and the platform"
-            " works around its quirks. It makes any topic a client asks about, with"
-            f" {EMBEDDED_BROKER_PARTITIONS} partitions, so every topic is made with that"
-            " many: one made by a client's question after a restart is then the same."
-            " It forgets producer ids when it restarts, failing every idempotent producer"
-            " for good, so producers are not idempotent: one request in flight keeps"
-            " their order, and consumers drop duplicates by id."
-            " Set false against Apache Kafka."
+            "How every client of the platform and the SDK talks to Kafka: SASL on the"
+            " embedded broker's loopback listener, SASL_SSL where traffic leaves the machine."
         ),
     )
-    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
-        "PLAINTEXT",
-        description="How every client of the platform and the SDK talks to Kafka.",
-    )
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
-        None, description="SASL mechanism (with SASL_PLAINTEXT or SASL_SSL)."
+        "SCRAM-SHA-512", description="SASL mechanism (with SASL_PLAINTEXT or SASL_SSL)."
     )
-    kafka_sasl_username: str | None = Field(None, description="SASL principal name.")
+    kafka_sasl_username: str | None = Field(
+        None,
+        description=(
+            "SASL principal name. Unset: a trainer's or node's credential file names its own;"
+            " root on the stack's host uses the stack's admin principal."
+        ),
+    )
     kafka_sasl_password_file: Path | None = Field(
         None, description="File holding the SASL password (never the password itself)."
+    )
+    kafka_credential_bootstrap: str | None = Field(
+        None,
+        description=(
+            "The brokers' TLS listeners as other hosts reach them. Set, every credential"
+            " file `dsec tenant create` and `dsec node add` write carries them, SASL_SSL"
+            " and the stack's CA, so its holder needs nothing else; unset, holders use"
+            " their own DSEC_KAFKA_* settings."
+        ),
     )
     kafka_ssl_cafile: Path | None = Field(
         None, description="CA bundle the brokers are checked with."
@@ -125,15 +127,15 @@ class Settings(BaseSettings):
     topic_partitions: int = Field(
         8,
         description=(
-            "Partitions for requests and events topics (the embedded broker's topics"
-            " have 4 whatever this says: see embedded_broker)."
+            "Partitions the platform gives its requests and events topics when it makes"
+            " them (consumers read the count from the broker's metadata)."
         ),
     )
     reply_partitions: int = Field(
         16,
         description=(
-            "Partitions of a tenant's replies topic, and the highest a trainer may name"
-            " (the embedded broker's have 4: see embedded_broker)."
+            "Partitions the platform gives a tenant's replies topic when it makes it (the"
+            " gate and the SDK read the count from the broker's metadata, never this)."
         ),
     )
     kafka_replication_factor: int = Field(
@@ -277,23 +279,13 @@ class Settings(BaseSettings):
         1_048_576, description="Largest accepted request or event (Kafka message)."
     )
     fetch_max_wait_ms: int = Field(
-        10,
+        500,
         ge=1,
-        le=500,
+        le=5000,
         description=(
-            "How long a consumer someone waits on (a trainer's replies, the scheduler's"
-            " requests) lets the broker hold an empty fetch. The embedded broker does not"
-            " always answer a held fetch when data arrives: 50 ms here doubled an exec's"
-            " round trip (20 -> 40 ms p50); 10 ms costs ~12% of a core per idle consumer."
-        ),
-    )
-    background_fetch_max_wait_ms: int = Field(
-        200,
-        ge=1,
-        le=1000,
-        description=(
-            "The same for consumers nobody waits on (the projector, the scheduler's view"
-            " of events): a longer hold, far less CPU spent polling an idle topic."
+            "How long the broker holds a fetch that finds nothing. A held fetch is answered"
+            " as soon as data arrives, so this costs no latency; it only sets how often an"
+            " idle consumer asks again."
         ),
     )
     projector_lanes: int = Field(

@@ -39,18 +39,20 @@ class PositionedConsumer:
         topic: str,
         name: str,
         partitions: Sequence[int] | None = None,
+        *,
+        login: bus.KafkaLogin | None = None,
         **overrides: Any,
     ) -> None:
         self.settings = settings
         self.topic = topic
         self.name = name
-        self._consumer = bus.make_consumer(settings, **overrides)
+        self._consumer = bus.make_consumer(settings, login=login, **overrides)
         #: Every partition of the topic (a caller may read only some).
         self.all_partitions = bus.partitions(self._consumer, topic)
         #: The partitions the caller chose (None: all of them, however many).
         self._chosen = set(partitions) if partitions is not None else None
         self.partitions = self._of_choice()
-        self._incarnation = bus.Incarnation(self._consumer, topic)
+        self._topic_id = bus.topic_id(self._consumer, topic)
         self._lag_at = 0.0
         if self.partitions:
             self._consumer.assign(self.partitions)
@@ -80,15 +82,16 @@ class PositionedConsumer:
         """Seek every partition (or ``only`` those) to its stored offset; return
         warnings about resets.
 
-        Stored offsets of another topic incarnation, or past the end of the partition,
-        mean the broker lost its data (the embedded broker keeps it in memory): those
-        partitions restart at their beginning and the caller is told.
+        Stored offsets of another topic (deleted and made again under the same name:
+        another topic id), or past the end of the partition (a broker restored from
+        older disks), are not positions in this topic: those partitions restart at
+        their beginning and the caller is told.
         """
         warnings: list[str] = []
         parts = self.partitions if only is None else list(only)
         if not parts:
             return warnings
-        ends = bus.high_watermarks(self.settings, parts)
+        ends = bus.end_offsets(self._consumer, parts)
         for tp in parts:
             saved = stored.get(tp.partition)
             if saved is None:
@@ -97,8 +100,8 @@ class PositionedConsumer:
             if saved.topic_id != self.topic_id or saved.next_offset > ends[tp]:
                 warnings.append(
                     f"{self.name}: {tp.topic}[{tp.partition}] stored offset {saved.next_offset} "
-                    f"belongs to another incarnation of the topic (broker restarted empty?); "
-                    f"reading the new one from its beginning"
+                    f"is not a position in this topic (made again, or a broker restored "
+                    f"from older disks); reading it from its beginning"
                 )
                 self._consumer.seek_to_beginning(tp)
             else:
@@ -112,20 +115,6 @@ class PositionedConsumer:
         if not self.partitions:
             time.sleep(timeout_ms / 1000)
             return []
-        if self._incarnation.changed():
-            log.warning(
-                "%s: %s is a new incarnation of the topic (broker restarted empty?): "
-                "reading it from its beginning", self.name, self.topic,
-            )  # fmt: skip
-            # It may have other partitions than the one before (the embedded broker
-            # makes a topic a client asks about with its own default).
-            self.all_partitions = bus.partitions(self._consumer, self.topic)
-            self.partitions = self._of_choice()
-            self._consumer.assign(self.partitions)
-            for tp in self.partitions:
-                self._consumer.seek_to_beginning(tp)
-            if not self.partitions:
-                return []
         batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
         out: list[ConsumerRecord] = []
         for records in batches.values():
@@ -158,9 +147,15 @@ class PositionedConsumer:
 
     @property
     def topic_id(self) -> uuid.UUID:
-        """The broker's id of the topic's incarnation being read (owners store offsets
-        with it)."""
-        return self._incarnation.topic_id
+        """The broker's id of the topic being read (owners store offsets with it)."""
+        return self._topic_id
+
+    def ends(self) -> dict[int, int]:
+        """Each assigned partition's end (the offset its next record gets)."""
+        return {
+            tp.partition: end
+            for tp, end in bus.end_offsets(self._consumer, self.partitions).items()
+        }
 
     def position(self, partition: int) -> int:
         """The offset the next read of ``partition`` starts at."""
@@ -206,6 +201,5 @@ def dead_letter(
             for name, value in (record.headers or [])[:16]
         ],
     )
-    # Partition 0 by name: one partition, in order, however many the topic has
-    # (see Settings.embedded_broker).
+    # Partition 0 by name: one partition, in order, however many the topic has.
     publisher.publish(settings.topic_dead_letters, key or "", letter, partition=0)

@@ -48,3 +48,16 @@ def read_text(path: Path) -> str | None:
         return read(path).decode()
     except (FileNotFoundError, PermissionError):
         return None
+
+
+def write(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` whole (a new file put in place), 0600 in a 0700
+    directory: a reader never sees half of it, nor another user any of it."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    staged = path.with_name(f".{path.name}.{os.getpid()}.new")
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(staged, path)
+    return path

@@ -24,10 +24,10 @@ import time
 import uuid
 from datetime import timedelta
 
-from procstat import named, ticks
+from procstat import broker_pids, named, ticks
 from sqlalchemy import text
 
-from app import bus
+from app import bus, kafka_admin
 from app.config import Settings, get_settings
 from app.control.keyring import Keyring
 from app.control.projector import BATCH_RECORDS
@@ -82,7 +82,7 @@ def cpu_seconds(projectors: list[int]) -> dict[str, float]:
     return {
         "projector": sum(map(ticks, projectors)) / hz,
         "postgres": sum(map(ticks, named("postgres"))) / hz,
-        "broker": sum(map(ticks, named("tansu"))) / hz,
+        "broker": sum(map(ticks, broker_pids(get_settings().state_dir))) / hz,
     }
 
 
@@ -162,12 +162,12 @@ def main() -> None:
     ensure_database(settings)
     migrate(settings)
     analyze(settings.admin_database_url)
-    bus.ensure_topics(settings)
+    kafka_admin.ensure_topics(settings)
     try:
         measure(args, settings)
     finally:
         # The embedded broker keeps every message in memory: the run's topics go.
-        bus.drop_topics(settings)
+        kafka_admin.drop_topics(settings)
 
 
 def analyze(admin_url: str) -> None:

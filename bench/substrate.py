@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from kafka import TopicPartition
-from procstat import HZ, named, ticks
+from procstat import HZ, broker_pids, ticks
 
-from app import bus
+from app import bus, kafka_admin
 from app.config import Settings
 from workers.agent.client import AgentConnection, AgentPool
 from workers.containers.podman_driver import PodmanDriver, container_args
@@ -106,15 +106,14 @@ def _reap_exec_monitors(container_id: str) -> int:
 
 @contextmanager
 def _topic(settings: Settings) -> Iterator[str]:
-    """A topic of its own, made like a node's inbox, dropped after. Written and read
-    at partition 0 only, as an inbox is: on the embedded broker it has 4 partitions."""
+    """A topic of its own, made like a node's inbox (one partition), dropped after."""
     node = f"bench-{uuid.uuid4().hex[:8]}"
-    bus.ensure_topics(settings, nodes=[node], platform=False)
+    kafka_admin.ensure_topics(settings, nodes=[node], platform=False)
     topic = settings.node_topic(node)
     try:
         yield topic
     finally:
-        bus.drop_topics(settings, [topic])
+        kafka_admin.drop_topics(settings, [topic])
 
 
 def kafka_records(settings: Settings, n: int, in_flight: int) -> tuple[float, float]:
@@ -134,7 +133,7 @@ def kafka_records(settings: Settings, n: int, in_flight: int) -> tuple[float, fl
                 for records in consumer.poll(timeout_ms=200, max_records=500).values():
                     seen += len(records)
 
-        broker = named("tansu")
+        broker = broker_pids(settings.state_dir)
         before = (ticks(os.getpid()), sum(map(ticks, broker)))
         reader = threading.Thread(target=consume)
         reader.start()

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 
-from app import bus
+from app import bus, kafka_admin
 from app.config import get_settings
 from app.control import tenants
 from app.domain.requests import CreateSandbox
@@ -43,7 +43,7 @@ def main() -> None:
     prefix = f"takeover{uuid.uuid4().hex[:6]}"
     settings = get_settings().model_copy(update={"topic_prefix": prefix})
     tenants.local(settings, "bench")
-    bus.ensure_topics(settings, ["bench"])
+    kafka_admin.ensure_topics(settings, ["bench"])
     # As many as the broker made (the embedded one makes every topic with its own count).
     probe = bus.make_consumer(settings)
     partitions = len(bus.partitions(probe, settings.topic_requests))
@@ -130,7 +130,7 @@ def main() -> None:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        bus.drop_topics(settings)
+        kafka_admin.drop_topics(settings)
 
     def touched(sent: float, took: float) -> bool:
         """In flight at, or sent during, a takeover."""

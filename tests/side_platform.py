@@ -14,7 +14,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from app import bus
+from app import kafka_admin
 from app.config import Settings
 from app.control import tenants
 from app.domain.proof import Role
@@ -81,7 +81,7 @@ def side_platform(
         }
     )
     ensure_tenant(stack, "tests")
-    bus.ensure_topics(settings, ["tests"], [node])
+    kafka_admin.ensure_topics(settings, ["tests"], [node])
     tenants.ensure(stack, Role.NODE, node)
     # The stack's agent binary, as a node host is given a release's.
     ensure_agent_dir(state / "agent", prebuilt=stack.state_dir / "agent" / AGENT_BINARY)
@@ -109,4 +109,4 @@ def side_platform(
             yield settings
     finally:
         subprocess.run(["pkill", "-KILL", "-u", user_name(node)], capture_output=True)
-        bus.drop_topics(settings)
+        kafka_admin.drop_topics(settings)

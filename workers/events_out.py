@@ -45,7 +45,7 @@ class Outlet:
     def publisher(self) -> Publisher:
         with self._lock:
             if self._publisher is None:
-                self._publisher = Publisher(self.settings)
+                self._publisher = Publisher(self.settings, login=self.credential.kafka)
             return self._publisher
 
     @contextmanager

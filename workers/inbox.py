@@ -19,7 +19,7 @@ import threading
 
 from kafka.errors import KafkaError
 
-from app import bus, metrics
+from app import metrics
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
 from app.domain.codec import DeadLetterReason
@@ -54,11 +54,11 @@ class Inbox:
         self._thread = threading.Thread(target=self._run, name="dsec-inbox", daemon=True)
 
     def start(self, ready: threading.Event | None = None) -> None:
-        """Make sure the topic exists (the scheduler sends to it once it hears of the
-        node), then read it in the background once ``ready`` is set (at most
+        """Read the topic in the background once ``ready`` is set (at most
         :data:`READY_WAIT_S` later): after a restart, not before the node listens again
-        for the agents of the sandboxes it has, or their commands would find none."""
-        bus.ensure_topics(self.settings, nodes=[self.node_id], platform=False)
+        for the agents of the sandboxes it has, or their commands would find none. The
+        topic is the platform's to make, with the node's credential (`dsec node add`):
+        a node may read it, not create it."""
         self._ready = ready
         self._thread.start()
 
@@ -81,8 +81,9 @@ class Inbox:
                 self._stopping.wait(1.0)
 
     def _serve(self) -> None:
-        bus.ensure_topics(self.settings, nodes=[self.node_id], platform=False)
-        consumer = PositionedConsumer(self.settings, self.topic, self.name)
+        consumer = PositionedConsumer(
+            self.settings, self.topic, self.name, login=self._outlet.credential.kafka
+        )
         try:
             consumer.seek(self._position.stored())
             metrics.WAITING.labels(self.name, "broker").set(0)

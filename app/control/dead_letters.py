@@ -61,7 +61,7 @@ def read(
     consumer = bus.make_consumer(settings)
     try:
         parts = bus.partitions(consumer, settings.topic_dead_letters)
-        ends = bus.high_watermarks(settings, parts)
+        ends = bus.end_offsets(consumer, parts)
         consumer.assign(parts)
         consumer.seek_to_beginning(*parts)
         left = {tp for tp in parts if ends[tp] > 0}

@@ -15,10 +15,12 @@ import time
 from collections.abc import Callable, Iterable
 
 from app import secret_files
+from app.bus import KafkaLogin
 from app.config import Settings
 from app.db import credentials as stored
 from app.db.credentials import CredentialRow
 from app.db.engine import transaction
+from app.domain.kafka_access import principal_name
 from app.domain.proof import (
     SCHEDULER_KEY_ID,
     KeyInfo,
@@ -26,6 +28,7 @@ from app.domain.proof import (
     Principal,
     Role,
     derive_secret,
+    kafka_password,
 )
 from app.errors import ConfigError
 from app.sdk.credentials import Credential
@@ -150,6 +153,23 @@ def read_master(settings: Settings) -> bytes:
         ) from exc
 
 
+def kafka_login_for(settings: Settings, row: CredentialRow) -> KafkaLogin:
+    """The Kafka principal of a recorded key, as its holder reaches the brokers: the
+    brokers other hosts reach (and the CA that proves them) where the settings name
+    them, else what the holder's own settings say."""
+    name = principal_name(row.role, row.subject, row.key_id)
+    password = kafka_password(read_master(settings), name)
+    bootstrap = settings.kafka_credential_bootstrap
+    if bootstrap is None:
+        return KafkaLogin(name, password)
+    ca = settings.secrets_dir / "kafka" / "ca.pem"
+    return KafkaLogin(
+        name, password, bootstrap=bootstrap, security_protocol="SASL_SSL",
+        mechanism=settings.kafka_sasl_mechanism,
+        ca_pem=ca.read_text() if ca.exists() else None,
+    )  # fmt: skip
+
+
 def credential_for(settings: Settings, row: CredentialRow) -> Credential:
     """The credential file's content for a recorded key (its holder's copy)."""
     return Credential(
@@ -157,6 +177,7 @@ def credential_for(settings: Settings, row: CredentialRow) -> Credential:
         secret=derive_secret(read_master(settings), row.key_id),
         role=row.role,
         subject=row.subject,
+        kafka=kafka_login_for(settings, row),
     )
 
 

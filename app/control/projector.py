@@ -117,10 +117,7 @@ class Projector:
     ) -> None:
         self.settings = settings
         self.name = name
-        self.consumer = PositionedConsumer(
-            settings, settings.topic_events, name, partitions,
-            fetch_max_wait_ms=settings.background_fetch_max_wait_ms,
-        )  # fmt: skip
+        self.consumer = PositionedConsumer(settings, settings.topic_events, name, partitions)
         self.publisher = Publisher(settings)
         self.keys = Keyring.from_settings(settings)
         self._stop = threading.Event()

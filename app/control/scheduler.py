@@ -22,13 +22,12 @@ import logging
 import signal
 import threading
 import time
-import uuid
 from datetime import timedelta
 
 from kafka.consumer.fetcher import ConsumerRecord
 from sqlalchemy import Connection, text
 
-from app import bus, metrics
+from app import bus, kafka_admin, metrics
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter, key_partition
 from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox
@@ -57,10 +56,6 @@ REBALANCE_S = 1.0
 PROJECTOR = "projector"
 
 
-#: Seconds without a record after which catching up stops short of a stated end.
-CATCH_UP_STALL_S = 10.0
-
-
 class Scheduler:
     """Places sandboxes on nodes and routes requests to them."""
 
@@ -80,20 +75,15 @@ class Scheduler:
         # Every tenant's replies topic exists before its first answer is sent (a send to
         # a missing topic blocks on metadata).
         self._tenants = self.keyring.tenants()
-        #: Node inbox topics known to exist (see _ensure_inboxes), and the incarnation
-        #: of the requests topic they were seen with.
+        #: Node inbox topics known to exist (see _ensure_inboxes).
         self._inboxes: set[str] = set()
-        self._inboxes_seen_with: uuid.UUID | None = None
-        bus.ensure_topics(settings, self._tenants)
+        kafka_admin.ensure_topics(settings, self._tenants, check=False)
         self._topics_checked = time.monotonic()
         self._pruned = time.monotonic()
         self.publisher = bus.Publisher(settings)
         self.tasks = CeleryTaskQueue(settings)
         self._stopping = threading.Event()
-        self.events = PositionedConsumer(
-            settings, settings.topic_events, f"{NAME} (events)",
-            fetch_max_wait_ms=settings.background_fetch_max_wait_ms,
-        )  # fmt: skip
+        self.events = PositionedConsumer(settings, settings.topic_events, f"{NAME} (events)")
         # The projections as of the projector's offsets, then the events after them:
         # nothing the log holds is missed or applied twice, placements of a scheduler
         # that died a moment ago included.
@@ -167,9 +157,7 @@ class Scheduler:
         if out.inbox:
             self._ensure_inboxes({topic for topic, _key, _value in out.inbox})
             for topic, key, value in out.inbox:
-                # Partition 0 by name: the inbox is one partition, but the embedded
-                # broker makes any topic a client asks about, with four partitions,
-                # and after it restarted empty a client may ask before we make it.
+                # The inbox is one partition: the node's commands in the order decided.
                 self.publisher.publish(topic, key, value, partition=0)
             # Acknowledged before the requests' offsets are saved: a crash in between
             # sends them again (the node's claim makes that harmless), never loses one.
@@ -177,23 +165,20 @@ class Scheduler:
 
     @property
     def partition_count(self) -> int:
-        """Partitions of the requests topic (a broker that came back empty may have
-        made it with another number)."""
+        """Partitions of the requests topic, as the broker's metadata has them."""
         return len(self.requests.all_partitions)
 
     def _ensure_inboxes(self, topics: set[str]) -> None:
         """Make nodes' inbox topics that this process has not seen exist yet (a send to
-        a missing topic would block on metadata); a node makes its own on start."""
-        if self.requests.topic_id != self._inboxes_seen_with:
-            # A broker that came back empty (a new requests topic) lost them too.
-            self._inboxes.clear()
-            self._inboxes_seen_with = self.requests.topic_id
+        a missing topic would block on metadata). `dsec node add` makes a node's
+        inbox with its credential; this covers a node added while a scheduler runs."""
         missing = topics - self._inboxes
         if missing:
             prefix = f"{self.settings.topic_prefix}.node."
-            bus.ensure_topics(
-                self.settings, nodes=[t.removeprefix(prefix) for t in missing], platform=False
-            )
+            kafka_admin.ensure_topics(
+                self.settings, nodes=[t.removeprefix(prefix) for t in missing],
+                platform=False, check=False,
+            )  # fmt: skip
             self._inboxes |= missing
 
     def run_once(self) -> None:
@@ -312,28 +297,13 @@ class Scheduler:
 
     def _catch_up(self) -> None:
         """Follow ``dsec.events`` up to its end as of now."""
-        ends = bus.high_watermarks(self.settings, self.events.partitions)
+        ends = self.events.ends()
         out = Outbox()
-        progressed = time.monotonic()
         while not self._stopping.is_set() and any(
-            self.events.position(tp.partition) < end for tp, end in ends.items()
+            self.events.position(partition) < end for partition, end in ends.items()
         ):
-            records = self.events.poll(timeout_ms=100, max_records=2000)
-            for record in records:
+            for record in self.events.poll(timeout_ms=100, max_records=2000):
                 self.dispatcher.observe(out, record)
-            if records:
-                progressed = time.monotonic()
-            elif time.monotonic() - progressed > CATCH_UP_STALL_S:
-                # An end no fetch reaches: the embedded broker, after a restart, can
-                # count a record it never serves (docs/guarantees.md). Serving beats
-                # waiting for it; what comes after it is read as it arrives.
-                short = {
-                    tp.partition: end - self.events.position(tp.partition)
-                    for tp, end in ends.items()
-                    if self.events.position(tp.partition) < end
-                }
-                log.warning("catching up on events: stalled short of the end %s", short)
-                break
         self._flush(out)
 
     def _learn_ended(self, records: list[ConsumerRecord]) -> None:
@@ -362,11 +332,10 @@ class Scheduler:
             self._topics_checked = now
             tenants = self.keyring.tenants()
             if tenants - self._tenants:
-                bus.ensure_topics(self.settings, tenants)
+                kafka_admin.ensure_topics(self.settings, tenants, platform=False, check=False)
                 self._tenants = tenants
 
     def _poll_events(self) -> list[ConsumerRecord]:
-        # A broker that came back empty: the consumer reads the new topic from its start.
         return self.events.poll(timeout_ms=0, max_records=2000)
 
     def run(self) -> None:

@@ -1,9 +1,12 @@
 """Credentials as an operator manages them: tenants, operators and nodes.
 
 Issuing a credential records its key id and owner in Postgres (as the owner role: the
-services' role may only read them) and writes the holder's copy (key id and key,
-derived from the master key) to a root-only file; a tenant's replies topic is made
-with it. Revoking takes effect within the keyring's refresh (app/control/keyring.py).
+services' role may only read them), makes its Kafka principal with the ACLs of its
+role (app/domain/kafka_access.py), and writes the holder's copy (key id, key and
+Kafka password, all derived from the master key) to a root-only file; a tenant's
+replies topic and a node's inbox are made with it. Revoking removes the principal at
+once (the broker refuses its next request) and the key within the keyring's refresh
+(app/control/keyring.py).
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from app import bus
+from app import kafka_admin
 from app.config import Settings
-from app.control.keyring import credential_for
+from app.control.keyring import credential_for, kafka_login_for
 from app.db import credentials as stored
 from app.db.credentials import CredentialRow
 from app.db.engine import transaction
+from app.domain.kafka_access import key_grants
 from app.domain.proof import SUBJECT, Role
 from app.errors import ConfigError
 from app.sdk import credentials
@@ -55,10 +59,48 @@ def issue(
         if any(r.role != role and r.revoked_at is None for r in existing):
             raise ConfigError(f"{subject!r} already holds live credentials of another role")
         row = stored.issue(conn, role, subject, label)
+    _topics(settings, row)
+    enable(settings, [row])
     path = credentials.save(credential_for(settings, row), out or _file_for(settings, row))
-    if role in (Role.TENANT, Role.OPERATOR):
-        bus.ensure_topics(settings, [subject])
     return Issued(row, path)
+
+
+def _topics(settings: Settings, row: CredentialRow) -> None:
+    """A tenant's replies topic, a node's inbox."""
+    if row.role in (Role.TENANT, Role.OPERATOR):
+        kafka_admin.ensure_topics(settings, [row.subject], platform=False)
+    elif row.role == Role.NODE:
+        kafka_admin.ensure_topics(settings, nodes=[row.subject], platform=False)
+
+
+def enable(settings: Settings, rows: list[CredentialRow]) -> None:
+    """Make the Kafka principals of ``rows`` (keys) with the ACLs of their roles."""
+    logins = [kafka_login_for(settings, row) for row in rows]
+    kafka_admin.set_principals(settings, [(login.username, login.password) for login in logins])
+    kafka_admin.grant(
+        settings,
+        [
+            grant
+            for row, login in zip(rows, logins, strict=True)
+            for grant in key_grants(settings.topic_prefix, row.role, row.subject, login.username)
+        ],
+    )
+
+
+def disable(settings: Settings, rows: list[CredentialRow]) -> None:
+    """Remove the Kafka principals of ``rows`` and their ACLs."""
+    kafka_admin.remove_principals(settings, [kafka_login_for(settings, r).username for r in rows])
+
+
+def sync_kafka(settings: Settings) -> None:
+    """Make the broker's principals match the credentials: every live key's principal
+    with its ACLs, none for a revoked key (`dsec up` runs it: a broker formatted
+    anew, or one that missed a revocation, is put right)."""
+    rows = listing(settings)
+    enable(settings, [r for r in rows if r.revoked_at is None])
+    known = kafka_admin.principals(settings)
+    revoked = [r for r in rows if r.revoked_at is not None]
+    disable(settings, [r for r in revoked if kafka_login_for(settings, r).username in known])
 
 
 def ensure(settings: Settings, role: Role, subject: str) -> Issued | None:
@@ -73,10 +115,10 @@ def ensure(settings: Settings, role: Role, subject: str) -> Issued | None:
             held = credentials.load(path)
         except ConfigError:
             held = None
-        if held is None or held.key_id != row.key_id:
-            credentials.save(credential_for(settings, row), path)
-        if role in (Role.TENANT, Role.OPERATOR):
-            bus.ensure_topics(settings, [subject])
+        wanted = credential_for(settings, row)
+        if held != wanted:
+            credentials.save(wanted, path)
+        _topics(settings, row)
         return None
     return issue(settings, role, subject, "made by dsec up")
 
@@ -100,7 +142,8 @@ def rotate(
     issued = issue(settings, live[-1].role, subject, "rotated", out)
     if revoke_old:
         with transaction(settings.admin_database_url) as conn:
-            stored.revoke(conn, subject=subject, keep=issued.row.key_id)
+            gone = stored.revoke(conn, subject=subject, keep=issued.row.key_id)
+        disable(settings, gone)
     return issued
 
 
@@ -108,8 +151,11 @@ def revoke(settings: Settings, target: str) -> list[CredentialRow]:
     """Revoke one key (by id) or every key of a tenant or node (by name)."""
     with transaction(settings.admin_database_url) as conn:
         if target.startswith("k-"):
-            return stored.revoke(conn, key_id=target)
-        return stored.revoke(conn, subject=target)
+            gone = stored.revoke(conn, key_id=target)
+        else:
+            gone = stored.revoke(conn, subject=target)
+    disable(settings, gone)
+    return gone
 
 
 def listing(settings: Settings, role: Role | None = None) -> list[CredentialRow]:

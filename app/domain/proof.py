@@ -123,6 +123,13 @@ def derive_secret(master: bytes, key_id: str) -> bytes:
     return hmac.digest(master, b"dsec-key-v1\x00" + key_id.encode(), "sha256")
 
 
+def kafka_password(master: bytes, principal: str) -> str:
+    """A Kafka principal's SASL password: hex of HMAC-SHA256(master, "dsec-kafka-v1"
+    NUL principal). Derived like the keys, so the broker's credentials can be made
+    again from the master key and nothing stores them."""
+    return hmac.digest(master, b"dsec-kafka-v1\x00" + principal.encode(), "sha256").hex()
+
+
 def reply_key(secret: bytes, request_id: uuid.UUID) -> bytes:
     """The key replies to one request are proven with:
     HMAC-SHA256(requester's key, "dsec-reply-v1" NUL request id as canonical text)."""

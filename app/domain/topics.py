@@ -1,5 +1,5 @@
 """Which topics the platform needs and how each is made: partitions, replication and
-the topic settings a Kafka deployment expects. Pure: ``app.bus`` creates them, or
+the topic settings a Kafka deployment expects. Pure: ``app.kafka_admin`` creates them, or
 checks the ones an operator made beforehand against this plan.
 """
 
@@ -33,7 +33,7 @@ class TopicSpec:
 
 @dataclass(frozen=True)
 class TopicRules:
-    """The settings the plan reads (from ``Settings``, see :func:`app.bus.topic_rules`)."""
+    """The settings the plan reads (from ``Settings``, see :func:`app.kafka_admin.topic_rules`)."""
 
     prefix: str
     partitions: int
@@ -43,9 +43,6 @@ class TopicRules:
     retention_ms: Mapping[TopicRole, int]
     #: max.message.bytes per role (a record's largest size, with Kafka's overhead).
     max_message_bytes: Mapping[TopicRole, int]
-    #: The embedded broker: every topic with its fixed partitions, no topic settings
-    #: (it keeps none), replication 1.
-    embedded_partitions: int | None = None
 
 
 def plan(
@@ -72,8 +69,6 @@ def plan(
 
 
 def _spec(rules: TopicRules, name: str, role: TopicRole, partitions: int) -> TopicSpec:
-    if rules.embedded_partitions is not None:
-        return TopicSpec(name, role, rules.embedded_partitions, 1)
     configs = {
         "retention.ms": str(rules.retention_ms[role]),
         "max.message.bytes": str(rules.max_message_bytes[role]),

@@ -108,8 +108,9 @@ class Client:
         self.credential = credential or credentials.for_client(self.settings, tenant)
         self.tenant, self.job_id = self.credential.subject, job_id
         self.timeout_s = timeout_s
-        self._publisher = bus.Publisher(self.settings)
-        self._consumer = bus.make_consumer(self.settings, auto_offset_reset="latest")
+        login = self.credential.kafka
+        self._publisher = bus.Publisher(self.settings, login=login)
+        self._consumer = bus.make_consumer(self.settings, login=login, auto_offset_reset="latest")
         topic = self.settings.replies_topic(self.tenant)
         try:
             tp = self._follow(topic)

@@ -1,6 +1,7 @@
-"""A credential as its holder keeps it: a key id and its secret, in a file only its
-owner reads. Trainers (the SDK), nodes and the CLI load theirs from here; nothing in
-this module talks to the platform's stores.
+"""A credential as its holder keeps it: a key id and its secret, and the Kafka
+principal that goes with it, in a file only its owner reads. Trainers (the SDK),
+nodes and the CLI load theirs from here; nothing in this module talks to the
+platform's stores.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.bus import KafkaLogin
 from app.config import Settings
 from app.domain.proof import KEY_ID, SUBJECT, Role
 from app.errors import ConfigError, ConfigReason
@@ -24,18 +26,20 @@ class Credential:
     role: Role
     #: The tenant (or node id) it belongs to.
     subject: str
+    #: Its Kafka principal (None: the process's settings say how to reach Kafka).
+    kafka: KafkaLogin | None = None
 
     def to_json(self) -> str:
         """The file's content."""
-        return json.dumps(
-            {
-                "key_id": self.key_id,
-                "secret": self.secret.hex(),
-                "role": self.role.value,
-                "subject": self.subject,
-            },
-            indent=2,
-        )
+        doc: dict[str, object] = {
+            "key_id": self.key_id,
+            "secret": self.secret.hex(),
+            "role": self.role.value,
+            "subject": self.subject,
+        }
+        if self.kafka is not None:
+            doc["kafka"] = self.kafka.to_json()
+        return json.dumps(doc, indent=2)
 
     @classmethod
     def from_json(cls, text: str, source: str = "credential") -> Credential:
@@ -47,6 +51,7 @@ class Credential:
                 secret=bytes.fromhex(str(raw["secret"])),
                 role=Role(raw["role"]),
                 subject=str(raw["subject"]),
+                kafka=KafkaLogin.from_json(raw["kafka"]) if raw.get("kafka") else None,
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(

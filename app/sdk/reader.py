@@ -15,7 +15,6 @@ from concurrent.futures import Future
 
 from kafka import KafkaConsumer, TopicPartition
 
-from app import bus
 from app.domain import proof
 from app.domain.codec import DecodeError, decode_reply
 from app.domain.replies import (
@@ -40,7 +39,6 @@ class ReplyReader:
     ) -> None:
         self._consumer = consumer
         self._partition = partition
-        self._incarnation = bus.Incarnation(consumer, partition.topic)
         self._secret = secret
         self._max_bytes = max_bytes
         #: Replies dropped because their proof did not hold (forged or altered).
@@ -86,8 +84,6 @@ class ReplyReader:
 
     def _read(self) -> None:
         while not self._closed.is_set():
-            if self._incarnation.changed():  # the broker came back empty: a new topic
-                self._consumer.seek_to_beginning(self._partition)
             for records in self._consumer.poll(timeout_ms=100).values():
                 for record in records:
                     self._take(record.value or b"", record.headers)

@@ -17,9 +17,10 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from app import taskqueue
+from app import kafka_admin, taskqueue
 from app.config import Settings
 from app.errors import ServiceUnavailable, first_line
+from app.stack import broker
 from app.stack import services as stack
 
 #: The services of the embedded stack that are not a control host's: an operator's.
@@ -60,7 +61,7 @@ def prepare(
     schema at head, the master key, Flower's password, the operator's credential, the
     topics, and a credential for each of ``nodes`` (copied into ``node_credentials``,
     one ``<id>.json`` each, where given)."""
-    from app import bus, secret_files
+    from app import secret_files
     from app.control import tenants
     from app.db.setup import migrate
     from app.domain.proof import Role
@@ -78,8 +79,11 @@ def prepare(
             held = credentials.load(credentials.node_file(settings, node))
             out = credentials.save(held, node_credentials / f"{node}.json")
             log(f"node {node}: credential in {out}")
-    findings = bus.ensure_topics(settings, tenants.reply_subjects(settings))
+    findings = kafka_admin.ensure_topics(settings, tenants.reply_subjects(settings), nodes)
     log(f"kafka: topics ready at {settings.kafka_bootstrap}" + (" (see the log)" * bool(findings)))
+    broker.ensure_service_principals(settings)
+    tenants.sync_kafka(settings)
+    log("kafka: principals and ACLs of the control plane, the operators, tenants and nodes")
 
 
 def up(settings: Settings, schedulers: int, log: Callable[[str], None]) -> None:

@@ -30,9 +30,13 @@ def check(settings: Settings, node_id: str) -> Path:
             f"no credential for node {node_id} at {path}: make one on a control host with"
             f" `dsec node add {node_id} --out FILE` and set DSEC_NODE_CREDENTIAL_FILE"
         )
-    credentials.load(path)
-    # Its inbox topic (and the check that Kafka answers, with the platform's settings).
-    bus.ensure_topics(settings, nodes=[node_id], platform=False)
+    credential = credentials.load(path)
+    # Kafka answers the node's principal, and its inbox (made by `dsec node add`) exists.
+    consumer = bus.make_consumer(settings, login=credential.kafka)
+    try:
+        bus.partitions(consumer, settings.node_topic(node_id))
+    finally:
+        consumer.close()
     taskqueue.check_broker(settings)
     return path
 

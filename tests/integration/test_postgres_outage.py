@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from app import bus
+from app import bus, kafka_admin
 from app.config import Settings
 from app.control import tenants
 from app.control.keyring import Keyring
@@ -60,11 +60,11 @@ def settings_for(cluster: Cluster, stack: Settings) -> Iterator[Settings]:
         }
     )
     migrate(settings)
-    bus.ensure_topics(settings)
+    kafka_admin.ensure_topics(settings)
     try:
         yield settings
     finally:
-        bus.drop_topics(settings)
+        kafka_admin.drop_topics(settings)
         engine_for(settings.database_url).dispose()
         engine_for(settings.admin_database_url).dispose()
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from kafka.admin import NewTopic
 
-from app import bus
+from app import kafka_admin
 from app.config import Settings
 
 pytestmark = pytest.mark.integration
@@ -23,11 +23,11 @@ def kafka_like(stack: Settings) -> Iterator[Settings]:
         update={"topic_prefix": f"plan-{uuid.uuid4().hex[:8]}", "embedded_broker": False}
     )
     yield ours
-    bus.drop_topics(ours)
+    kafka_admin.drop_topics(ours)
 
 
 def _partitions(settings: Settings) -> dict[str, int]:
-    admin = bus._admin(settings)
+    admin = kafka_admin.admin_client(settings)
     try:
         mine = [t for t in admin.list_topics() if t.startswith(f"{settings.topic_prefix}.")]
         return {t["name"]: len(t["partitions"]) for t in admin.describe_topics(mine)}
@@ -38,13 +38,13 @@ def _partitions(settings: Settings) -> dict[str, int]:
 def test_topics_are_made_as_planned_and_pre_made_ones_are_checked(kafka_like: Settings) -> None:
     prefix = kafka_like.topic_prefix
     # Given a replies topic an operator made beforehand, with too few partitions
-    admin = bus._admin(kafka_like)
+    admin = kafka_admin.admin_client(kafka_like)
     try:
         admin.create_topics([NewTopic(f"{prefix}.replies.alice", 2, 1)])
     finally:
         admin.close()
     # When the platform makes its topics
-    found = bus.ensure_topics(kafka_like, ["alice", "bob"], ["node0"])
+    found = kafka_admin.ensure_topics(kafka_like, ["alice", "bob"], ["node0"])
     # Then the missing ones are made with their planned partitions
     assert _partitions(kafka_like) == {
         f"{prefix}.requests": kafka_like.topic_partitions,
@@ -57,4 +57,4 @@ def test_topics_are_made_as_planned_and_pre_made_ones_are_checked(kafka_like: Se
     # and the pre-made one is reported, not silently used as if it were right
     assert found == [f"{prefix}.replies.alice: 2 partitions, {kafka_like.reply_partitions} wanted"]
     # And a second look finds nothing new to make, and the same shortfall
-    assert bus.ensure_topics(kafka_like, ["alice", "bob"], ["node0"]) == found
+    assert kafka_admin.ensure_topics(kafka_like, ["alice", "bob"], ["node0"]) == found

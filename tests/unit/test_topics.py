@@ -35,13 +35,6 @@ def test_apache_kafka_gets_replicated_topics_with_their_settings() -> None:
     assert all(t.configs["cleanup.policy"] == "delete" for t in topics.values())
 
 
-def test_the_embedded_broker_gets_its_own_partition_count_and_no_settings() -> None:
-    rules = TopicRules(**{**RULES.__dict__, "embedded_partitions": 4})
-    topics = plan(rules, ["alice"], ["node0"])
-    assert {(t.partitions, t.replication) for t in topics.values()} == {(4, 1)}
-    assert all(not t.configs for t in topics.values())
-
-
 def test_only_the_asked_topics_are_planned() -> None:
     assert set(plan(RULES, nodes=["n1"], platform=False)) == {"dsec.node.n1"}
 
