@@ -262,3 +262,17 @@ def grant(settings: Settings, grants: Iterable[Grant]) -> None:
         admin.close()
     if result.get("failed"):
         raise ServiceUnavailable(f"Kafka refused ACLs: {result['failed']}")
+
+
+def ungrant(settings: Settings, grants: Iterable[Grant]) -> None:
+    """Remove exactly these ACLs (a test's or a benchmark's topic prefix, done with)."""
+    filters = [_acl(g) for g in sorted(set(grants))]
+    if not filters:
+        return
+    admin = admin_client(settings)
+    try:
+        admin.delete_acls(filters)
+    except KafkaError as exc:
+        raise ServiceUnavailable(f"Kafka: removing ACLs: {exc}") from exc
+    finally:
+        admin.close()

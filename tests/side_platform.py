@@ -66,23 +66,23 @@ def side_platform(
     node: str,
     state: Path,
     *,
-    kafka: str | None = None,
+    kafka: Settings | None = None,
     projector: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[Settings]:
     """Run a scheduler and node ``node``'s worker (and a projector) with ``state`` as
     their state directory and a topic prefix of their own; yields their settings, on
-    which an SDK client reaches them. ``env`` adds settings of the test's."""
-    settings = stack.model_copy(
-        update={
-            "state_dir": state,
-            "topic_prefix": f"side{uuid.uuid4().hex[:6]}",
-            "kafka_bootstrap": kafka or stack.kafka_bootstrap,
-        }
+    which an SDK client reaches them. ``kafka``: the settings of another broker's
+    (app/stack/local_cluster.py). ``env`` adds settings of the test's."""
+    settings = (kafka or stack).model_copy(
+        update={"state_dir": state, "topic_prefix": f"side{uuid.uuid4().hex[:6]}"}
     )
     ensure_tenant(stack, "tests")
-    kafka_admin.ensure_topics(settings, ["tests"], [node])
     tenants.ensure(stack, Role.NODE, node)
+    kafka_admin.ensure_topics(settings, ["tests"], [node])
+    # The trainer's and the node's principals may use the topics of this prefix.
+    keys = tenants.live_keys(stack, ["tests", node])
+    tenants.enable(settings, keys)
     # The stack's agent binary, as a node host is given a release's.
     ensure_agent_dir(state / "agent", prebuilt=stack.state_dir / "agent" / AGENT_BINARY)
     full = {
@@ -90,6 +90,8 @@ def side_platform(
         "DSEC_STATE_DIR": str(state),
         "DSEC_TOPIC_PREFIX": settings.topic_prefix,
         "DSEC_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "DSEC_KAFKA_SECURITY_PROTOCOL": settings.kafka_security_protocol,
+        "DSEC_KAFKA_REPLICATION_FACTOR": str(settings.kafka_replication_factor),
         "DSEC_DATABASE_URL": stack.database_url,
         "DSEC_ADMIN_DATABASE_URL": stack.admin_database_url,
         "DSEC_CELERY_BROKER_URL": stack.celery_broker_url,
@@ -110,3 +112,4 @@ def side_platform(
     finally:
         subprocess.run(["pkill", "-KILL", "-u", user_name(node)], capture_output=True)
         kafka_admin.drop_topics(settings)
+        kafka_admin.ungrant(settings, tenants.grants_of(settings, keys))

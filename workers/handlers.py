@@ -77,7 +77,7 @@ class Node:
         self.outlet = Outlet(settings, credential)
         store = connect(settings.celery_broker_url)
         self.steps = StepGuard(store)
-        self.claims = Claims(store, node_id)
+        self.claims = Claims(store, node_id, credential.secret)
         self.sandbox_root = settings.state_dir / "nodes" / node_id / "sandboxes"
         self.agent_dir = settings.state_dir / "agent"
         # Sandboxes being created or destroyed right now: the reconciler leaves them

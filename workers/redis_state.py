@@ -40,6 +40,7 @@ from typing import Any, ParamSpec, TypeVar
 import redis
 from pydantic import ValidationError
 
+from app.domain.node_tasks import open_secret, seal_secret
 from app.domain.records import StoredOffset
 from app.domain.requests import Exec
 from app.domain.trajectory import RecordedStep
@@ -93,9 +94,11 @@ def _translated(call: Callable[P, T]) -> Callable[P, T]:
 class Claims:
     """A node's exec claims, its commands in flight and the tasks it is doing."""
 
-    def __init__(self, client: redis.Redis, node_id: str) -> None:
+    def __init__(self, client: redis.Redis, node_id: str, secret: bytes) -> None:
         self._redis = client
         self._node_id = node_id
+        # Reply keys are kept sealed for this node: Redis is shared by every node.
+        self._secret = secret
         self._in_flight = f"dsec:inflight:{node_id}"
         self._tasks = f"dsec:inflight-tasks:{node_id}"
         self._claim: Any = client.register_script(_CLAIM)
@@ -104,7 +107,8 @@ class Claims:
     def claim(self, request: Exec, reply_key: bytes | None) -> bool:
         """True the first time ``request``'s id is seen; it is then in flight here
         until :meth:`answered`."""
-        record = {"request": request.model_dump_json(), "reply_key": (reply_key or b"").hex()}
+        sealed = seal_secret(self._secret, reply_key) if reply_key else ""
+        record = {"request": request.model_dump_json(), "reply_key_sealed": sealed}
         claimed = self._claim(
             keys=[f"dsec:done:{request.request_id}", self._in_flight],
             args=[self._node_id, DEDUPE_TTL_S, str(request.request_id), json.dumps(record)],
@@ -138,7 +142,7 @@ class Claims:
             self._in_flight,
             lambda r: (
                 Exec.model_validate_json(r["request"]),
-                bytes.fromhex(r["reply_key"]) or None,
+                open_secret(self._secret, r["reply_key_sealed"]) if r["reply_key_sealed"] else None,
             ),
             "in-flight command",
         )

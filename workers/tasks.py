@@ -23,7 +23,7 @@ from app.domain.base import FailReason, derived_id
 from app.domain.codec import DeadLetterReason, encode, peek
 from app.domain.dead_letter import DeadLetter
 from app.domain.events import FailedPayload, SandboxFailed
-from app.domain.node_tasks import VIA_INBOX, NodeTask, TaskEnvelope, unseal
+from app.domain.node_tasks import VIA_INBOX, NodeTask, Opened, unseal
 from app.domain.replies import ErrorReply
 from app.domain.requests import (
     CreateSandbox,
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=BaseModel)
 
 
-def _refuse(task: NodeTask, body: str, exc: ValidationError, envelope: TaskEnvelope) -> None:
+def _refuse(task: NodeTask, body: str, exc: ValidationError, opened: Opened) -> None:
     """Say why a task could not be read, so nobody waits for it forever.
 
     The scheduler only sends what it validated, so this is version skew between the
@@ -87,17 +87,17 @@ def _refuse(task: NodeTask, body: str, exc: ValidationError, envelope: TaskEnvel
         reason=FailReason.INCOMPATIBLE.value,
         detail=detail[:1000],
     )
-    key = bytes.fromhex(envelope.reply_key) if envelope.reply_key else None
-    with node.outlet.answering(request_id, key):
+    with node.outlet.answering(request_id, opened.reply_key):
         node.outlet.reply(reply_to, reply)
 
 
-def _unsealed(task: NodeTask, args: tuple[str, ...]) -> TaskEnvelope | None:
-    """The task's envelope if the scheduler sealed it for this node; else refuse it."""
+def _unsealed(task: NodeTask, args: tuple[str, ...]) -> Opened | None:
+    """The task if the scheduler sealed it, as this task, for this node; else refuse
+    it (and answer nobody: what is not proven cannot settle a trainer's request)."""
     node = runtime.node()
     cred = node.credential
-    opened = unseal(list(args), cred.key_id, cred.secret)
-    if isinstance(opened, TaskEnvelope):
+    opened = unseal(task, list(args), cred.key_id, cred.secret)
+    if isinstance(opened, Opened):
         return opened
     log.error("refusing a %s task: %s", task.value, opened)
     metrics.TASKS.labels(task.value, "unproven").inc()
@@ -124,19 +124,18 @@ def _run(
     task: NodeTask,
     model: type[R],
     args: tuple[str, ...],
-    handler: Callable[[R, TaskEnvelope], None],
+    handler: Callable[[R, Opened], None],
 ) -> None:
-    envelope = _unsealed(task, args)
-    if envelope is None:
+    opened = _unsealed(task, args)
+    if opened is None:
         return
-    body = envelope.request
+    body = opened.envelope.request
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:
-        _refuse(task, body, exc, envelope)
+        _refuse(task, body, exc, opened)
         return
     request_id: uuid.UUID = request.request_id  # type: ignore[attr-defined]
-    key = bytes.fromhex(envelope.reply_key) if envelope.reply_key else None
     node = runtime.node()
     # Lifecycle and file tasks are idempotent: one cut short by the worker's death is
     # done again by the next worker (redo_interrupted), not left to Celery's
@@ -145,8 +144,8 @@ def _run(
     try:
         if held:
             node.claims.hold(request_id, task.value, list(args))
-        with node.outlet.answering(request_id, key):
-            handler(request, envelope)
+        with node.outlet.answering(request_id, opened.reply_key):
+            handler(request, opened)
     except Exception:
         log.exception("%s failed", task)
         metrics.TASKS.labels(task.value, "error").inc()
@@ -157,9 +156,9 @@ def _run(
     metrics.TASKS.labels(task.value, "ok").inc()
 
 
-def _start_command(request: Exec, envelope: TaskEnvelope) -> None:
+def _start_command(request: Exec, opened: Opened) -> None:
     node = runtime.node()
-    key = bytes.fromhex(envelope.reply_key) if envelope.reply_key else None
+    key = opened.reply_key
     job = node.admit_exec(request, key)
     if job is not None:
         node.commands.submit(
@@ -168,8 +167,11 @@ def _start_command(request: Exec, envelope: TaskEnvelope) -> None:
 
 
 #: Each task: what its request validates as, and what the node does with it.
-_WORK: dict[NodeTask, tuple[type[BaseModel], Callable[[Any, TaskEnvelope], None]]] = {
-    NodeTask.CREATE: (CreateSandbox, lambda r, e: runtime.node().create(r, e.restore or [])),
+_WORK: dict[NodeTask, tuple[type[BaseModel], Callable[[Any, Opened], None]]] = {
+    NodeTask.CREATE: (
+        CreateSandbox,
+        lambda r, o: runtime.node().create(r, o.envelope.restore or []),
+    ),
     NodeTask.EXEC: (Exec, _start_command),
     NodeTask.KILL_COMMAND: (KillCommand, lambda r, _e: runtime.node().kill_command(r)),
     NodeTask.WRITE_FILE: (WriteFile, lambda r, _e: runtime.node().write_file(r)),

@@ -17,7 +17,14 @@ from app.domain.base import RejectReason, derived_id
 from app.domain.codec import DecodeError, encode
 from app.domain.events import EventBase, RejectedPayload, SandboxRejected
 from app.domain.gate import Admitted, Refusal, Sender
-from app.domain.node_tasks import TASK_FOR_REQUEST, VIA_INBOX, TaskEnvelope, inbox_record, seal
+from app.domain.node_tasks import (
+    TASK_FOR_REQUEST,
+    VIA_INBOX,
+    TaskEnvelope,
+    inbox_record,
+    seal,
+    seal_secret,
+)
 from app.domain.placement import NodeView
 from app.domain.proof import KeyLookup, Role
 from app.domain.records import Record
@@ -105,13 +112,14 @@ class Courier:
             log.error("scheduler: no live key for node %s: cannot hand it %s", node.node_id,
                       request.type)  # fmt: skip
             return
+        reply_key = sender.reply_key(request.request_id) if sender is not None else None
         envelope = TaskEnvelope(
             request=request.model_dump_json(),
-            reply_key=sender.reply_key_hex(request.request_id) if sender is not None else None,
+            reply_key_sealed=seal_secret(info.secret, reply_key) if reply_key else None,
             restore=restore,
         )
-        args = seal(envelope, info.principal.key_id, info.secret)
         task = TASK_FOR_REQUEST[request.type]
+        args = seal(task, envelope, info.principal.key_id, info.secret)
         if task in VIA_INBOX:
             topic = self._settings.node_topic(node.node_id)
             out.inbox.append((topic, request.sandbox_id, inbox_record(task, args)))

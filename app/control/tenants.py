@@ -20,7 +20,7 @@ from app.control.keyring import credential_for, kafka_login_for
 from app.db import credentials as stored
 from app.db.credentials import CredentialRow
 from app.db.engine import transaction
-from app.domain.kafka_access import key_grants
+from app.domain.kafka_access import Grant, key_grants
 from app.domain.proof import SUBJECT, Role
 from app.errors import ConfigError
 from app.sdk import credentials
@@ -73,18 +73,27 @@ def _topics(settings: Settings, row: CredentialRow) -> None:
         kafka_admin.ensure_topics(settings, nodes=[row.subject], platform=False)
 
 
+def grants_of(settings: Settings, rows: list[CredentialRow]) -> list[Grant]:
+    """The ACLs of ``rows``' principals for the settings' topic prefix."""
+    return [
+        grant
+        for row in rows
+        for grant in key_grants(
+            settings.topic_prefix, row.role, row.subject, kafka_login_for(settings, row).username
+        )
+    ]
+
+
+def live_keys(settings: Settings, subjects: list[str]) -> list[CredentialRow]:
+    """The live keys of ``subjects``."""
+    return [r for r in listing(settings) if r.subject in subjects and r.revoked_at is None]
+
+
 def enable(settings: Settings, rows: list[CredentialRow]) -> None:
     """Make the Kafka principals of ``rows`` (keys) with the ACLs of their roles."""
     logins = [kafka_login_for(settings, row) for row in rows]
     kafka_admin.set_principals(settings, [(login.username, login.password) for login in logins])
-    kafka_admin.grant(
-        settings,
-        [
-            grant
-            for row, login in zip(rows, logins, strict=True)
-            for grant in key_grants(settings.topic_prefix, row.role, row.subject, login.username)
-        ],
-    )
+    kafka_admin.grant(settings, grants_of(settings, rows))
 
 
 def disable(settings: Settings, rows: list[CredentialRow]) -> None:

@@ -42,9 +42,9 @@ class Sender:
         """The proof a reply to ``request_id`` carries (see proof.reply_key)."""
         return headers(Purpose.REPLY, None, reply_key(self.secret, request_id), value)
 
-    def reply_key_hex(self, request_id: uuid.UUID) -> str:
-        """The reply key handed to the node that answers ``request_id``."""
-        return reply_key(self.secret, request_id).hex()
+    def reply_key(self, request_id: uuid.UUID) -> bytes:
+        """The reply key handed (sealed) to the node that answers ``request_id``."""
+        return reply_key(self.secret, request_id)
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,24 @@ inbox's share (:data:`VIA_INBOX`).
 
 A task's arguments are a :class:`TaskEnvelope` (the request's own JSON, which the node
 validates again, and what the node needs to answer it), the id of the node key it is
-proven with, and the proof.
+proven with, and the proof. The proof covers the task's name with the envelope, so a
+sealed task sent again under another name is refused; the reply key inside is
+encrypted for the node (AES-256-GCM under a key derived from the node's), so whoever
+reads Redis or the inbox topic learns nothing it could answer a trainer with.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
+import os
+from dataclasses import dataclass
 from enum import StrEnum
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import Field
 
 from app.domain.base import Message
@@ -76,30 +86,75 @@ class TaskEnvelope(Message):
     """What the scheduler hands a node with a request."""
 
     request: str = Field(description="The request's JSON, its tenant and actor set.")
-    reply_key: str | None = Field(
-        None, description="Hex key the node proves its replies with (None: nobody waits)."
+    reply_key_sealed: str | None = Field(
+        None,
+        description=(
+            "The key the node proves its replies with, encrypted for the node"
+            " (:func:`seal_secret`; None: nobody waits)."
+        ),
     )
     restore: list[str | list[str]] | None = Field(
         None, description="A trajectory's commands to replay into a new sandbox first."
     )
 
 
-def seal(envelope: TaskEnvelope, key_id: str, secret: bytes) -> list[str]:
-    """A task's arguments: the envelope, the node key's id, and the proof."""
+def _cipher(secret: bytes) -> AESGCM:
+    """The node's sealing key: HMAC-SHA256(node key, "dsec-seal-v1")."""
+    return AESGCM(hmac.digest(secret, b"dsec-seal-v1", hashlib.sha256))
+
+
+def seal_secret(secret: bytes, plain: bytes) -> str:
+    """``plain`` encrypted for the holder of the node key ``secret``: base64 of a
+    random 12-byte nonce and the AES-256-GCM ciphertext with its tag."""
+    nonce = os.urandom(12)
+    return base64.b64encode(nonce + _cipher(secret).encrypt(nonce, plain, None)).decode()
+
+
+def open_secret(secret: bytes, sealed: str) -> bytes | None:
+    """What :func:`seal_secret` sealed for this node key; None if it was not."""
+    try:
+        raw = base64.b64decode(sealed, validate=True)
+        return _cipher(secret).decrypt(raw[:12], raw[12:], None)
+    except (ValueError, InvalidTag):
+        return None
+
+
+def _signed(task: NodeTask, body: str) -> bytes:
+    return task.value.encode() + b"\n" + body.encode()
+
+
+def seal(task: NodeTask, envelope: TaskEnvelope, key_id: str, secret: bytes) -> list[str]:
+    """A task's arguments: the envelope, the node key's id, and the proof of both the
+    task's name and the envelope."""
     body = envelope.model_dump_json()
-    return [body, key_id, mac(secret, Purpose.TASK, body.encode())]
+    return [body, key_id, mac(secret, Purpose.TASK, _signed(task, body))]
 
 
-def unseal(args: list[str], key_id: str, secret: bytes) -> TaskEnvelope | str:
-    """The envelope if the proof holds under this node's key; else why not."""
+@dataclass(frozen=True)
+class Opened:
+    """A task the scheduler sealed for this node: its envelope and the reply key."""
+
+    envelope: TaskEnvelope
+    reply_key: bytes | None
+
+
+def unseal(task: NodeTask, args: list[str], key_id: str, secret: bytes) -> Opened | str:
+    """The envelope and its reply key if the proof holds for ``task`` under this
+    node's key; else why not."""
     if len(args) != 3 or not all(isinstance(a, str) for a in args):
         return "not a sealed task (expected [envelope, key id, proof])"
     body, their_key, proof = args
     if their_key != key_id:
         return f"proven for key {their_key[:40]!r}, this node holds {key_id}"
-    if not check_mac(secret, Purpose.TASK, body.encode(), proof):
-        return "the task does not match its proof"
+    if not check_mac(secret, Purpose.TASK, _signed(task, body), proof):
+        return f"the task does not match its proof as {task.value}"
     try:
-        return TaskEnvelope.model_validate(json.loads(body))
+        envelope = TaskEnvelope.model_validate(json.loads(body))
     except (ValueError, RecursionError) as exc:
         return f"unreadable envelope: {str(exc)[:200]}"
+    if envelope.reply_key_sealed is None:
+        return Opened(envelope, None)
+    key = open_secret(secret, envelope.reply_key_sealed)
+    if key is None:
+        return "the reply key is not sealed for this node"
+    return Opened(envelope, key)

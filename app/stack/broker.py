@@ -12,6 +12,7 @@ ports after its own: TLS clients, broker to broker, the controller.
 
 from __future__ import annotations
 
+import base64
 import subprocess
 import uuid
 from pathlib import Path
@@ -85,12 +86,13 @@ def broker_password(settings: Settings) -> str:
     return secret_files.ensure(secrets(settings) / "broker.password", text=True).decode()
 
 
-def write_secrets(settings: Settings, hosts: list[str]) -> None:
-    """The brokers' password file, the stack's CA, and a certificate for ``hosts``."""
+def write_secrets(settings: Settings, hosts: list[str], name: str = "broker") -> Path:
+    """The brokers' password file, the stack's CA, and a certificate ``<name>.pem``
+    for ``hosts``; returns the certificate's path (a broker's keystore)."""
     password = broker_password(settings)
     line = f"{BROKER_PASSWORD_KEY}={password}\n".encode()
     secret_files.write(secrets(settings) / "broker.properties", line)
-    tls.ensure_leaf(secrets(settings), "broker", hosts)
+    return tls.ensure_leaf(secrets(settings), name, hosts)
 
 
 def format_storage(settings: Settings, broker: BrokerPlan, props: Path, cluster_id: str) -> None:
@@ -133,14 +135,12 @@ def prepare(settings: Settings) -> list[str]:
     props.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_properties(props, broker)
     cluster = secret_files.ensure(home(settings) / "cluster.id", text=True).decode()
-    format_storage(settings, broker, props, _cluster_id(cluster))
+    format_storage(settings, broker, props, cluster_id(cluster))
     return command(libs, props)
 
 
-def _cluster_id(seed: str) -> str:
-    """A KRaft cluster id (a UUID in Kafka's URL-safe base64) from a stored seed."""
-    import base64
-
+def cluster_id(seed: str) -> str:
+    """A KRaft cluster id (a UUID in Kafka's URL-safe base64) from a seed."""
     raw = uuid.uuid5(uuid.NAMESPACE_URL, f"dsec-kafka:{seed}").bytes
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 

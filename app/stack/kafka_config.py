@@ -65,6 +65,9 @@ class BrokerPlan:
     truststore: str | None = None
     #: Broker to broker and the quorum over TLS (brokers on several machines).
     internal_tls: bool = False
+    #: ``host:port`` clients are told for the CLIENT listener where it is not the
+    #: broker's own (a proxy in front of it).
+    client_advertised: str | None = None
     replication: int = 1
     min_insync_replicas: int = 1
 
@@ -104,7 +107,11 @@ def server_properties(plan: BrokerPlan) -> dict[str, str]:
         "controller.quorum.voters": ",".join(f"{v.node_id}@{v.host}:{v.port}" for v in plan.voters),
         "listeners": ",".join(f"{n}://{plan.listen_host}:{p}" for n, p in bound),
         "advertised.listeners": ",".join(
-            f"{n}://{plan.advertised_host}:{p}" for n, p in bound if n != "CONTROLLER"
+            f"{n}://{plan.client_advertised}"
+            if n == "CLIENT" and plan.client_advertised
+            else f"{n}://{plan.advertised_host}:{p}"
+            for n, p in bound
+            if n != "CONTROLLER"
         ),
         "listener.security.protocol.map": ",".join(f"{n}:{proto}" for n, _, proto in listeners),
         "inter.broker.listener.name": "INTERNAL",

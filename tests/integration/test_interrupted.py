@@ -76,7 +76,7 @@ def test_a_lifecycle_task_cut_by_a_worker_crash_is_done_again(
 
     import redis
 
-    from app.domain.node_tasks import NodeTask, TaskEnvelope, seal
+    from app.domain.node_tasks import NodeTask, TaskEnvelope, seal, seal_secret
     from app.domain.proof import reply_key
     from app.domain.replies import Done
     from app.domain.requests import DestroySandbox
@@ -92,9 +92,11 @@ def test_a_lifecycle_task_cut_by_a_worker_crash_is_done_again(
     node_cred = credentials.load(credentials.node_file(stack, stack.node_id))
     envelope = TaskEnvelope(
         request=destroy.model_dump_json(),
-        reply_key=reply_key(client.credential.secret, destroy.request_id).hex(),
+        reply_key_sealed=seal_secret(
+            node_cred.secret, reply_key(client.credential.secret, destroy.request_id)
+        ),
     )
-    args = seal(envelope, node_cred.key_id, node_cred.secret)
+    args = seal(NodeTask.DESTROY, envelope, node_cred.key_id, node_cred.secret)
     answer = client.expect(destroy.request_id)
     redis.Redis.from_url(stack.celery_broker_url).hset(
         f"dsec:inflight-tasks:{stack.node_id}",
@@ -122,7 +124,7 @@ def test_a_create_given_back_after_its_trainer_gave_up_is_refused_not_made(
     from datetime import timedelta
 
     from app.domain.base import utcnow
-    from app.domain.node_tasks import NodeTask, TaskEnvelope, seal
+    from app.domain.node_tasks import NodeTask, TaskEnvelope, seal, seal_secret
     from app.domain.proof import reply_key
     from app.domain.replies import ErrorReply
     from app.domain.requests import CreateSandbox
@@ -139,13 +141,15 @@ def test_a_create_given_back_after_its_trainer_gave_up_is_refused_not_made(
     node_cred = credentials.load(credentials.node_file(stack, stack.node_id))
     envelope = TaskEnvelope(
         request=create.model_dump_json(),
-        reply_key=reply_key(client.credential.secret, create.request_id).hex(),
+        reply_key_sealed=seal_secret(
+            node_cred.secret, reply_key(client.credential.secret, create.request_id)
+        ),
     )
     answer = client.expect(create.request_id)
     celery = make_celery(stack)
     celery.send_task(
         NodeTask.CREATE.value,
-        args=seal(envelope, node_cred.key_id, node_cred.secret),
+        args=seal(NodeTask.CREATE, envelope, node_cred.key_id, node_cred.secret),
         queue=stack.node_queue(stack.node_id),
     )
     celery.close()

@@ -1,10 +1,11 @@
 """A broker that answers slowly: every command still gets its answer, runs once and is
 in the log once, and the platform is as fast as before once the broker is.
 
-The broker is one of the test's own, reached only through a proxy that holds every
-chunk it forwards, each way, for as long as the test says (its advertised address is
-the proxy's, so no client goes around it). A scheduler, a node worker and a projector
-of their own use it (tests/side_platform.py); Postgres and Redis are the stack's.
+The broker is an Apache Kafka of the test's own (app/stack/local_cluster.py), reached
+only through a proxy that holds every chunk it forwards, each way, for as long as the
+test says (its advertised client address is the proxy's, so no client goes around
+it). A scheduler, a node worker and a projector of their own use it
+(tests/side_platform.py); Postgres and Redis are the stack's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -26,7 +26,7 @@ from sqlalchemy import text
 
 from app.config import Settings
 from app.sdk import Client
-from app.stack.services import broker_binary, port_open
+from app.stack import local_cluster
 from tests.conftest import declare_lost, free_port, wait_for
 from tests.side_platform import first_sandbox, side_platform
 from workers.host.mounts import remove_tree
@@ -91,21 +91,18 @@ def slow(stack: Settings) -> Iterator[tuple[Settings, DelayProxy]]:
     state = Path(tempfile.mkdtemp(prefix="dsec-slow-"))
     os.chmod(state, 0o755)  # the node user walks through it to its home
     address = f"127.0.0.1:{proxy.port}"
-    with open(state / "broker.log", "wb") as out:
-        broker = subprocess.Popen(
-            [broker_binary(), "broker", "--listener-url", f"tcp://127.0.0.1:{port}",
-             "--advertised-listener-url", f"tcp://{address}"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
     try:
-        wait_for(lambda: port_open("127.0.0.1", port), 20, "the test's broker")
-        with side_platform(stack, NODE, state, kafka=address, projector=True) as settings:
+        with (
+            local_cluster.running(
+                stack, 1, state / "kafka", client_ports=[port], client_advertised=address,
+                subjects=["tests", NODE],
+            ) as cluster,
+            side_platform(stack, NODE, state, kafka=cluster.settings, projector=True) as settings,
+        ):  # fmt: skip
             yield settings, proxy
     finally:
         # Its projector wrote the node into the stack's projections: not a node of it.
         declare_lost(stack, [NODE])
-        broker.kill()
-        broker.wait(timeout=10)
         proxy.close()
         remove_tree(state)
 

@@ -19,9 +19,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def kafka_like(stack: Settings) -> Iterator[Settings]:
-    ours = stack.model_copy(
-        update={"topic_prefix": f"plan-{uuid.uuid4().hex[:8]}", "embedded_broker": False}
-    )
+    ours = stack.model_copy(update={"topic_prefix": f"plan-{uuid.uuid4().hex[:8]}"})
     yield ours
     kafka_admin.drop_topics(ours)
 

@@ -441,7 +441,7 @@ def test_a_forged_node_task_is_refused(stack: Settings, db: Any) -> None:
     node_key = credentials.load(credentials.node_file(stack, stack.node_id)).key_id
     celery = make_celery(stack)
     celery.send_task(
-        NodeTask.CREATE, args=seal(envelope, node_key, os.urandom(32)),
+        NodeTask.CREATE, args=seal(NodeTask.CREATE, envelope, node_key, os.urandom(32)),
         queue=stack.node_queue(),
     )  # fmt: skip
     # Then the node creates nothing, and says so nowhere in the log
@@ -458,7 +458,8 @@ def test_a_forged_or_malformed_inbox_record_runs_nothing(stack: Settings, box: S
     # Given someone who can write to a node's inbox topic, but has no key of the node's
     node_key = credentials.load(credentials.node_file(stack, stack.node_id)).key_id
     forged = Exec(sandbox_id=box.id, tenant="alice", actor="forger", command="touch /tmp/forged")
-    sealed = seal(TaskEnvelope(request=forged.model_dump_json()), node_key, os.urandom(32))
+    forged_envelope = TaskEnvelope(request=forged.model_dump_json())
+    sealed = seal(NodeTask.EXEC, forged_envelope, node_key, os.urandom(32))
     since = utcnow()
     publisher = bus.Publisher(stack)
     topic = stack.node_topic(stack.node_id)
