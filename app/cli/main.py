@@ -14,6 +14,7 @@ from rich.console import Console
 from app.cli import render as cli_render
 from app.cli.control import control_cli
 from app.cli.image import image_cli
+from app.cli.kafka import kafka_cli
 from app.cli.log import log_cli
 from app.cli.tenant import node_cli, tenant_cli
 from app.config import get_settings, redact
@@ -32,6 +33,7 @@ cli.add_typer(tenant_cli, name="tenant")
 cli.add_typer(node_cli, name="node")
 cli.add_typer(control_cli, name="control")
 cli.add_typer(log_cli, name="log")
+cli.add_typer(kafka_cli, name="kafka")
 console = cli_render.console
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]

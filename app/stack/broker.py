@@ -95,9 +95,9 @@ def write_secrets(settings: Settings, hosts: list[str], name: str = "broker") ->
     return tls.ensure_leaf(secrets(settings), name, hosts)
 
 
-def format_storage(settings: Settings, broker: BrokerPlan, props: Path, cluster_id: str) -> None:
-    """Format the broker's log directory, once (a formatted one is left as it is)."""
-    if (Path(broker.data_dir) / "meta.properties").exists():
+def format_storage(settings: Settings, data_dir: str, props: Path, cluster_id: str) -> None:
+    """Format a broker's log directory, once (a formatted one is left as it is)."""
+    if (Path(data_dir) / "meta.properties").exists():
         return
     libs = kafka_dist.ensure(settings)
     command = [
@@ -135,7 +135,7 @@ def prepare(settings: Settings) -> list[str]:
     props.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_properties(props, broker)
     cluster = secret_files.ensure(home(settings) / "cluster.id", text=True).decode()
-    format_storage(settings, broker, props, cluster_id(cluster))
+    format_storage(settings, broker.data_dir, props, cluster_id(cluster))
     return command(libs, props)
 
 

@@ -191,7 +191,7 @@ def running(
         home.mkdir(parents=True, exist_ok=True)
         props = home / "server.properties"
         broker.write_properties(props, plan)
-        broker.format_storage(settings, plan, props, cluster_id)
+        broker.format_storage(settings, plan.data_dir, props, cluster_id)
         members.append(
             Member(plan, props, home / "broker.log", broker.command(libs, props),
                    netns=netns[i] if netns else None)
