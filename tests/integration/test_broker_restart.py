@@ -1,12 +1,12 @@
-"""The embedded broker dies and comes back empty: the platform serves again by itself.
+"""The embedded broker dies and comes back: nothing acknowledged is lost, and the
+platform serves again by itself.
 
-The stack's own broker is SIGKILLed under a trainer's feet; nobody types `dsec up`.
-The supervisor starts a new one (memory only: every topic is gone), and every
-service and the trainer's client find their way back: commands are answered again,
-by the sandbox made before, which kept running with its files, and a new sandbox can
-be made. A command sent in the moment of the crash may be lost with the old broker
-(or held by the embedded broker's own defect, docs/guarantees.md): its trainer then
-hears a timeout, never a wrong answer, and no command runs twice.
+The stack's own broker (Apache Kafka, its log on disk) is SIGKILLed under a trainer's
+feet; nobody types `dsec up`. The supervisor starts it again with every topic and
+every acknowledged record; every service and the trainer's client reconnect: commands
+sent while it was down are answered once it is back, by the sandbox made before, which
+kept running with its files (the broker's silence is not its node's), and no command
+runs twice.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import pytest
 from sqlalchemy import text
 
 from app.config import Settings
-from app.errors import RequestTimeout
 from app.sdk import Client
 from app.stack import services as stack_mod
 from tests.conftest import logged, wait_for
@@ -32,7 +31,7 @@ def _broker(settings: Settings) -> stack_mod.Service:
     return next(s for s in every if s.name == "broker")
 
 
-def test_a_broker_that_dies_and_comes_back_empty_is_served_again(
+def test_a_broker_that_dies_and_comes_back_loses_nothing(
     stack: Settings, client: Client, db: Any
 ) -> None:
     broker = _broker(stack)
@@ -40,24 +39,17 @@ def test_a_broker_that_dies_and_comes_back_empty_is_served_again(
         box.exec("echo kept > /tmp/mark")
         before = broker.pid(stack)
         assert before is not None
-        # When the broker dies, topics and all
+        # When the broker dies
         os.killpg(before, signal.SIGKILL)
-
-        # Then commands, sent from the moment it died, are answered again by themselves
-        def answered() -> bytes | None:
-            try:
-                return box.exec("cat /tmp/mark", timeout_s=10).stdout
-            except RequestTimeout:
-                return None
-
-        # by the same sandbox, still running
-        assert wait_for(answered, 240, "a command answered again") == b"kept\n"
+        # Then a command sent while it is down is answered once it is back (the
+        # client's producer holds it meanwhile), by the same sandbox, still running
+        assert box.exec("cat /tmp/mark", timeout_s=10).stdout == b"kept\n"
         assert (pid := broker.pid(stack)) is not None and pid != before
         # and the platform makes sandboxes again
         with client.create(memory_mb=64, timeout_s=120) as fresh:
             assert fresh.exec("echo new").stdout == b"new\n"
 
-        # And the log has each command at most once, and the sandbox is not ended
+        # And the log has that command once, and the sandbox is not ended
         def completed() -> list[tuple[str, str]]:
             with db() as conn:
                 query = text(
@@ -66,9 +58,9 @@ def test_a_broker_that_dies_and_comes_back_empty_is_served_again(
                 )
                 return [(r[0], r[1]) for r in conn.execute(query, {"s": box.id})]
 
-        logged = wait_for(completed, 30, "the commands in the log")
-        assert {kind for kind, _ in logged} == {"CommandCompleted"}
-        assert len({request for _, request in logged}) == len(logged)
+        logged = wait_for(completed, 30, "the command in the log")
+        assert logged and {kind for kind, _ in logged} == {"CommandCompleted"}
+        assert len(logged) == 1
 
 
 def test_a_destroy_the_broker_lost_is_sent_again_and_the_sandbox_ends(

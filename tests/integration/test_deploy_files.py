@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ def test_the_systemd_units_verify(tmp_path: Path) -> None:
         name = unit.name.replace("@.", "@node0." if "node" in unit.name else "@0.")
         (tmp_path / name).write_text(text)
         checked.append(str(tmp_path / name))
-    assert len(checked) == 4
+    assert len(checked) == 5
     done = subprocess.run([tool, "verify", *checked], capture_output=True, text=True, cwd=tmp_path)
     # It says what it ignores on stderr and still exits 0: both must be clean.
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
@@ -70,11 +71,22 @@ def _compose_config() -> dict[str, Any]:
     return dict(yaml.safe_load(done.stdout))
 
 
+def _mounts(service: dict[str, Any]) -> list[str]:
+    """Where a service's volumes are mounted, as docker-compose config resolves them."""
+    out = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            out.append(str(volume["target"]))
+        else:
+            out.append(str(volume).split(":")[1])
+    return out
+
+
 def test_the_compose_file_is_a_whole_deployment_of_pinned_or_built_images() -> None:
     services = _compose_config()["services"]
     assert set(services) == {
-        "kafka-1", "kafka-2", "kafka-3", "postgres", "redis", "prepare", "projector",
-        "scheduler", "flower", "node-1", "node-2", "prometheus", "grafana",
+        "kafka-secrets", "kafka-1", "kafka-2", "kafka-3", "postgres", "redis", "prepare",
+        "projector", "scheduler", "flower", "node-1", "node-2", "prometheus", "grafana",
     }  # fmt: skip
     ours = {CONTROL.name(default_tag()), NODE.name(default_tag())}
     for name, service in services.items():
@@ -84,10 +96,17 @@ def test_the_compose_file_is_a_whole_deployment_of_pinned_or_built_images() -> N
         pinned = bool(tag) and tag != "latest" and any(c.isdigit() for c in tag)
         assert image in ours or (pinned and not repository.startswith("dsec/")), (name, image)
     for broker in ("kafka-1", "kafka-2", "kafka-3"):
-        env = services[broker]["environment"]
         assert services[broker]["image"].startswith("apache/kafka:")
-        assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
-        assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"].count("@") == 3
+        # Its properties are the generator's (docker/kafka/, scripts/render_kafka.py)
+        targets = _mounts(services[broker])
+        assert "/etc/dsec/kafka/server.properties" in targets, broker
+        # and it sees the brokers' secrets, never the control plane's
+        assert "/var/lib/dsec/secrets" not in targets, broker
+    check = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "render_kafka.py"), "--check"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stderr
     # The platform treats it as Apache Kafka: replicated topics, idempotent producers.
     for name in ("prepare", "projector", "scheduler", "node-1", "node-2"):
         env = services[name]["environment"]
