@@ -14,7 +14,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +73,7 @@ class KafkaLogin:
 def local_admin_login(settings: Settings) -> KafkaLogin | None:
     """The stack's administrator, where this process can read its password (root on
     the stack's host: `dsec up`, the CLI, tests and benchmarks)."""
-    path = settings.secrets_dir / "kafka" / f"{ADMIN_PRINCIPAL}.password"
+    path = settings.kafka_logins_dir / f"{ADMIN_PRINCIPAL}.password"
     try:
         password = path.read_text().strip()
     except OSError:
@@ -150,7 +150,7 @@ def _tls_context(settings: Settings, who: KafkaLogin | None) -> ssl.SSLContext:
     else the stack's own CA where readable; a client certificate where configured."""
     cafile = settings.kafka_ssl_cafile
     if cafile is None and (who is None or who.ca_pem is None):
-        local = settings.secrets_dir / "kafka" / "ca.pem"
+        local = settings.ca_dir / "ca.pem"
         cafile = local if local.exists() else None
     if cafile is not None:
         context = ssl.create_default_context(cafile=str(cafile))
@@ -177,11 +177,22 @@ class Publisher:
     """
 
     def __init__(
-        self, settings: Settings, *, linger_ms: int = 0, login: KafkaLogin | None = None
+        self,
+        settings: Settings,
+        *,
+        linger_ms: int = 0,
+        login: KafkaLogin | None = None,
+        delivery_timeout_s: float | None = None,
     ) -> None:
         self._settings = settings
         self._linger_ms = linger_ms
         self._login = login
+        # How long a record may wait for the brokers (None: the client's default, 2 min).
+        self._delivery = (
+            {"delivery_timeout_ms": int(delivery_timeout_s * 1000),
+             "request_timeout_ms": int(delivery_timeout_s * 500)}
+            if delivery_timeout_s is not None else {}
+        )  # fmt: skip
         self._lock = threading.Lock()
         self._producer = self._make()
         self._tracked: set[str] = set()
@@ -199,6 +210,7 @@ class Publisher:
                 # Replies may be large (an exec's output); consumers bound requests and
                 # events themselves, by max_message_bytes.
                 max_request_size=max(settings.max_message_bytes * 2, settings.max_reply_bytes),
+                **self._delivery,
             )
         except KafkaError as exc:
             raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
@@ -252,9 +264,11 @@ class Publisher:
         partition: int | None = None,
         wait: bool = False,
         headers: Sequence[tuple[str, bytes]] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         """Send one message (with its proof in ``headers``); with ``wait`` block until
-        the broker acknowledged it."""
+        the broker acknowledged it, else ``on_failure`` hears of a record the brokers
+        never took (as :meth:`flush` does)."""
         value = message if isinstance(message, bytes) else encode(message)
         if self._fatal():
             log.warning("Kafka producer failed for good: a new one takes over")
@@ -269,6 +283,8 @@ class Publisher:
                 future.get(timeout=30)
             else:
                 future.add_errback(self._failed)
+                if on_failure is not None:
+                    future.add_errback(on_failure)
         except KafkaError as exc:
             raise ServiceUnavailable(f"publish to {topic}: {exc}") from exc
 

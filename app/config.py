@@ -377,6 +377,22 @@ class Settings(BaseSettings):
         return f"{self.topic_prefix}.replies.{tenant}"
 
     @property
+    def kafka_secrets_dir(self) -> Path:
+        """What Kafka's brokers read (root only): their password file, their
+        certificate, the CA's certificate."""
+        return self.secrets_dir / "kafka"
+
+    @property
+    def kafka_logins_dir(self) -> Path:
+        """The control plane's Kafka passwords, one file per principal (root only)."""
+        return self.secrets_dir / "kafka-logins"
+
+    @property
+    def ca_dir(self) -> Path:
+        """The stack's certificate authority: its key and certificate (root only)."""
+        return self.secrets_dir / "ca"
+
+    @property
     def master_key_path(self) -> Path:
         return self.master_key_file or self.secrets_dir / "master.key"
 

@@ -150,6 +150,14 @@ class PositionedConsumer:
         """The broker's id of the topic being read (owners store offsets with it)."""
         return self._topic_id
 
+    def reachable(self, timeout_ms: int = 500) -> bool:
+        """The broker answers this consumer now (one ListOffsets request)."""
+        try:
+            self._consumer.end_offsets(self.partitions or self.all_partitions[:1], timeout_ms)
+        except Exception:  # any failure to answer is the answer
+            return False
+        return True
+
     def ends(self) -> dict[int, int]:
         """Each assigned partition's end (the offset its next record gets)."""
         return {

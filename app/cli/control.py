@@ -41,6 +41,10 @@ def control_prepare(
     node_credentials: Annotated[
         Path | None, typer.Option(help="Copy each node's credential here, as <id>.json.")
     ] = None,
+    kafka_internal: Annotated[
+        str | None,
+        typer.Option(help="A broker's internal listener (HOST:PORT): make the admin there first."),
+    ] = None,
 ) -> None:
     """Migrate the schema, make the keys and the topics, and start nothing: the first
     step of a deployment whose services a container runtime or systemd runs."""
@@ -51,6 +55,7 @@ def control_prepare(
         lambda m: console.print(f"[green]✓[/] {m}"),
         node or (),
         node_credentials,
+        kafka_internal,
     )
 
 

@@ -403,9 +403,11 @@ class Dispatcher:
             self.send.task(out, node, request)
             self.health.orphan_handled(node_id, sandbox_id)
 
-    def check_nodes(self, out: Outbox) -> None:
-        """Declare nodes lost that missed their heartbeats; end their sandboxes."""
-        for node, detail in self.health.silent(list(self.placement.nodes.values()), utcnow()):
+    def check_nodes(self, out: Outbox, bus_since: datetime | None = None) -> None:
+        """Declare nodes lost that missed their heartbeats (counted from ``bus_since``:
+        since when the bus has been reachable); end their sandboxes."""
+        nodes = list(self.placement.nodes.values())
+        for node, detail in self.health.silent(nodes, utcnow(), bus_since):
             log.warning("scheduler: node %s lost: %s", node.node_id, detail)
             lost = self.health.lost(node.node_id, detail)
             self.send.emit(out, lost)

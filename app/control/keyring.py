@@ -162,7 +162,7 @@ def kafka_login_for(settings: Settings, row: CredentialRow) -> KafkaLogin:
     bootstrap = settings.kafka_credential_bootstrap
     if bootstrap is None:
         return KafkaLogin(name, password)
-    ca = settings.secrets_dir / "kafka" / "ca.pem"
+    ca = settings.ca_dir / "ca.pem"
     return KafkaLogin(
         name, password, bootstrap=bootstrap, security_protocol="SASL_SSL",
         mechanism=settings.kafka_sasl_mechanism,

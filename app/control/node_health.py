@@ -68,13 +68,18 @@ class NodeHealth:
         """A container the node lists but nobody placed was sent a destroy."""
         self._ledger(node_id).extra.pop(sandbox_id, None)
 
-    def silent(self, nodes: Iterable[NodeView], now: datetime) -> list[tuple[NodeView, str]]:
-        """Alive nodes that missed their heartbeats, with why."""
+    def silent(
+        self, nodes: Iterable[NodeView], now: datetime, bus_since: datetime | None = None
+    ) -> list[tuple[NodeView, str]]:
+        """Alive nodes that missed their heartbeats, with why. Silence counts only
+        from ``bus_since``, since when the bus has been reachable: a broker that was
+        down kept every node's heartbeats from arriving, and said nothing of the nodes."""
         found = []
         for node in nodes:
             if not node.alive or node.last_seen is None:
                 continue
-            quiet = now - node.last_seen
+            heard = node.last_seen if bus_since is None else max(node.last_seen, bus_since)
+            quiet = now - heard
             if quiet > self.timeout:
                 found.append((node, f"no heartbeat for {quiet.total_seconds():.0f}s"))
         return found

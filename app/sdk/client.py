@@ -13,13 +13,14 @@ on one partition of the replies topic that this client picked and reads alone.
 from __future__ import annotations
 
 import base64
+import contextlib
 import queue
 import random
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -73,6 +74,9 @@ from app.sdk.results import OutputHandler as OutputHandler
 from app.sdk.results import exec_request as exec_request
 from app.sdk.steps import Answer, Steps, Work, blocking
 
+#: A request the brokers cannot store within this long (fewer in-sync replicas than
+#: the topic needs, no broker at all) fails its wait with ServiceUnavailable.
+DELIVERY_TIMEOUT_S = 20.0
 #: Destroys sent for one sandbox before its trainer hears RequestTimeout.
 DESTROY_ATTEMPTS = 2
 
@@ -109,7 +113,9 @@ class Client:
         self.tenant, self.job_id = self.credential.subject, job_id
         self.timeout_s = timeout_s
         login = self.credential.kafka
-        self._publisher = bus.Publisher(self.settings, login=login)
+        self._publisher = bus.Publisher(
+            self.settings, login=login, delivery_timeout_s=DELIVERY_TIMEOUT_S
+        )
         self._consumer = bus.make_consumer(self.settings, login=login, auto_offset_reset="latest")
         topic = self.settings.replies_topic(self.tenant)
         try:
@@ -166,14 +172,28 @@ class Client:
         )  # fmt: skip
         self.publish(renew)
 
-    def publish(self, request: RequestBase) -> None:
-        """Sign ``request`` with this client's credential and send it (no waiting)."""
+    def publish(self, request: RequestBase, waiting: list[Future[Reply]] | None = None) -> None:
+        """Sign ``request`` with this client's credential and send it (no waiting); if
+        the brokers never take it, the ``waiting`` futures fail with
+        :class:`ServiceUnavailable` saying why."""
         value = encode(request)
         cred = self.credential
+
+        def undelivered(exc: BaseException) -> None:
+            failure = ServiceUnavailable(
+                f"{request.type} {request.sandbox_id} was not stored by Kafka at"
+                f" {self.settings.kafka_bootstrap}: {exc}"
+            )
+            for future in waiting or []:
+                # The reply reader may complete it at the same moment: the reply wins.
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(failure)
+
         signed = proof.headers(proof.Purpose.REQUEST, cred.key_id, cred.secret, value)
         self._publisher.publish(
-            self.settings.topic_requests, request.sandbox_id, value, headers=signed
-        )
+            self.settings.topic_requests, request.sandbox_id, value, headers=signed,
+            on_failure=undelivered,
+        )  # fmt: skip
 
     def _keep_lease(self) -> None:
         # Three renewals per lease period: one lost message does not lapse it.
@@ -198,7 +218,7 @@ class Client:
         output chunks of an Exec with ``stream_output``, in order, on the reply reader's
         thread (keep it quick)."""
         future = self._replies.expect(request.request_id, on_output)
-        self.publish(request)
+        self.publish(request, [future])
         return future
 
     def answer(
@@ -235,7 +255,7 @@ class Client:
         for member in members:
             rid = member_request_id(request.request_id, member)
             answers.append(self.answer(request, self.expect(rid), timeout_s, request_id=rid))
-        self.publish(request)
+        self.publish(request, [a.future for a in answers])
         return answers
 
     def wait(self, request: RequestBase, future: Future[Reply], timeout_s: float | None) -> Reply:

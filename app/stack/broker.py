@@ -46,8 +46,8 @@ def home(settings: Settings) -> Path:
 
 
 def secrets(settings: Settings) -> Path:
-    """The root-only directory of Kafka's secrets: passwords, the CA, certificates."""
-    return settings.secrets_dir / "kafka"
+    """The root-only directory of what brokers read: their password, certificates."""
+    return settings.kafka_secrets_dir
 
 
 def ports(settings: Settings) -> tuple[str, int, int, int, int]:
@@ -92,7 +92,7 @@ def write_secrets(settings: Settings, hosts: list[str], name: str = "broker") ->
     password = broker_password(settings)
     line = f"{BROKER_PASSWORD_KEY}={password}\n".encode()
     secret_files.write(secrets(settings) / "broker.properties", line)
-    return tls.ensure_leaf(secrets(settings), name, hosts)
+    return tls.ensure_leaf(settings.ca_dir, secrets(settings), name, hosts)
 
 
 def format_storage(settings: Settings, data_dir: str, props: Path, cluster_id: str) -> None:
@@ -183,7 +183,7 @@ def service_login(settings: Settings, name: str) -> KafkaLogin:
 
 def password_file(settings: Settings, name: str) -> Path:
     """Where a control-plane process reads its Kafka password."""
-    return secrets(settings) / f"{name}.password"
+    return settings.kafka_logins_dir / f"{name}.password"
 
 
 def ensure_principals(

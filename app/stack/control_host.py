@@ -56,11 +56,14 @@ def prepare(
     log: Callable[[str], None],
     nodes: Sequence[str] = (),
     node_credentials: Path | None = None,
+    kafka_internal: str | None = None,
 ) -> None:
     """What the control services need before they start, each step idempotent: the
     schema at head, the master key, Flower's password, the operator's credential, the
     topics, and a credential for each of ``nodes`` (copied into ``node_credentials``,
-    one ``<id>.json`` each, where given)."""
+    one ``<id>.json`` each, where given). With ``kafka_internal`` (a broker's internal
+    listener, ``host:port``), the stack's administrator principal is made first, as the
+    brokers' own principal (the brokers' secrets are this host's: `dsec kafka secrets`)."""
     from app import secret_files
     from app.control import tenants
     from app.db.setup import migrate
@@ -68,6 +71,11 @@ def prepare(
     from app.sdk import credentials
 
     check(settings)
+    secret_files.ensure(settings.master_key_path)
+    if kafka_internal is not None:
+        host, _, port = kafka_internal.rpartition(":")
+        broker.ensure_principals(settings, host, int(port), settings.kafka_secrets_dir / "ca.pem")
+        log(f"kafka: the administrator principal, made on {kafka_internal}")
     migrate(settings)
     log("postgres: schema at head")
     secret_files.ensure(settings.master_key_path)

@@ -99,14 +99,18 @@ def _current(path: Path, hosts: Sequence[str]) -> bool:
     return fresh and set(sans) == set(_names(hosts))
 
 
-def ensure_leaf(directory: Path, name: str, hosts: Sequence[str]) -> Path:
+def ensure_leaf(ca_dir: Path, directory: Path, name: str, hosts: Sequence[str]) -> Path:
     """``<name>.pem`` in ``directory``: a private key and a certificate for ``hosts``
-    signed by the CA (made or made again as needed), root only."""
+    signed by the CA of ``ca_dir`` (made or made again as needed), root only, with the
+    CA's certificate beside it (``ca.pem``: what its holder checks its peers with)."""
     path = directory / f"{name}.pem"
+    ca_pem = ensure_ca(ca_dir).read_bytes()
+    if not (directory / "ca.pem").exists() or (directory / "ca.pem").read_bytes() != ca_pem:
+        secret_files.write(directory / "ca.pem", ca_pem)
     if _current(path, hosts):
         return path
-    ca_cert = x509.load_pem_x509_certificate(ensure_ca(directory).read_bytes())
-    ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate(ca_pem)
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
