@@ -33,6 +33,7 @@ from sqlalchemy import (
 )
 
 from app.db.tables import events, nodes, sandboxes
+from app.domain.admission import Known
 from app.domain.base import NodeState
 from app.domain.sandbox_state import LIVE, SandboxState
 
@@ -231,6 +232,27 @@ def ended_among(conn: Connection, ids: Collection[str]) -> list[AnyRow]:
         sandboxes.c.sandbox_id.in_(ids), sandboxes.c.state.in_([s.value for s in ENDED])
     )
     return list(conn.execute(query).all())
+
+
+# By primary key: one probe per id, whatever the table's size (ANY of one array
+# parameter: a batch names hundreds of sandboxes).
+_ADMISSION_FACTS = text(
+    "SELECT sandbox_id, node_id, state FROM sandboxes WHERE sandbox_id = ANY(:ids)"
+)
+_LOGGED_IDS = text("SELECT event_id FROM event_ids WHERE event_id = ANY(:ids)")
+
+
+def admission_facts(conn: Connection, ids: Collection[str]) -> dict[str, Known]:
+    """What the log holds of each of ``ids`` that the projector's admission rules read
+    (:mod:`app.domain.admission`): where it was placed, and whether it ended."""
+    ended = {s.value for s in ENDED}
+    rows = conn.execute(_ADMISSION_FACTS, {"ids": sorted(ids)})
+    return {r.sandbox_id: Known(placed_on=r.node_id, ended=r.state in ended) for r in rows}
+
+
+def logged_ids(conn: Connection, ids: Collection[uuid.UUID]) -> set[uuid.UUID]:
+    """Those of ``ids`` the log holds already."""
+    return set(conn.execute(_LOGGED_IDS, {"ids": list(ids)}).scalars())
 
 
 # Sandboxes whose last freeze-or-thaw in the log is a freeze.
