@@ -255,11 +255,11 @@ def logged_ids(conn: Connection, ids: Collection[uuid.UUID]) -> set[uuid.UUID]:
     return set(conn.execute(_LOGGED_IDS, {"ids": list(ids)}).scalars())
 
 
-# Sandboxes whose last freeze-or-thaw in the log is a freeze.
+# Sandboxes whose last freeze-or-thaw in the log is a freeze, and since when.
 _FROZEN_NOW = text(
     """
-    SELECT sandbox_id FROM (
-        SELECT DISTINCT ON (sandbox_id) sandbox_id, type FROM events
+    SELECT sandbox_id, occurred_at FROM (
+        SELECT DISTINCT ON (sandbox_id) sandbox_id, type, occurred_at FROM events
         WHERE sandbox_id = ANY(:ids) AND type IN ('SandboxFrozen', 'SandboxThawed')
         ORDER BY sandbox_id, position DESC
     ) AS last WHERE type = 'SandboxFrozen'
@@ -274,9 +274,10 @@ _CREATED_BY = text(
 )
 
 
-def frozen_now(conn: Connection, ids: list[str]) -> set[str]:
-    """Those of ``ids`` that a freeze left frozen (the log's last word on them)."""
-    return set(conn.execute(_FROZEN_NOW, {"ids": ids}).scalars())
+def frozen_now(conn: Connection, ids: list[str]) -> dict[str, datetime]:
+    """Those of ``ids`` that a freeze left frozen (the log's last word on them), with
+    the time of that freeze."""
+    return {r.sandbox_id: r.occurred_at for r in conn.execute(_FROZEN_NOW, {"ids": ids})}
 
 
 def created_by(conn: Connection, ids: list[str]) -> dict[str, uuid.UUID]:
@@ -290,6 +291,11 @@ def created_by(conn: Connection, ids: list[str]) -> dict[str, uuid.UUID]:
 def alive_nodes(conn: Connection) -> list[AnyRow]:
     """The projection rows of the nodes the log last saw alive."""
     return list(conn.execute(select(nodes).where(nodes.c.state == NodeState.ALIVE)).all())
+
+
+def lost_nodes(conn: Connection) -> list[AnyRow]:
+    """The projection rows of the nodes the log last saw declared lost."""
+    return list(conn.execute(select(nodes).where(nodes.c.state == NodeState.LOST)).all())
 
 
 def node_heartbeat(conn: Connection, node_id: str) -> datetime | None:

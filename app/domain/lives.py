@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
+from typing import Protocol
 
 from app.domain.base import StopReason, derived_id
 from app.domain.events import LastState, SandboxStopped, StoppedPayload
@@ -73,6 +74,17 @@ class Owner(StrEnum):
     SCHEDULER_AND_PROJECTOR = "scheduler+projector"
 
 
+class TermsSource(Protocol):
+    """Where the terms come from (the platform's settings)."""
+
+    @property
+    def request_max_age_s(self) -> float: ...
+    @property
+    def create_grace_s(self) -> float: ...
+    @property
+    def lease_grace_s(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class Terms:
     """How long each state may last (from the settings of whoever applies them)."""
@@ -84,6 +96,11 @@ class Terms:
     #: How long a lapsed lease's sandboxes stay frozen (DSEC_LEASE_GRACE_S: a lease's
     #: own grace, set by its trainer's renewals, is not in the log).
     lease_grace_s: float
+
+    @classmethod
+    def of(cls, settings: TermsSource) -> Terms:
+        """The terms ``settings`` set."""
+        return cls(settings.request_max_age_s, settings.create_grace_s, settings.lease_grace_s)
 
     @property
     def create_s(self) -> float:
