@@ -28,6 +28,7 @@ from app.bus import Publisher
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
 from app.control.keyring import Keyring
+from app.control.lost_lives import LostLives
 from app.control.waiting import Stopped, until_available
 from app.db import log as event_log
 from app.db import projections, queries, staging
@@ -144,6 +145,10 @@ class Projector:
             )  # fmt: skip
         self.warnings = self.consumer.seek(stored)
         self._partitions_checked = time.monotonic()
+        # The rule for lives on lost nodes runs in one projector: the one that reads
+        # partition 0 (every projector, were they all to sweep, would send the same ends).
+        reads_first = any(tp.partition == 0 for tp in self.consumer.partitions)
+        self.lost_lives = LostLives(settings, self.publisher, self.keys) if reads_first else None
 
     def _prepare_log(self) -> dict[int, StoredOffset]:
         """Tomorrow's partitions made; where this projector stands, as stored."""
@@ -327,6 +332,8 @@ class Projector:
                     # A lane that failed is noticed even if no more records come its way.
                     for lane in lanes:
                         lane.check()
+                    if self.lost_lives is not None and self.lost_lives.due():
+                        self.lost_lives.sweep()
                     records = self.consumer.poll(timeout_ms=200, max_records=BATCH_RECORDS)
                     if records:
                         parts = split_lanes(self.prepare(records), len(lanes))

@@ -293,6 +293,27 @@ def alive_nodes(conn: Connection) -> list[AnyRow]:
     return list(conn.execute(select(nodes).where(nodes.c.state == NodeState.ALIVE)).all())
 
 
+# Live sandboxes on nodes the log shows lost, with what dates the node's last word on
+# each: its last heartbeat, the sandbox's start, its last command (commands by sandbox).
+_LIVES_ON_LOST_NODES = text(
+    f"""
+    SELECT s.sandbox_id, s.tenant, s.job_id, s.node_id, s.requested_at, s.started_at,
+           n.last_heartbeat_at, n.lost_at,
+           (SELECT max(c.occurred_at) FROM commands c WHERE c.sandbox_id = s.sandbox_id)
+               AS last_command_at
+      FROM sandboxes s JOIN nodes n ON n.node_id = s.node_id
+     WHERE n.state = '{NodeState.LOST.value}' AND s.state IN ({", ".join(f"'{v}'" for v in _LIVE)})
+     ORDER BY s.node_id, s.sandbox_id
+    """
+)
+
+
+def lives_on_lost_nodes(conn: Connection) -> list[AnyRow]:
+    """The live sandboxes on nodes the log shows lost, each with its node's last
+    heartbeat and loss, its start and its last command's time."""
+    return list(conn.execute(_LIVES_ON_LOST_NODES).all())
+
+
 def lost_nodes(conn: Connection) -> list[AnyRow]:
     """The projection rows of the nodes the log last saw declared lost."""
     return list(conn.execute(select(nodes).where(nodes.c.state == NodeState.LOST)).all())
