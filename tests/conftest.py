@@ -181,15 +181,9 @@ def live_and_rebuilt(settings: Settings) -> tuple[set[Any], set[Any]]:
     """Every projection row as it stands, and as a rebuild from the log makes it (in a
     transaction rolled back after, so nothing changes)."""
     from app.db import projections
-    from app.db.engine import engine_for
 
-    with engine_for(settings.database_url).connect() as conn, conn.begin() as tx:
-        projections.lock(conn)
-        live = projections.snapshot(conn)
-        projections.rebuild(conn)
-        rebuilt = projections.snapshot(conn)
-        tx.rollback()
-    return set(live), set(rebuilt)
+    found = projections.check_rebuild(settings.database_url)
+    return set(found.live), set(found.rebuilt)
 
 
 def free_port() -> int:
