@@ -11,6 +11,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -27,8 +28,14 @@ def settings() -> Settings:
 
 
 @pytest.fixture(scope="session")
-def stack(settings: Settings) -> Settings:
-    """The embedded stack, up (idempotent: reuses what `make test` started)."""
+def stack(settings: Settings) -> Iterator[Settings]:
+    """The embedded stack, up (idempotent: reuses what `make test` started).
+
+    The suite leaves the stack's log and projections as it found them: when the
+    session ends, `dsec doctor`'s checks run again, and what they find that they did
+    not find at the start (a life the suite left open past its deadline or ended
+    twice, a lost node it left with open lives, projections that differ from a
+    rebuild) fails the session."""
     from app.stack import services as stack_mod
 
     try:
@@ -36,7 +43,21 @@ def stack(settings: Settings) -> Settings:
     except Exception as exc:  # name the service in the failure, never skip
         pytest.fail(f"the embedded stack is not available: {exc}", pytrace=False)
     ensure_tenant(settings, "tests")  # the tenant the suite's own clients sign as
-    return settings
+    began = datetime.now(UTC)
+    before = {f.key for f in _broken_lives(settings, began)}
+    yield settings
+    left = [f for f in _broken_lives(settings, began) if f.key not in before]
+    if left:
+        listed = "\n".join(f"  {f.check.value} {f.subject}: {f.detail}" for f in left[:20])
+        pytest.fail(f"the suite left {len(left)} broken lives (`dsec doctor`):\n{listed}",
+                    pytrace=False)  # fmt: skip
+
+
+def _broken_lives(settings: Settings, since: datetime) -> list[Any]:
+    """What `dsec doctor` finds on the stack (lives ended twice: since ``since``)."""
+    from app.db import doctor
+
+    return doctor.examine(settings, since - timedelta(minutes=1), timedelta(seconds=60))
 
 
 @pytest.fixture(scope="session")
