@@ -411,7 +411,7 @@ class Dispatcher:
 
     def _reconcile(self, out: Outbox, node_id: str, reported: set[str], at: datetime) -> None:
         placed = self.placement.placed_on(node_id)
-        quiet = self.book.quiet(time.monotonic()) & placed
+        quiet = self.book.quiet(placed, time.monotonic())
         verdict = self.health.reconcile(node_id, placed, reported, quiet, at)
         for sandbox_id in sorted(verdict.vanished):
             allocation = self.placement.allocations.get(sandbox_id)

@@ -18,10 +18,12 @@ Three kinds, each with the deadline the scheduler keeps (:mod:`app.domain.lives`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from app.domain.lives import OpenLife, Terms, deadline_of
 
+#: How often the lives not started are looked over for lost creates.
+CHECK = timedelta(seconds=1)
 #: How long a sandbox whose destroy was sent is not called vanished by the reconciler
 #: (a destroy takes well under a second; a worker restarted in between does it again).
 ENDING_S = 30.0
@@ -55,7 +57,11 @@ class LifeBook:
 
     def __init__(self, terms: Terms) -> None:
         self.terms = terms
-        self._unstarted: dict[str, Unstarted] = {}
+        # Each life not started, with its deadline (None: nothing dates it).
+        self._unstarted: dict[str, tuple[Unstarted, datetime | None]] = {}
+        # Thousands of creates can wait in nodes' queues: they are looked over once a
+        # second (:data:`CHECK_S`), not every round of the scheduler.
+        self._checked: datetime | None = None
         # Sandbox -> when its destroy was sent (the scheduler's monotonic clock).
         self._ending: dict[str, float] = {}
         # Lost node -> when what is left on it is due to end (monotonic).
@@ -65,7 +71,7 @@ class LifeBook:
 
     def placed(self, entry: Unstarted) -> None:
         """A life was placed (or recovered unstarted)."""
-        self._unstarted[entry.sandbox_id] = entry
+        self._unstarted[entry.sandbox_id] = (entry, deadline_of(entry.life(), self.terms).at)
 
     def started(self, sandbox_id: str) -> None:
         """Its node started it: no create deadline any more."""
@@ -80,13 +86,15 @@ class LifeBook:
         return set(self._unstarted)
 
     def lost_creates(self, now: datetime) -> list[Unstarted]:
-        """The lives not started whose create can no longer start, oldest first."""
-        found = []
-        for entry in self._unstarted.values():
-            deadline = deadline_of(entry.life(), self.terms).at
-            if deadline is not None and deadline < now:
-                found.append(entry)
-        return sorted(found, key=lambda e: (e.requested_at is None, e.requested_at, e.sandbox_id))
+        """The lives not started whose create can no longer start, oldest first (each
+        is returned once: the caller ends it)."""
+        if self._checked is not None and now - self._checked < CHECK:
+            return []
+        self._checked = now
+        due = [(at, e) for e, at in self._unstarted.values() if at is not None and at < now]
+        for _, entry in due:
+            del self._unstarted[entry.sandbox_id]
+        return [entry for _, entry in sorted(due, key=lambda d: (d[0], d[1].sandbox_id))]
 
     # --- lives being destroyed ----------------------------------------------------
 
@@ -94,14 +102,14 @@ class LifeBook:
         """A destroy of the sandbox was sent to its node."""
         self._ending[sandbox_id] = now_s
 
-    def quiet(self, now_s: float) -> set[str]:
-        """Lives a heartbeat may leave out without their being vanished: not started
-        yet (a create can wait in a node's queue for many heartbeats), or being
-        destroyed (for :data:`ENDING_S`)."""
+    def quiet(self, placed: set[str], now_s: float) -> set[str]:
+        """Those of ``placed`` a heartbeat may leave out without their being vanished:
+        not started yet (a create can wait in a node's queue for many heartbeats), or
+        being destroyed (for :data:`ENDING_S`)."""
         for sandbox_id, sent in list(self._ending.items()):
             if now_s - sent > ENDING_S:
                 del self._ending[sandbox_id]
-        return set(self._unstarted) | set(self._ending)
+        return {s for s in placed if s in self._unstarted or s in self._ending}
 
     # --- lives left on lost nodes -------------------------------------------------
 
