@@ -158,6 +158,62 @@ def migrated() -> Settings:
     return settings
 
 
+def _renamed(url: str, suffix: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    return parsed.set(database=f"{parsed.database}{suffix}").render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def scratch_database(base: Settings, *, credentials: bool = False) -> Iterator[Settings]:
+    """``base``'s settings on a database of their own at the schema's head (holding
+    ``base``'s credentials, if asked: the same keys then prove the same senders),
+    dropped after: what a test writes there never reaches the stack's log."""
+    from sqlalchemy import insert, select
+
+    from app.db import tables
+    from app.db.engine import engine_for
+    from app.db.setup import ensure_database, migrate
+
+    suffix = f"_scratch{uuid.uuid4().hex[:6]}"
+    settings = base.model_copy(
+        update={
+            "database_url": _renamed(base.database_url, suffix),
+            "admin_database_url": _renamed(base.admin_database_url, suffix),
+        }
+    )
+    ensure_database(settings)
+    try:
+        migrate(settings)
+        if credentials:
+            with transaction(base.admin_database_url) as conn:
+                rows = [dict(r._mapping) for r in conn.execute(select(tables.credentials))]
+            if rows:
+                with transaction(settings.admin_database_url) as conn:
+                    conn.execute(insert(tables.credentials), rows)
+        yield settings
+    finally:
+        engine_for(settings.database_url).dispose()
+        engine_for(settings.admin_database_url).dispose()
+        _drop(settings)
+
+
+def _drop(settings: Settings, tries: int = 10) -> None:
+    """Drop the database; a service killed a moment ago may still hold a session
+    Postgres has not ended yet (and the owner may not end another role's sessions)."""
+    from app.db.setup import drop_database
+
+    for attempt in range(tries):
+        try:
+            drop_database(settings)
+            return
+        except Exception:
+            if attempt == tries - 1:
+                raise
+            time.sleep(1.0)
+
+
 @pytest.fixture
 def conn(migrated: Settings) -> Iterator[Connection]:
     """A service-role connection in a transaction that is always rolled back: what a

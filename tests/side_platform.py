@@ -15,7 +15,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -23,17 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import insert, select
-from sqlalchemy.engine import make_url
-
 from app import kafka_admin
 from app.config import Settings
 from app.control import tenants
-from app.db.engine import engine_for, transaction
-from app.db.setup import drop_database, ensure_database, migrate
-from app.db.tables import credentials
 from app.domain.proof import Role
-from tests.conftest import ensure_tenant, wait_for
+from tests.conftest import ensure_tenant, scratch_database, wait_for
 from workers.agent.build import AGENT_BINARY, ensure_agent_dir
 from workers.host.user import user_name
 
@@ -73,50 +66,6 @@ def first_sandbox(client: Any, node: str, timeout_s: float = 120) -> Any:
             return None
 
     return wait_for(created, timeout_s, f"a sandbox on {node}")
-
-
-def _renamed(url: str, suffix: str) -> str:
-    parsed = make_url(url)
-    return parsed.set(database=f"{parsed.database}{suffix}").render_as_string(hide_password=False)
-
-
-@contextmanager
-def own_database(stack: Settings) -> Iterator[Settings]:
-    """The stack's settings on a database of their own at the schema's head, holding
-    the stack's credentials; dropped after."""
-    suffix = f"_side{uuid.uuid4().hex[:6]}"
-    settings = stack.model_copy(
-        update={
-            "database_url": _renamed(stack.database_url, suffix),
-            "admin_database_url": _renamed(stack.admin_database_url, suffix),
-        }
-    )
-    ensure_database(settings)
-    try:
-        migrate(settings)
-        with transaction(stack.admin_database_url) as conn:
-            rows = [dict(r._mapping) for r in conn.execute(select(credentials))]
-        with transaction(settings.admin_database_url) as conn:
-            if rows:
-                conn.execute(insert(credentials), rows)
-        yield settings
-    finally:
-        engine_for(settings.database_url).dispose()
-        engine_for(settings.admin_database_url).dispose()
-        _drop(settings)
-
-
-def _drop(settings: Settings, tries: int = 10) -> None:
-    """Drop the database; a service killed a moment ago may still hold a session
-    Postgres has not ended yet (and the owner may not end another role's sessions)."""
-    for attempt in range(tries):
-        try:
-            drop_database(settings)
-            return
-        except Exception:
-            if attempt == tries - 1:
-                raise
-            time.sleep(1.0)
 
 
 class Service:
@@ -193,7 +142,7 @@ def side_setup(
     (app/stack/local_cluster.py)."""
     ensure_tenant(stack, "tests")
     tenants.ensure(stack, Role.NODE, node)
-    with own_database(stack) as database:
+    with scratch_database(stack, credentials=True) as database:
         settings = (kafka or stack).model_copy(
             update={
                 "state_dir": state,

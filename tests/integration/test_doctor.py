@@ -19,7 +19,6 @@ from app.config import Settings
 from app.db import doctor
 from app.db.engine import engine_for
 from app.db.log import SourcedEvent, append_and_project
-from app.db.setup import drop_database, ensure_database, migrate
 from app.domain.base import StopReason, utcnow
 from app.domain.events import (
     EventBase,
@@ -36,6 +35,7 @@ from app.domain.events import (
     StartedPayload,
     StoppedPayload,
 )
+from tests.conftest import scratch_database
 
 pytestmark = pytest.mark.integration
 
@@ -44,19 +44,8 @@ GRACE = timedelta(seconds=60)
 
 @pytest.fixture
 def scratch(migrated: Settings) -> Iterator[Settings]:
-    suffix = f"_doctor_{uuid.uuid4().hex[:6]}"
-    settings = migrated.model_copy(
-        update={
-            "database_url": migrated.database_url + suffix,
-            "admin_database_url": migrated.admin_database_url + suffix,
-        }
-    )
-    ensure_database(settings)
-    migrate(settings)
-    yield settings
-    engine_for(settings.database_url).dispose()
-    engine_for(settings.admin_database_url).dispose()
-    drop_database(settings)
+    with scratch_database(migrated) as settings:
+        yield settings
 
 
 class Log:

@@ -74,6 +74,15 @@ def _place(dispatcher: Dispatcher, sandbox_id: str = "sb-1") -> Outbox:
     return out
 
 
+def _start(dispatcher: Dispatcher, sandbox_id: str = "sb-1") -> None:
+    """Its node says the sandbox started."""
+    started = SandboxStarted(
+        sandbox_id=sandbox_id, node_id="n0", tenant="t",
+        payload=StartedPayload(request_id=dispatcher.created_by[sandbox_id], container_id="c"),
+    )  # fmt: skip
+    dispatcher.observe(Outbox(), _record(started))
+
+
 def test_a_create_whose_task_was_lost_ends_create_lost_and_gives_its_room_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -106,11 +115,7 @@ def test_a_create_whose_task_was_lost_ends_create_lost_and_gives_its_room_back(
 def test_a_started_sandbox_has_no_create_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     dispatcher = _dispatcher()
     _place(dispatcher)
-    started = SandboxStarted(
-        sandbox_id="sb-1", node_id="n0", tenant="t",
-        payload=StartedPayload(request_id=dispatcher.created_by["sb-1"], container_id="c"),
-    )  # fmt: skip
-    dispatcher.observe(Outbox(), _record(started))
+    _start(dispatcher)
     _at(monkeypatch, utcnow() + LATER)
     out = Outbox()
     dispatcher.check_lives(out)
@@ -205,11 +210,7 @@ def test_a_sandbox_being_destroyed_is_not_called_vanished() -> None:
     # Given a running sandbox on n0 and its tenant's destroy on its way to the node
     dispatcher = _dispatcher()
     _place(dispatcher)
-    started = SandboxStarted(
-        sandbox_id="sb-1", node_id="n0", tenant="t",
-        payload=StartedPayload(request_id=dispatcher.created_by["sb-1"], container_id="c"),
-    )  # fmt: skip
-    dispatcher.observe(Outbox(), _record(started))
+    _start(dispatcher)
     dispatcher.handle(Outbox(), _record(DestroySandbox(sandbox_id="sb-1", tenant="t")))
     # When the node's heartbeats no longer list it, twice (it is being removed)
     out = Outbox()
