@@ -49,3 +49,11 @@ def test_each_life_ends_at_the_nodes_last_word_on_it() -> None:
 def test_a_node_never_heard_from_ends_its_lives_at_its_loss() -> None:
     [end] = ends_of([_row("sb-1", last_heartbeat_at=None)])
     assert end.occurred_at == T0 + timedelta(seconds=25)
+
+
+def test_the_projector_may_write_the_ends_it_states() -> None:
+    from app.domain.kafka_access import PROJECTOR, Operation, service_grants
+
+    grants = service_grants("dsec")
+    writes = {g.name for g in grants if g.principal == PROJECTOR and g.operation == Operation.WRITE}
+    assert writes == {"dsec.events", "dsec.deadletters"}
