@@ -27,11 +27,10 @@ from sqlalchemy import text
 from app.config import Settings
 from app.db import doctor
 from app.db.engine import transaction
-from app.domain.events import NodeLost, NodeLostPayload
 from app.errors import SandboxError
 from app.sdk import Client
 from app.stack.services import write_redis_conf
-from tests.conftest import PlatformPublisher, free_port, wait_for
+from tests.conftest import declare_lost, free_port, wait_for
 from tests.integration.test_redis_restart import RedisServer
 from tests.side_platform import first_sandbox, side_setup
 from workers.host.mounts import remove_tree
@@ -157,7 +156,7 @@ def test_lives_on_a_node_lost_after_its_scheduler_stopped_end_node_lost_at_its_l
         worker.kill()
         subprocess.run(["pkill", "-KILL", "-u", user_name(node)], capture_output=True)
         # And it is declared lost, while no scheduler runs
-        _declare_lost(side.settings, node)
+        declare_lost(side.settings, [node])
         # Then the projector's rule ends every life on it, node_lost, once
         for box in boxes:
             end = wait_for(partial(_end, side.settings, box.id), 60, f"{box.id} ended")
@@ -185,12 +184,3 @@ def _end(settings: Settings, sandbox_id: str) -> Any:
         " FROM events WHERE sandbox_id = :s AND type = 'SandboxStopped' HAVING count(*) > 0",
         s=sandbox_id,
     )
-
-
-def _declare_lost(settings: Settings, node: str) -> None:
-    """NodeLost for ``node``, as a scheduler states it."""
-    publisher = PlatformPublisher(settings)
-    lost = NodeLost(node_id=node, payload=NodeLostPayload(detail="declared by the test"))
-    publisher.publish(settings.topic_events, lost.key, lost)
-    publisher.flush()
-    publisher.close()
