@@ -250,10 +250,12 @@ class Projector:
                 kept.append(item)
                 records.append(record)
                 continue
-            log.warning("%s: %s", self.name, verdict)
             self._dead(record, verdict.reason, verdict.detail)
             batch.outcome.dead += 1
         self.publisher.flush()
+        # One line a batch (each letter says why; a flood must not flood the log too).
+        log.warning("%s: %d events set aside, first: %s", self.name, len(good) - len(kept),
+                    next(v for v in verdicts if v is not None))  # fmt: skip
         batch.good, batch.records = kept, records
 
     def _commit(self, batch: Prepared) -> list[tuple[event_log.SourcedEvent, int]]:
