@@ -178,7 +178,7 @@ class Dispatcher:
             view = NodeView.declared(node_id, node, heard or now, confirmed=False)
             view.alive = False
             self.placement.upsert_node(view)
-            self.book.node_lost(node_id, clock, at_once=True)
+        holding: set[str] = set()
         for box in live:
             group = box.labels.get(GROUP_LABEL)
             if group:
@@ -187,6 +187,7 @@ class Dispatcher:
                 self.placement.assign(
                     box.sandbox_id, box.node_id, box.cpus, box.memory_mb, box.tenant, box.job_id
                 )
+                holding.add(box.node_id)
             if box.request_id is not None:
                 self.created_by[box.sandbox_id] = box.request_id
             if not box.started:
@@ -200,6 +201,11 @@ class Dispatcher:
                 self.leases.recovered(
                     box.sandbox_id, box.tenant, lease_id, box.frozen, clock, since, now
                 )
+        # Lives on a node already lost end at the next check, whoever placed them.
+        for node_id in sorted(holding):
+            held = self.placement.nodes.get(node_id)
+            if held is not None and not held.alive:
+                self.book.node_lost(node_id, clock, at_once=True)
 
     def retry_pending(self, out: Outbox) -> None:
         """Try again, oldest first, the creates that wait for room."""
