@@ -257,9 +257,9 @@ def logged(db: Callable[[], Any], sandbox_id: str, field: str, *types: str) -> l
 def live_and_rebuilt(settings: Settings) -> tuple[set[Any], set[Any]]:
     """Every projection row as it stands, and as a rebuild from the log makes it (in a
     transaction rolled back after, so nothing changes)."""
-    from app.db import projections
+    from app.db import doctor
 
-    found = projections.check_rebuild(settings.database_url)
+    found = doctor.check_rebuild(settings.database_url)
     return set(found.live), set(found.rebuilt)
 
 

@@ -310,7 +310,7 @@ def projections_rebuild(
     ] = False,
 ) -> None:
     """Rebuild every projection from the event log (one transaction)."""
-    from app.db import projections
+    from app.db import doctor, projections
     from app.db.engine import engine_for
 
     url = get_settings().database_url
@@ -320,7 +320,7 @@ def projections_rebuild(
             folded = projections.rebuild(conn)
         console.print(f"rebuilt projections from {folded} events")
         return
-    found = projections.check_rebuild(url)
+    found = doctor.check_rebuild(url)
     differ = found.differing
     console.print(
         f"folded {found.folded} events; {len(differ)} rows differ from the live projections"

@@ -440,35 +440,6 @@ def _hashable(value: object) -> object:
     return value
 
 
-@dataclass(frozen=True)
-class RebuildCheck:
-    """The projections as they stand and as a rebuild from the log makes them."""
-
-    folded: int
-    live: frozenset[tuple[object, ...]]
-    rebuilt: frozenset[tuple[object, ...]]
-
-    @property
-    def differing(self) -> frozenset[tuple[object, ...]]:
-        """The rows only one side holds (each row starts with its table's name)."""
-        return self.live ^ self.rebuilt
-
-
-def check_rebuild(url: str) -> RebuildCheck:
-    """Rebuild every projection from the log in a transaction rolled back after, and
-    compare with the live rows: nothing changes. The projector waits meanwhile (the
-    projections are locked), so this costs what a rebuild costs: mind it on a big log."""
-    from app.db.engine import engine_for
-
-    with engine_for(url).connect() as conn, conn.begin() as tx:
-        lock(conn)
-        live = frozenset(snapshot(conn))
-        folded = rebuild(conn)
-        rebuilt = frozenset(snapshot(conn))
-        tx.rollback()
-    return RebuildCheck(folded, live, rebuilt)
-
-
 def lock(conn: Connection) -> None:
     """Hold the projections still until the transaction ends (the projector waits)."""
     names = ", ".join(t.name for t in PROJECTION_TABLES)
