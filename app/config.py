@@ -275,6 +275,16 @@ class Settings(BaseSettings):
     )
     lease_ttl_s: float = Field(30.0, description="Default trainer lease, seconds.")
     lease_grace_s: float = Field(300.0, description="Frozen this long after a lapse.")
+    create_grace_s: float = Field(
+        60.0,
+        ge=0,
+        le=86_400,
+        description=(
+            "How long a create may still take once its request is DSEC_REQUEST_MAX_AGE_S old"
+            " (a node refuses older ones): a placement not started by then ends create_lost"
+            " and gives its node's room back. Raise it for restores of long trajectories."
+        ),
+    )
     max_message_bytes: int = Field(
         1_048_576, description="Largest accepted request or event (Kafka message)."
     )

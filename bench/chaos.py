@@ -15,9 +15,11 @@ At the end, after ``--settle`` seconds, the log is read back and it prints:
 commands answered and failed (an error or a timeout: the trainer heard nothing or a
 reason), lost (answered, but not in the log), doubled (ran twice: in the log twice or
 a count that skipped), sandboxes leaked (created and not ended in the log), and the
-p50/p99 latency of commands overall and in the 30 s after each kill. The last line is
-``RESULT chaos ... lost=L doubled=D leaked=K``. Goal: all three 0 over 10 minutes with
-a kill every 30 s.
+p50/p99 latency of commands overall and in the 30 s after each kill. Then it runs
+`dsec doctor` over the run (app/db/doctor.py: lives open past their deadlines, lives
+ended twice, lost nodes with open lives, projections that differ from a rebuild) and
+lists what it found. The last line is ``RESULT chaos ... lost=L doubled=D leaked=K
+doctor=F``. Goal: all four 0 over 10 minutes with a kill every 30 s.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
 from rich.console import Console
 from rich.table import Table
@@ -40,6 +43,7 @@ from sqlalchemy import text
 
 from app.config import Settings, get_settings
 from app.control import tenants
+from app.db import doctor
 from app.db.engine import transaction
 from app.errors import DsecError
 from app.sdk import Client
@@ -149,6 +153,7 @@ def main() -> None:
     targets = [t for t in args.targets.split(",") if t]
     tenants.local(settings, "chaos")
     job = f"chaos-{uuid.uuid4().hex[:6]}"
+    began_at = datetime.now(UTC)
     tally = Tally()
     stop = threading.Event()
     kills: list[tuple[float, str]] = []
@@ -201,6 +206,9 @@ def main() -> None:
                 {"j": job},
             ).scalars()
         )
+    # What breaks the invariants of lives, since the run began (every tenant's: the
+    # platform's own ends count too).
+    findings = doctor.examine(settings, began_at - timedelta(minutes=1), timedelta(seconds=60))
     lost = [t for t in tally.answered if logged[t] == 0]
     doubled = [t for t, n in logged.items() if n > 1]
     leaked = sorted(tally.created - ended)
@@ -222,6 +230,7 @@ def main() -> None:
         ("doubled (in the log twice)", str(len(doubled))),
         ("doubled (a count that skipped)", str(tally.skipped_counts)),
         ("sandboxes leaked (no end in the log)", str(len(leaked))),
+        ("dsec doctor findings", str(len(findings))),
         ("p50 / p99 command latency, s",
          f"{percentile(all_lat, 0.5):.3f} / {percentile(all_lat, 0.99):.3f}"),
         ("p99 within 30 s of a kill, s", f"{percentile(rec_lat, 0.99):.3f}"),
@@ -232,10 +241,13 @@ def main() -> None:
         console.print(f"  failed: {kind} x{n}")
     if leaked:
         console.print(f"  leaked: {', '.join(leaked[:10])}")
+    for finding in findings[:20]:
+        console.print(f"  doctor: {finding.check.value} {finding.subject}: {finding.detail}")
     print(
         f"RESULT chaos minutes={args.minutes:g} kills={len(kills)} answered={len(tally.answered)}"
         f" failed={sum(tally.failed.values())} lost={len(lost)}"
         f" doubled={len(doubled) + tally.skipped_counts} leaked={len(leaked)}"
+        f" doctor={len(findings)}"
         f" p99_s={percentile(all_lat, 0.99):.3f} p99_recovery_s={percentile(rec_lat, 0.99):.3f}"
         f" median_s={statistics.median(all_lat) if all_lat else float('nan'):.3f}"
     )

@@ -11,6 +11,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -27,8 +28,14 @@ def settings() -> Settings:
 
 
 @pytest.fixture(scope="session")
-def stack(settings: Settings) -> Settings:
-    """The embedded stack, up (idempotent: reuses what `make test` started)."""
+def stack(settings: Settings) -> Iterator[Settings]:
+    """The embedded stack, up (idempotent: reuses what `make test` started).
+
+    The suite leaves the stack's log and projections as it found them: when the
+    session ends, `dsec doctor`'s checks run again, and what they find that they did
+    not find at the start (a life the suite left open past its deadline or ended
+    twice, a lost node it left with open lives, projections that differ from a
+    rebuild) fails the session."""
     from app.stack import services as stack_mod
 
     try:
@@ -36,7 +43,21 @@ def stack(settings: Settings) -> Settings:
     except Exception as exc:  # name the service in the failure, never skip
         pytest.fail(f"the embedded stack is not available: {exc}", pytrace=False)
     ensure_tenant(settings, "tests")  # the tenant the suite's own clients sign as
-    return settings
+    began = datetime.now(UTC)
+    before = {f.key for f in _broken_lives(settings, began)}
+    yield settings
+    left = [f for f in _broken_lives(settings, began) if f.key not in before]
+    if left:
+        listed = "\n".join(f"  {f.check.value} {f.subject}: {f.detail}" for f in left[:20])
+        pytest.fail(f"the suite left {len(left)} broken lives (`dsec doctor`):\n{listed}",
+                    pytrace=False)  # fmt: skip
+
+
+def _broken_lives(settings: Settings, since: datetime) -> list[Any]:
+    """What `dsec doctor` finds on the stack (lives ended twice: since ``since``)."""
+    from app.db import doctor
+
+    return doctor.examine(settings, since - timedelta(minutes=1), timedelta(seconds=60))
 
 
 @pytest.fixture(scope="session")
@@ -137,6 +158,62 @@ def migrated() -> Settings:
     return settings
 
 
+def _renamed(url: str, suffix: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    return parsed.set(database=f"{parsed.database}{suffix}").render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def scratch_database(base: Settings, *, credentials: bool = False) -> Iterator[Settings]:
+    """``base``'s settings on a database of their own at the schema's head (holding
+    ``base``'s credentials, if asked: the same keys then prove the same senders),
+    dropped after: what a test writes there never reaches the stack's log."""
+    from sqlalchemy import insert, select
+
+    from app.db import tables
+    from app.db.engine import engine_for
+    from app.db.setup import ensure_database, migrate
+
+    suffix = f"_scratch{uuid.uuid4().hex[:6]}"
+    settings = base.model_copy(
+        update={
+            "database_url": _renamed(base.database_url, suffix),
+            "admin_database_url": _renamed(base.admin_database_url, suffix),
+        }
+    )
+    ensure_database(settings)
+    try:
+        migrate(settings)
+        if credentials:
+            with transaction(base.admin_database_url) as conn:
+                rows = [dict(r._mapping) for r in conn.execute(select(tables.credentials))]
+            if rows:
+                with transaction(settings.admin_database_url) as conn:
+                    conn.execute(insert(tables.credentials), rows)
+        yield settings
+    finally:
+        engine_for(settings.database_url).dispose()
+        engine_for(settings.admin_database_url).dispose()
+        _drop(settings)
+
+
+def _drop(settings: Settings, tries: int = 10) -> None:
+    """Drop the database; a service killed a moment ago may still hold a session
+    Postgres has not ended yet (and the owner may not end another role's sessions)."""
+    from app.db.setup import drop_database
+
+    for attempt in range(tries):
+        try:
+            drop_database(settings)
+            return
+        except Exception:
+            if attempt == tries - 1:
+                raise
+            time.sleep(1.0)
+
+
 @pytest.fixture
 def conn(migrated: Settings) -> Iterator[Connection]:
     """A service-role connection in a transaction that is always rolled back: what a
@@ -180,16 +257,10 @@ def logged(db: Callable[[], Any], sandbox_id: str, field: str, *types: str) -> l
 def live_and_rebuilt(settings: Settings) -> tuple[set[Any], set[Any]]:
     """Every projection row as it stands, and as a rebuild from the log makes it (in a
     transaction rolled back after, so nothing changes)."""
-    from app.db import projections
-    from app.db.engine import engine_for
+    from app.db import doctor
 
-    with engine_for(settings.database_url).connect() as conn, conn.begin() as tx:
-        projections.lock(conn)
-        live = projections.snapshot(conn)
-        projections.rebuild(conn)
-        rebuilt = projections.snapshot(conn)
-        tx.rollback()
-    return set(live), set(rebuilt)
+    found = doctor.check_rebuild(settings.database_url)
+    return set(found.live), set(found.rebuilt)
 
 
 def free_port() -> int:

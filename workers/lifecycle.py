@@ -28,6 +28,7 @@ from app.domain.events import (
     SandboxThawed,
     StoppedPayload,
 )
+from app.domain.lives import RECONCILER
 from app.domain.replies import Done
 from app.domain.requests import DestroySandbox, FreezeSandbox, RequestBase, ThawSandbox
 from workers.agent.client import AgentConnection, AgentPool
@@ -215,13 +216,21 @@ class Lifecycle:
             self.node.release(due.sandbox_id)
 
     def destroy(self, request: DestroySandbox) -> None:
-        """Destroy on request; a second destroy is answered without a second Stopped."""
+        """Destroy on request; a second destroy is answered without a second Stopped.
+
+        An orphan's destroy (the scheduler's reconciler: a container no open life
+        holds) states no end either: the life it had ended in the log already, or it
+        never was one, and a life ends once (app/domain/admission.py)."""
         node = self.node
         with node.busy(request.sandbox_id):
             # One inspect, not a listing: at thousands of sandboxes a listing per destroy
             # made destroys quadratic (3/s at 500 sandboxes here).
             known = node.driver.get(request.sandbox_id) is not None
-            if known:
+            if known and request.actor == RECONCILER:
+                self.node.deadlines.cancel(request.sandbox_id)
+                self.node.activity.pop(request.sandbox_id, None)
+                self.discard(request.sandbox_id)
+            elif known:
                 self.stop(
                     request.sandbox_id,
                     request.tenant,

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from app.cli import render as cli_render
 from app.cli.control import control_cli
+from app.cli.doctor import doctor
 from app.cli.image import image_cli
 from app.cli.kafka import kafka_cli
 from app.cli.log import log_cli
@@ -34,6 +35,7 @@ cli.add_typer(node_cli, name="node")
 cli.add_typer(control_cli, name="control")
 cli.add_typer(log_cli, name="log")
 cli.add_typer(kafka_cli, name="kafka")
+cli.command()(doctor)
 console = cli_render.console
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -308,20 +310,21 @@ def projections_rebuild(
     ] = False,
 ) -> None:
     """Rebuild every projection from the event log (one transaction)."""
-    from app.db import projections
+    from app.db import doctor, projections
     from app.db.engine import engine_for
 
-    with engine_for(get_settings().database_url).connect() as conn, conn.begin() as tx:
-        projections.lock(conn)
-        before = projections.snapshot(conn) if check else []
-        folded = projections.rebuild(conn)
-        if not check:
-            console.print(f"rebuilt projections from {folded} events")
-            return
-        after = projections.snapshot(conn)
-        tx.rollback()
-    differ = set(before) ^ set(after)
-    console.print(f"folded {folded} events; {len(differ)} rows differ from the live projections")
+    url = get_settings().database_url
+    if not check:
+        with engine_for(url).connect() as conn, conn.begin():
+            projections.lock(conn)
+            folded = projections.rebuild(conn)
+        console.print(f"rebuilt projections from {folded} events")
+        return
+    found = doctor.check_rebuild(url)
+    differ = found.differing
+    console.print(
+        f"folded {found.folded} events; {len(differ)} rows differ from the live projections"
+    )
     if differ:
         for row in sorted(differ, key=str)[:20]:
             console.print(f"  {row}")

@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 from app.config import Settings
 from app.control.creates import Pending, Waiting, placement_events, why_refused
 from app.control.leases import Leases, lease_request
+from app.control.life_book import LifeBook, Unstarted
 from app.control.node_health import NodeHealth
 from app.control.outbox import Courier, NoTally, Outbox, Tally
 from app.domain.base import RejectReason, StopReason, derived_id, utcnow
@@ -42,6 +43,7 @@ from app.domain.events import (
 )
 from app.domain.gate import Admitted, Gate, GateRules, Refusal, Sender
 from app.domain.lease import Lease, LeaseAction, LeaseState
+from app.domain.lives import CONTROL_NS, RECONCILER, Terms, declared_end
 from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement
 from app.domain.proof import KeyLookup, Principal, ProofError, Purpose, Role, verify
 from app.domain.records import Record
@@ -70,11 +72,7 @@ HEARTBEAT_TIMEOUT = timedelta(seconds=20)
 #: Ended sandboxes remembered to give a precise reason to late requests.
 ENDED_MEMORY = 100_000
 #: Namespace of ids of the facts the scheduler establishes on its own.
-_NS = uuid.uuid5(uuid.NAMESPACE_URL, "dsec-scheduler")
-
-
-#: The actor the log names for what the scheduler does on its own.
-RECONCILER = "scheduler/reconciler"
+_NS = CONTROL_NS
 
 
 @dataclass(frozen=True)
@@ -91,6 +89,12 @@ class LiveSandbox:
     frozen: bool = False
     #: The create request behind it (a redelivered create is then recognised).
     request_id: uuid.UUID | None = None
+    #: When it was requested, and whether its start is in the log: a life not started
+    #: has a create deadline (app/control/life_book.py).
+    requested_at: datetime | None = None
+    started: bool = True
+    #: Since when it is frozen (the log's last freeze): its lease's grace runs from then.
+    frozen_at: datetime | None = None
 
 
 class Dispatcher:
@@ -126,9 +130,10 @@ class Dispatcher:
         self.awaiting_start: dict[str, Waiting] = {}
         # The create request each live sandbox came from (redeliveries are no-ops).
         self.created_by: dict[str, uuid.UUID] = {}
-        # Sandboxes scheduled (here or by another scheduler) whose start has not come
-        # back: a node that does not list them yet has not lost them.
-        self.unstarted: set[str] = set()
+        # Lives scheduled (here or by another scheduler) whose start has not come back
+        # (a node that does not list them yet has not lost them; past their deadline
+        # they end create_lost), lives being destroyed, lives left on lost nodes.
+        self.book = LifeBook(Terms.of(settings))
         # Requested events of other schedulers, until their Scheduled comes (the same
         # partition, right after): what a placement it learns from the log needs.
         self._requested: OrderedDict[str, SandboxRequested] = OrderedDict()
@@ -146,7 +151,10 @@ class Dispatcher:
         self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     def recover(
-        self, nodes: Iterable[tuple[str, NodeCapacity]], live: Iterable[LiveSandbox]
+        self,
+        nodes: Iterable[tuple[str, NodeCapacity]],
+        live: Iterable[LiveSandbox],
+        lost: Iterable[tuple[str, NodeCapacity, datetime | None]] = (),
     ) -> None:
         """Take up where a previous scheduler left off, from what the log says.
 
@@ -155,14 +163,22 @@ class Dispatcher:
         was away, not the node). Live sandboxes hold their allocations, their groups
         and their leases. A lease's clock restarts: a trainer that is still there
         renews it; one that is gone lets it lapse one TTL later. A lease with a
-        frozen sandbox is recovered lapsed, so a renewal thaws it.
+        frozen sandbox is recovered lapsed since its freeze, so a renewal thaws it.
+        Lives not started keep their create deadline; lives on nodes already ``lost``
+        (with their last heartbeat) end at the next :meth:`check_lives`, whichever
+        scheduler placed them.
         """
         now = utcnow()
+        clock = time.monotonic()
         for node_id, node in nodes:
             view = NodeView.declared(node_id, node, now, confirmed=False)
             view.queue = self.settings.node_queue(node_id)
             self.placement.upsert_node(view)
-        clock = time.monotonic()
+        for node_id, node, heard in lost:
+            view = NodeView.declared(node_id, node, heard or now, confirmed=False)
+            view.alive = False
+            self.placement.upsert_node(view)
+        holding: set[str] = set()
         for box in live:
             group = box.labels.get(GROUP_LABEL)
             if group:
@@ -171,11 +187,25 @@ class Dispatcher:
                 self.placement.assign(
                     box.sandbox_id, box.node_id, box.cpus, box.memory_mb, box.tenant, box.job_id
                 )
+                holding.add(box.node_id)
             if box.request_id is not None:
                 self.created_by[box.sandbox_id] = box.request_id
+            if not box.started:
+                self.book.placed(
+                    Unstarted(box.sandbox_id, box.tenant, box.job_id, box.node_id,
+                              box.requested_at)
+                )  # fmt: skip
             lease_id = box.labels.get(LEASE_LABEL)
             if lease_id:
-                self.leases.recovered(box.sandbox_id, box.tenant, lease_id, box.frozen, clock)
+                since = box.frozen_at if box.frozen else None
+                self.leases.recovered(
+                    box.sandbox_id, box.tenant, lease_id, box.frozen, clock, since, now
+                )
+        # Lives on a node already lost end at the next check, whoever placed them.
+        for node_id in sorted(holding):
+            held = self.placement.nodes.get(node_id)
+            if held is not None and not held.alive:
+                self.book.node_lost(node_id, clock, at_once=True)
 
     def retry_pending(self, out: Outbox) -> None:
         """Try again, oldest first, the creates that wait for room."""
@@ -223,11 +253,13 @@ class Dispatcher:
                 # A node's tasks go to its own queue, whatever it declares.
                 view.queue = self.settings.node_queue(event.node_id)
                 self.placement.upsert_node(view)
+                self.book.node_back(event.node_id)
                 if p.sandboxes is not None:
                     self._reconcile(out, event.node_id, set(p.sandboxes), event.occurred_at)
             case NodeLost():
                 assert event.node_id is not None
                 self.placement.mark_lost(event.node_id)
+                self.book.node_lost(event.node_id, time.monotonic())
             case SandboxRequested() if event.sandbox_id not in self.created_by:
                 self._requested[event.sandbox_id or ""] = event
                 while len(self._requested) > ENDED_MEMORY:
@@ -236,7 +268,7 @@ class Dispatcher:
                 self._learn_placement(event.sandbox_id or "", p.node_id)
             case SandboxStarted() if self._placed_here(sender, event.sandbox_id):
                 self.awaiting_start.pop(event.sandbox_id or "", None)
-                self.unstarted.discard(event.sandbox_id or "")
+                self.book.started(event.sandbox_id or "")
                 self._alive(event.node_id, event.sandbox_id, event.occurred_at)
             case CommandCompleted() if self._placed_here(sender, event.sandbox_id):
                 self._alive(event.node_id, event.sandbox_id, event.occurred_at)
@@ -269,7 +301,10 @@ class Dispatcher:
             sandbox_id, node_id, p.cpus, p.memory_mb, requested.tenant, requested.job_id
         )
         self.created_by[sandbox_id] = p.request_id
-        self.unstarted.add(sandbox_id)
+        self.book.placed(
+            Unstarted(sandbox_id, requested.tenant, requested.job_id, node_id,
+                      requested.occurred_at)
+        )  # fmt: skip
         group = p.labels.get(GROUP_LABEL)
         if group:
             members = self.groups.setdefault((requested.tenant, group), [])
@@ -318,7 +353,7 @@ class Dispatcher:
     def _forget(self, sandbox_id: str, reason: str) -> None:
         """A sandbox ended: free its room, its lease, its group slot."""
         self.awaiting_start.pop(sandbox_id, None)
-        self.unstarted.discard(sandbox_id)
+        self.book.forget(sandbox_id)
         self._requested.pop(sandbox_id, None)
         self.leases.leave(sandbox_id)
         allocation = self.placement.release(sandbox_id)
@@ -382,7 +417,8 @@ class Dispatcher:
 
     def _reconcile(self, out: Outbox, node_id: str, reported: set[str], at: datetime) -> None:
         placed = self.placement.placed_on(node_id)
-        verdict = self.health.reconcile(node_id, placed, reported, self.unstarted & placed, at)
+        quiet = self.book.quiet(placed, time.monotonic())
+        verdict = self.health.reconcile(node_id, placed, reported, quiet, at)
         for sandbox_id in sorted(verdict.vanished):
             allocation = self.placement.allocations.get(sandbox_id)
             if allocation is not None:
@@ -418,6 +454,34 @@ class Dispatcher:
                 self._stop(
                     out, allocation, StopReason.NODE_LOST, f"{node.node_id}: {detail}", at=seen
                 )
+
+    def check_lives(self, out: Outbox) -> None:
+        """End the lives whose deadline this scheduler keeps (app/domain/lives.py) and
+        that passed it: those left on a node declared lost (by another scheduler, or
+        before this one started), and those placed and never started by the time their
+        create could still start (``create_lost``, their room given back)."""
+        for node_id in self.book.lost_nodes_due(time.monotonic()):
+            node = self.placement.nodes.get(node_id)
+            if node is None or node.alive:
+                continue
+            for sandbox_id in sorted(self.placement.placed_on(node_id)):
+                seen = self.health.last_alive(node_id, sandbox_id) or node.last_seen
+                detail = f"{node_id}: declared lost"
+                self._stop(out, self.placement.allocations[sandbox_id], StopReason.NODE_LOST,
+                           detail, at=seen)  # fmt: skip
+        for entry in self.book.lost_creates(utcnow()):
+            detail = (
+                f"placed on {entry.node_id}, never started: its create was lost"
+                if entry.node_id else "requested, never placed: its create was lost"
+            )  # fmt: skip
+            log.warning("scheduler: %s %s", entry.sandbox_id, detail)
+            allocation = self.placement.allocations.get(entry.sandbox_id)
+            if allocation is not None:
+                self._stop(out, allocation, StopReason.CREATE_LOST, detail)
+                continue
+            self.send.emit(out, declared_end(entry.life(), StopReason.CREATE_LOST, detail,
+                                             utcnow()))  # fmt: skip
+            self._forget(entry.sandbox_id, StopReason.CREATE_LOST.value)
 
     # --- creates ------------------------------------------------------------------
 
@@ -470,15 +534,19 @@ class Dispatcher:
         self.awaiting_start[request.sandbox_id] = Waiting(
             request.request_id, request.reply_to, sender
         )
-        self.unstarted.add(request.sandbox_id)
         self.created_by[request.sandbox_id] = request.request_id
         labels = request.labels
         if request.lease_id is not None:
             self.leases.join(request.sandbox_id, request.tenant, request.lease_id, time.monotonic())
             # In the log, so a restarted scheduler knows the lease (and SQL the cost).
             labels = {**labels, LEASE_LABEL: request.lease_id}
-        for event in placement_events(request, placed.node_id, labels):
+        requested, scheduled = placement_events(request, placed.node_id, labels)
+        for event in (requested, scheduled):
             self.send.emit(out, event)
+        self.book.placed(
+            Unstarted(request.sandbox_id, request.tenant, request.job_id, placed.node_id,
+                      requested.occurred_at)
+        )  # fmt: skip
         node = self.placement.nodes[placed.node_id]
         restore: list[str | list[str]] | None = None
         if request.restore_trajectory and self.trajectory is not None:
@@ -583,6 +651,8 @@ class Dispatcher:
             return
         if isinstance(request, Exec) and self._replay(out, admitted):
             return
+        if isinstance(request, DestroySandbox):
+            self.book.ending(request.sandbox_id, time.monotonic())
         self.send.task(out, node, request, sender)
         self.tally.handled(request.type, "routed")
 
@@ -608,6 +678,8 @@ class Dispatcher:
             if node is None or allocation is None:
                 continue
             task = lease_request(lease, action, sandbox_id, allocation.tenant, allocation.job_id)
+            if action == LeaseAction.DESTROY:
+                self.book.ending(sandbox_id, time.monotonic())
             self.send.task(out, node, task)
 
     def check_leases(self, out: Outbox) -> None:
@@ -626,6 +698,7 @@ class Dispatcher:
             destroy = DestroySandbox(**member_envelope(request, member))
             node = self.placement.node_of(member)
             if node is not None:
+                self.book.ending(member, time.monotonic())
                 self.send.task(out, node, destroy, admitted.sender)
             else:
                 done = Done(request_id=destroy.request_id, sandbox_id=member, detail="already gone")

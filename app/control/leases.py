@@ -10,6 +10,7 @@ several schedulers, only the one that reads a lease's renewals keeps its clock
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 
 from app.domain.base import StopReason, new_id
 from app.domain.lease import Lease, LeaseAction, LeaseState
@@ -90,24 +91,35 @@ class Leases:
             lease.expires_s = now_s + lease.ttl_s
 
     def recovered(
-        self, sandbox_id: str, owner: str, lease_id: str, frozen: bool, now_s: float
+        self,
+        sandbox_id: str,
+        owner: str,
+        lease_id: str,
+        frozen: bool,
+        now_s: float,
+        frozen_at: datetime | None = None,
+        now: datetime | None = None,
     ) -> None:
         """A live sandbox of a previous scheduler: its lease's clock restarts (a trainer
-        still there renews it); one left frozen is recovered lapsed, so a renewal thaws it."""
+        still there renews it); one left frozen is recovered lapsed, so a renewal thaws
+        it, its grace running from its freeze (``frozen_at``, the log's time; ``now``
+        the same clock's now) rather than from this restart: restarts must not keep
+        a frozen sandbox alive."""
         lease = self.join(sandbox_id, owner, lease_id, now_s)
         if frozen:
-            lease.state, lease.lapsed_s = LeaseState.LAPSED, now_s
+            ago = (now - frozen_at).total_seconds() if frozen_at and now else 0.0
+            lapsed_s = now_s - max(ago, 0.0)
+            if lease.lapsed_s is None or lapsed_s < lease.lapsed_s:
+                lease.state, lease.lapsed_s = LeaseState.LAPSED, lapsed_s
 
     def restart_clocks(self, keeps: Callable[[str], bool], now_s: float) -> None:
         """Leases whose clock this scheduler keeps from now on start a fresh term (the
-        trainer renews it, or it lapses one TTL later); lapsed ones a fresh grace."""
+        trainer renews it, or it lapses one TTL later: its renewals are not in the log).
+        A lapsed one keeps its lapse: the freeze is in the log, and its grace runs
+        from there, whoever keeps the clock."""
         for (_, lease_id), lease in self._by_key.items():
-            if not keeps(lease_id):
-                continue
-            if lease.state == LeaseState.HELD:
+            if keeps(lease_id) and lease.state == LeaseState.HELD:
                 lease.expires_s = max(lease.expires_s, now_s + lease.ttl_s)
-            elif lease.lapsed_s is not None:
-                lease.lapsed_s = max(lease.lapsed_s, now_s)
 
     def due(self, now_s: float) -> list[tuple[Lease, LeaseAction]]:
         """What the leases whose clock this scheduler keeps call for now (freeze on a

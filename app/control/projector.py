@@ -21,16 +21,20 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from sqlalchemy import Connection
+
 from app import metrics
 from app.bus import Publisher
 from app.config import Settings
 from app.consuming import PositionedConsumer, dead_letter
 from app.control.keyring import Keyring
+from app.control.lost_lives import LostLives
 from app.control.waiting import Stopped, until_available
 from app.db import log as event_log
-from app.db import projections, staging
+from app.db import projections, queries, staging
 from app.db.engine import engine_for, transaction
 from app.db.errors import UNAVAILABLE, savepoint
+from app.domain import admission
 from app.domain.codec import DeadLetterReason, DecodeError, decode_event
 from app.domain.events import Event
 from app.domain.proof import KeyInfo, KeyLookup, ProofError, Purpose, Role, verify
@@ -72,9 +76,13 @@ class BatchKeys(KeyLookup):
         return self._keys.current(role, subject)
 
 
-def admit_event(record: Record, keys: KeyLookup, max_bytes: int) -> Event | DecodeError:
-    """One record of the events topic: the event it proves, or why it is a dead letter.
-    Pure, and total: whatever bytes and headers arrive, it returns."""
+def admit_event(
+    record: Record, keys: KeyLookup, max_bytes: int
+) -> tuple[Event, str | None] | DecodeError:
+    """One record of the events topic: the event it proves and the node that proved it
+    (None: the scheduler), or why it is a dead letter. Pure, and total: whatever bytes
+    and headers arrive, it returns. (What the log must hold already for a node's event
+    to be admitted is checked as the batch is appended: :meth:`Projector.screen`.)"""
     value = record.value or b""
     try:
         sender = verify(Purpose.EVENT, value, record.headers, keys, EVENT_SENDERS)
@@ -86,7 +94,7 @@ def admit_event(record: Record, keys: KeyLookup, max_bytes: int) -> Event | Deco
     refusal = event_refusal(sender, event)
     if refusal is not None:
         return DecodeError(DeadLetterReason.FORBIDDEN, refusal)
-    return event
+    return event, sender.subject if sender.role == Role.NODE else None
 
 
 @dataclass
@@ -107,6 +115,8 @@ class Prepared:
     #: The record each of ``good`` came from, in the same order.
     records: list[Record]
     outcome: BatchOutcome
+    #: ``good`` holds only what the log admits about its sandboxes (:meth:`Projector.screen`).
+    screened: bool = False
 
 
 class Projector:
@@ -135,6 +145,10 @@ class Projector:
             )  # fmt: skip
         self.warnings = self.consumer.seek(stored)
         self._partitions_checked = time.monotonic()
+        # The rule for lives on lost nodes runs in one projector: the one that reads
+        # partition 0 (every projector, were they all to sweep, would send the same ends).
+        reads_first = any(tp.partition == 0 for tp in self.consumer.partitions)
+        self.lost_lives = LostLives(settings, self.publisher, self.keys) if reads_first else None
 
     def _prepare_log(self) -> dict[int, StoredOffset]:
         """Tomorrow's partitions made; where this projector stands, as stored."""
@@ -172,10 +186,10 @@ class Projector:
                 self._dead(record, taken.reason, taken.detail)
                 outcome.dead += 1
                 continue
-            event = taken
+            event, node = taken
             item = event_log.SourcedEvent(
                 event, record.topic, topic_id, record.partition, record.offset,
-                event_log.payload_json(event),
+                event_log.payload_json(event), node,
             )  # fmt: skip
             good.append(item)
             sources.append(record)
@@ -191,42 +205,76 @@ class Projector:
 
     def commit(self, batch: Prepared) -> BatchOutcome:
         """Append and project a prepared batch and move the offsets, in one transaction."""
-        good, outcome = batch.good, batch.outcome
+        outcome = batch.outcome
         try:
-            appended = self._commit(good, outcome.offsets)
+            appended = self._commit(batch)
         except StorageRefused as exc:
             # One event the database cannot store (it passed validation, but e.g.
             # jsonb refuses a NUL character) must not stop the log: find it, event by
             # event, and dead-letter it; the others are appended as usual.
             log.warning("%s: batch refused (%s); appending event by event", self.name, exc)
-            appended = self._commit_singly(good, outcome, batch.records)
+            appended = self._commit_singly(batch)
         outcome.appended = len(appended)
-        outcome.duplicates = len(good) - len(appended)
+        outcome.duplicates = len(batch.good) - len(appended)
         self._committed += 1
         metrics.EVENTS_APPENDED.inc(outcome.appended)
         metrics.EVENTS_DUPLICATE.inc(outcome.duplicates)
         return outcome
 
-    def _commit(
-        self, good: list[event_log.SourcedEvent], offsets: dict[int, int]
-    ) -> list[tuple[event_log.SourcedEvent, int]]:
+    def screen(self, conn: Connection, batch: Prepared) -> None:
+        """Set aside what the log refuses about the batch's sandboxes, given what it
+        holds of them (app/domain/admission.py): a node's event about a sandbox not
+        placed on it, a second end of a life. They are dead-lettered, and flushed
+        before the offsets pass them. Read in the batch's own transaction: every event
+        of a sandbox is on its partition, so no other lane moves what is read here."""
+        if batch.screened:
+            return  # a batch appended again event by event: screened the first time
+        batch.screened = True
+        good = batch.good
+        ends = [i.event.event_id for i in good if admission.is_end(i.event)]
+        named = {
+            i.event.sandbox_id for i in good
+            if i.event.sandbox_id is not None and (i.node is not None or admission.is_end(i.event))
+        }  # fmt: skip
+        if not named:
+            return
+        known = queries.admission_facts(conn, named)
+        logged = queries.logged_ids(conn, ends) if ends else set()
+        verdicts = admission.screen([(i.event, i.node) for i in good], known, logged)
+        if not any(verdicts):
+            return
+        kept: list[event_log.SourcedEvent] = []
+        records: list[Record] = []
+        for item, record, verdict in zip(good, batch.records, verdicts, strict=True):
+            if verdict is None:
+                kept.append(item)
+                records.append(record)
+                continue
+            self._dead(record, verdict.reason, verdict.detail)
+            batch.outcome.dead += 1
+        self.publisher.flush()
+        # One line a batch (each letter says why; a flood must not flood the log too).
+        log.warning("%s: %d events set aside, first: %s", self.name, len(good) - len(kept),
+                    next(v for v in verdicts if v is not None))  # fmt: skip
+        batch.good, batch.records = kept, records
+
+    def _commit(self, batch: Prepared) -> list[tuple[event_log.SourcedEvent, int]]:
         with metrics.BATCH_SECONDS.time(), transaction(self.settings.database_url) as conn:
-            appended = event_log.append_and_project(conn, good)
+            self.screen(conn, batch)
+            appended = event_log.append_and_project(conn, batch.good)
             event_log.save_offsets(
-                conn, self.name, self.settings.topic_events, self.consumer.topic_id, offsets
-            )
+                conn, self.name, self.settings.topic_events, self.consumer.topic_id,
+                batch.outcome.offsets,
+            )  # fmt: skip
         return appended
 
-    def _commit_singly(
-        self,
-        good: list[event_log.SourcedEvent],
-        outcome: BatchOutcome,
-        records: list[Record],
-    ) -> list[tuple[event_log.SourcedEvent, int]]:
+    def _commit_singly(self, batch: Prepared) -> list[tuple[event_log.SourcedEvent, int]]:
         appended: list[tuple[event_log.SourcedEvent, int]] = []
         refused: list[tuple[Record, str]] = []
+        outcome = batch.outcome
         with transaction(self.settings.database_url) as conn:
-            for item, record in zip(good, records, strict=True):
+            self.screen(conn, batch)
+            for item, record in zip(batch.good, batch.records, strict=True):
                 try:
                     with savepoint(conn):
                         one = event_log.append_and_project(conn, [item])
@@ -286,6 +334,8 @@ class Projector:
                     # A lane that failed is noticed even if no more records come its way.
                     for lane in lanes:
                         lane.check()
+                    if self.lost_lives is not None and self.lost_lives.due():
+                        self.lost_lives.sweep()
                     records = self.consumer.poll(timeout_ms=200, max_records=BATCH_RECORDS)
                     if records:
                         parts = split_lanes(self.prepare(records), len(lanes))

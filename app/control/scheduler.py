@@ -111,15 +111,17 @@ class Scheduler:
     # --- state ------------------------------------------------------------------
 
     def _recover(self) -> dict[int, StoredOffset]:
-        """Nodes and live sandboxes as the projections last saw them, which of those
-        sandboxes a lapsed lease left frozen (from the log), and the projector's
-        offsets in ``dsec.events`` those projections stand at (one snapshot)."""
+        """Nodes (alive and lost) and live sandboxes as the projections last saw them,
+        whichever scheduler placed them, which of those sandboxes a lapsed lease left
+        frozen and since when (from the log), and the projector's offsets in
+        ``dsec.events`` those projections stand at (one snapshot)."""
         with transaction(self.settings.database_url) as conn:
             # One snapshot: the projector commits its projections and its offsets in
             # one transaction, so what is read here is exactly the events before them.
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
             projected = event_log.load_offsets(conn, PROJECTOR, self.settings.topic_events)
             alive = queries.alive_nodes(conn)
+            lost = queries.lost_nodes(conn)
             rows = queries.live_sandboxes(conn)
             ids = [r.sandbox_id for r in rows]
             frozen = queries.frozen_now(conn, ids)
@@ -135,10 +137,12 @@ class Scheduler:
                     sandbox_id=row.sandbox_id, node_id=row.node_id, cpus=row.cpus or 0.0,
                     memory_mb=row.memory_mb or 0, tenant=row.tenant, job_id=row.job_id,
                     labels=row.labels or {}, frozen=row.sandbox_id in frozen,
-                    request_id=created_by.get(row.sandbox_id),
+                    request_id=created_by.get(row.sandbox_id), requested_at=row.requested_at,
+                    started=row.started_at is not None, frozen_at=frozen.get(row.sandbox_id),
                 )
                 for row in rows
             ),
+            ((row.node_id, row, row.last_heartbeat_at) for row in lost),
         )  # fmt: skip
         return projected
 
@@ -195,6 +199,7 @@ class Scheduler:
         bus_since = self._bus_clock()
         if bus_since is not None:  # no node is silent while the bus itself is
             self.dispatcher.check_nodes(out, bus_since)
+        self.dispatcher.check_lives(out)
         self.dispatcher.check_leases(out)
         self.dispatcher.retry_pending(out)
         records = self.requests.poll(timeout_ms=50, max_records=500)

@@ -30,6 +30,9 @@ class SourcedEvent(NamedTuple):
     #: The payload as stored (``event.payload`` serialised), if the caller made it
     #: already: the projector does so while the previous batch commits.
     payload_json: str | None = None
+    #: The node whose key proved the event; None: the scheduler's (or a test's). A node
+    #: speaks only for the sandboxes placed on it (app/domain/admission.py).
+    node: str | None = None
 
 
 def payload_json(event: Event) -> str:
@@ -121,7 +124,7 @@ def _copy_and_insert(
             (n, e.event_id, e.type, e.version, e.sandbox_id, e.node_id, e.tenant, e.job_id,
              e.occurred_at, payload_json(e) if payload is None else payload, topic, topic_id,
              partition, offset)
-            for n, (e, topic, topic_id, partition, offset, payload) in enumerate(items)
+            for n, (e, topic, topic_id, partition, offset, payload, _node) in enumerate(items)
         ),
     )  # fmt: skip
     with staging.driver_errors(_APPEND), staging.driver(conn).cursor() as cur:

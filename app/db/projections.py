@@ -45,7 +45,7 @@ from app.domain.events import (
     SandboxStarted,
     SandboxStopped,
 )
-from app.domain.sandbox_state import TERMINAL, SandboxState, advance, rank
+from app.domain.sandbox_state import ENDED, SandboxState, advance, rank
 
 PROJECTION_TABLES = (sandboxes, nodes, commands, usage, lives, usage_daily, running_usage)
 #: The projections that hold history the log may no longer hold (see :func:`rebuild`).
@@ -54,7 +54,7 @@ BILLING_TABLES = (lives, usage_daily, running_usage)
 #: The version of the rules below. Raise it with any change to what a projection
 #: holds for a given log: a projector that finds another version recorded rebuilds
 #: every projection from the log before it folds anything new (:func:`ensure_current`).
-VERSION = 6
+VERSION = 7
 _VERSION_ROW = "projections"
 
 #: The sandbox columns that lifecycle events set, with their Postgres types.
@@ -166,12 +166,19 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
             change = _lifecycle(event) if event.type in _LIFECYCLE_TYPES else None
             # A sandbox's first ending is its ending: a later Stopped (the node's, after
             # the scheduler declared it lost) or a late Started stays in the audit trail
-            # but leaves the row, and what was charged, as they were. The upsert below
-            # holds to the same rule across batches, so batching never shows.
-            if change is not None and box.state not in TERMINAL:
+            # but leaves the row, and what was charged, as they were. A refused create
+            # of a sandbox that lives (a duplicate) moves only its position; a create of
+            # a refused id lives anew (its row's columns start over). The upsert below
+            # holds to the same rules across batches, so batching never shows.
+            if change is not None and box.state not in ENDED:
                 state, columns = change
+                refusal = state == SandboxState.REJECTED
+                if not refusal or box.state in (None, SandboxState.REJECTED):
+                    if box.state == SandboxState.REJECTED and not refusal:
+                        box.columns = {}
+                        box.tenant, box.job_id = event.tenant, event.job_id
+                    box.columns.update({k: v for k, v in columns.items() if v is not None})
                 box.state = advance(box.state, state)
-                box.columns.update({k: v for k, v in columns.items() if v is not None})
                 # Only events that change the row move its position: an event that
                 # leaves no trace (a refused exec) must not, or batching would show.
                 box.last_position = position
@@ -185,7 +192,7 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
                 box.early_position = position
             else:
                 box.commands += 1
-                if box.state not in TERMINAL:
+                if box.state not in ENDED:
                     box.last_position = position
             u = out.usage.setdefault(tenant_job, UsageFold())
             u.commands += 1
@@ -217,7 +224,10 @@ def fold(items: Sequence[tuple[Event, int]]) -> Fold:
 
 _RANK_CASE = "CASE {col} " + " ".join(f"WHEN '{s.value}' THEN {rank(s)}" for s in SandboxState)
 _COLS = ", ".join(SANDBOX_COLUMNS)
-_ENDED = "s.state IN (" + ", ".join(f"'{t.value}'" for t in sorted(TERMINAL)) + ")"
+_ENDED = "s.state IN (" + ", ".join(f"'{t.value}'" for t in sorted(ENDED)) + ")"
+_REJECTED = SandboxState.REJECTED.value
+#: A refused id that lives now: its row starts over, whose it is included.
+_ANEW = f"s.state = '{_REJECTED}' AND excluded.state <> '{_REJECTED}'"
 
 # The sandboxes upsert reads the batch's rows from its COPYed stage; the smaller
 # statements take theirs as ONE json parameter that Postgres unpacks: binding
@@ -229,7 +239,11 @@ _UPSERT_SANDBOXES = text(
     SELECT sandbox_id, tenant, job_id, state, commands, last_position, {_COLS}
     FROM staged
     ON CONFLICT (sandbox_id) DO UPDATE SET
+        tenant = CASE WHEN {_ANEW} THEN excluded.tenant ELSE s.tenant END,
+        job_id = CASE WHEN {_ANEW} THEN excluded.job_id ELSE s.job_id END,
         state = CASE WHEN {_ENDED} THEN s.state
+                     WHEN excluded.state = '{_REJECTED}' THEN s.state
+                     WHEN s.state = '{_REJECTED}' THEN excluded.state
                      WHEN ({_RANK_CASE.format(col="s.state")} END)
                        <= ({_RANK_CASE.format(col="excluded.state")} END)
                      THEN excluded.state ELSE s.state END,
@@ -238,7 +252,10 @@ _UPSERT_SANDBOXES = text(
                              ELSE greatest(s.last_position, excluded.last_position) END,
         {
         ", ".join(
-            f"{c} = CASE WHEN {_ENDED} THEN s.{c} ELSE coalesce(excluded.{c}, s.{c}) END"
+            f"{c} = CASE WHEN {_ENDED} THEN s.{c}"
+            f" WHEN excluded.state = '{_REJECTED}' AND s.state <> '{_REJECTED}' THEN s.{c}"
+            f" WHEN {_ANEW} THEN excluded.{c}"
+            f" ELSE coalesce(excluded.{c}, s.{c}) END"
             for c in SANDBOX_COLUMNS
         )
     }

@@ -33,7 +33,9 @@ from sqlalchemy import (
 )
 
 from app.db.tables import events, nodes, sandboxes
+from app.domain.admission import Known
 from app.domain.base import NodeState
+from app.domain.requests import LEASE_LABEL
 from app.domain.sandbox_state import LIVE, SandboxState
 
 Record = dict[str, Any]
@@ -233,11 +235,32 @@ def ended_among(conn: Connection, ids: Collection[str]) -> list[AnyRow]:
     return list(conn.execute(query).all())
 
 
-# Sandboxes whose last freeze-or-thaw in the log is a freeze.
+# By primary key: one probe per id, whatever the table's size (ANY of one array
+# parameter: a batch names hundreds of sandboxes).
+_ADMISSION_FACTS = text(
+    "SELECT sandbox_id, node_id, state FROM sandboxes WHERE sandbox_id = ANY(:ids)"
+)
+_LOGGED_IDS = text("SELECT event_id FROM event_ids WHERE event_id = ANY(:ids)")
+
+
+def admission_facts(conn: Connection, ids: Collection[str]) -> dict[str, Known]:
+    """What the log holds of each of ``ids`` that the projector's admission rules read
+    (:mod:`app.domain.admission`): where it was placed, and whether it ended."""
+    ended = {s.value for s in ENDED}
+    rows = conn.execute(_ADMISSION_FACTS, {"ids": sorted(ids)})
+    return {r.sandbox_id: Known(placed_on=r.node_id, ended=r.state in ended) for r in rows}
+
+
+def logged_ids(conn: Connection, ids: Collection[uuid.UUID]) -> set[uuid.UUID]:
+    """Those of ``ids`` the log holds already."""
+    return set(conn.execute(_LOGGED_IDS, {"ids": list(ids)}).scalars())
+
+
+# Sandboxes whose last freeze-or-thaw in the log is a freeze, and since when.
 _FROZEN_NOW = text(
     """
-    SELECT sandbox_id FROM (
-        SELECT DISTINCT ON (sandbox_id) sandbox_id, type FROM events
+    SELECT sandbox_id, occurred_at FROM (
+        SELECT DISTINCT ON (sandbox_id) sandbox_id, type, occurred_at FROM events
         WHERE sandbox_id = ANY(:ids) AND type IN ('SandboxFrozen', 'SandboxThawed')
         ORDER BY sandbox_id, position DESC
     ) AS last WHERE type = 'SandboxFrozen'
@@ -252,9 +275,10 @@ _CREATED_BY = text(
 )
 
 
-def frozen_now(conn: Connection, ids: list[str]) -> set[str]:
-    """Those of ``ids`` that a freeze left frozen (the log's last word on them)."""
-    return set(conn.execute(_FROZEN_NOW, {"ids": ids}).scalars())
+def frozen_now(conn: Connection, ids: list[str]) -> dict[str, datetime]:
+    """Those of ``ids`` that a freeze left frozen (the log's last word on them), with
+    the time of that freeze."""
+    return {r.sandbox_id: r.occurred_at for r in conn.execute(_FROZEN_NOW, {"ids": ids})}
 
 
 def created_by(conn: Connection, ids: list[str]) -> dict[str, uuid.UUID]:
@@ -268,6 +292,32 @@ def created_by(conn: Connection, ids: list[str]) -> dict[str, uuid.UUID]:
 def alive_nodes(conn: Connection) -> list[AnyRow]:
     """The projection rows of the nodes the log last saw alive."""
     return list(conn.execute(select(nodes).where(nodes.c.state == NodeState.ALIVE)).all())
+
+
+# Live sandboxes on nodes the log shows lost, with what dates the node's last word on
+# each: its last heartbeat, the sandbox's start, its last command (commands by sandbox).
+_LIVES_ON_LOST_NODES = text(
+    f"""
+    SELECT s.sandbox_id, s.tenant, s.job_id, s.node_id, s.requested_at, s.started_at,
+           n.last_heartbeat_at, n.lost_at,
+           (SELECT max(c.occurred_at) FROM commands c WHERE c.sandbox_id = s.sandbox_id)
+               AS last_command_at
+      FROM sandboxes s JOIN nodes n ON n.node_id = s.node_id
+     WHERE n.state = '{NodeState.LOST.value}' AND s.state IN ({", ".join(f"'{v}'" for v in _LIVE)})
+     ORDER BY s.node_id, s.sandbox_id
+    """
+)
+
+
+def lives_on_lost_nodes(conn: Connection) -> list[AnyRow]:
+    """The live sandboxes on nodes the log shows lost, each with its node's last
+    heartbeat and loss, its start and its last command's time."""
+    return list(conn.execute(_LIVES_ON_LOST_NODES).all())
+
+
+def lost_nodes(conn: Connection) -> list[AnyRow]:
+    """The projection rows of the nodes the log last saw declared lost."""
+    return list(conn.execute(select(nodes).where(nodes.c.state == NodeState.LOST)).all())
 
 
 def node_heartbeat(conn: Connection, node_id: str) -> datetime | None:
@@ -332,3 +382,77 @@ def load_per_tenant(conn: Connection) -> list[AnyRow]:
         .order_by(literal_column("running").desc(), s.c.tenant)
     )
     return list(conn.execute(query).all())
+
+
+# --- the invariants of lives (dsec doctor) ------------------------------------------
+
+_IN_LIVE = ", ".join(f"'{v}'" for v in _LIVE)
+# Every open life with what dates its deadline (app/domain/lives.py).
+_OPEN_LIVES = text(
+    f"""
+    SELECT s.sandbox_id, s.tenant, s.job_id, s.node_id, s.state, s.requested_at,
+           s.started_at, s.ttl_s, coalesce(s.labels ? '{LEASE_LABEL}', false) AS leased,
+           CASE WHEN n.state = '{NodeState.LOST.value}' THEN n.lost_at END AS node_lost_at
+      FROM sandboxes s LEFT JOIN nodes n ON n.node_id = s.node_id
+     WHERE s.state IN ({_IN_LIVE})
+     ORDER BY s.sandbox_id
+    """
+)
+# The sandboxes a freeze left frozen, and since when: freezes are few, so they are
+# found by type (the log's type index), not by probing every open life.
+_FROZEN_LIVES = text(
+    """
+    SELECT sandbox_id, occurred_at FROM (
+        SELECT DISTINCT ON (sandbox_id) sandbox_id, type, occurred_at FROM events
+        WHERE type IN ('SandboxFrozen', 'SandboxThawed') AND sandbox_id IS NOT NULL
+        ORDER BY sandbox_id, position DESC
+    ) AS last WHERE type = 'SandboxFrozen'
+    """
+)
+# Lives with more than one end in the log since a time (ends: a SandboxStopped, or a
+# SandboxFailed of the create), with their reasons in log order.
+_ENDED_TWICE = text(
+    """
+    SELECT sandbox_id, min(tenant) AS tenant, count(*) AS ends, min(occurred_at) AS first_at,
+           string_agg(type || ':' || coalesce(payload->>'reason', ''), ', ' ORDER BY position)
+               AS reasons
+      FROM events
+     WHERE occurred_at >= :since AND sandbox_id IS NOT NULL
+       AND (type = 'SandboxStopped'
+            OR (type = 'SandboxFailed' AND payload->>'request_type' = 'CreateSandbox'))
+     GROUP BY sandbox_id HAVING count(*) > 1
+     ORDER BY min(occurred_at), sandbox_id
+    """
+)
+# Nodes the log shows lost before a time that still hold open lives.
+_LOST_WITH_LIVES = text(
+    f"""
+    SELECT n.node_id, n.lost_at, count(*) AS lives
+      FROM nodes n JOIN sandboxes s ON s.node_id = n.node_id
+     WHERE n.state = '{NodeState.LOST.value}' AND n.lost_at < :before
+       AND s.state IN ({_IN_LIVE})
+     GROUP BY n.node_id, n.lost_at
+     ORDER BY n.lost_at, n.node_id
+    """
+)
+
+
+def open_lives(conn: Connection) -> list[AnyRow]:
+    """Every life the projections hold open, with its request, start, TTL, lease and
+    its node's loss (if the node is lost)."""
+    return list(conn.execute(_OPEN_LIVES).all())
+
+
+def frozen_lives(conn: Connection) -> dict[str, datetime]:
+    """Every sandbox a freeze left frozen (the log's last word on it), with since when."""
+    return {r.sandbox_id: r.occurred_at for r in conn.execute(_FROZEN_LIVES)}
+
+
+def ended_twice(conn: Connection, since: datetime) -> list[AnyRow]:
+    """Sandboxes whose life the log ends more than once, among ends since ``since``."""
+    return list(conn.execute(_ENDED_TWICE, {"since": since}).all())
+
+
+def lost_nodes_with_open_lives(conn: Connection, before: datetime) -> list[AnyRow]:
+    """Nodes declared lost before ``before`` that still hold open lives (how many)."""
+    return list(conn.execute(_LOST_WITH_LIVES, {"before": before}).all())

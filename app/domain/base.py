@@ -62,6 +62,9 @@ class StopReason(StrEnum):
     FAILED = "failed"
     NODE_LOST = "node_lost"
     LEASE_LAPSED = "lease_lapsed"
+    #: Placed, and never started by the time its create could still start: the node
+    #: never answered (its task was lost with its worker and Redis).
+    CREATE_LOST = "create_lost"
 
 
 class RejectReason(StrEnum):

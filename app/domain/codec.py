@@ -43,6 +43,8 @@ class DeadLetterReason(StrEnum):
     UNSTORABLE = "unstorable"
     UNAUTHENTICATED = "unauthenticated"
     FORBIDDEN = "forbidden"
+    #: A second end of a life the log has ended already (app/domain/admission.py).
+    ALREADY_ENDED = "already_ended"
 
 
 class DecodeError(DsecError, ValueError):

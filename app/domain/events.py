@@ -99,7 +99,9 @@ class LastState(Message):
     """How a sandbox stood when it ended, as whoever ended it saw it (a field is None
     where that one could not know: a scheduler declaring a node lost sees no cgroup)."""
 
-    observed_by: Literal["node", "scheduler"] = Field(description="Who captured it.")
+    observed_by: Literal["node", "scheduler", "projector"] = Field(
+        description="Who captured it (the projector: its rule for lives on lost nodes)."
+    )
     cpu_s: float | None = Field(None, description="CPU time its processes used, seconds.")
     memory_peak_mb: float | None = Field(None, description="Peak memory use, MiB.")
     processes: int | None = Field(None, description="Processes alive at the end (agent too).")

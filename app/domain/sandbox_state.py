@@ -28,6 +28,9 @@ _RANK = {
 
 TERMINAL = frozenset({SandboxState.STOPPED, SandboxState.FAILED, SandboxState.REJECTED})
 LIVE = frozenset({SandboxState.REQUESTED, SandboxState.SCHEDULED, SandboxState.RUNNING})
+#: The ends of a life: a sandbox moves no more after one. (A refused create is no end:
+#: nothing lived, and a later create of the same id lives.)
+ENDED = frozenset({SandboxState.STOPPED, SandboxState.FAILED})
 
 #: The state each lifecycle event leads to.
 STATE_AFTER = {
@@ -40,8 +43,15 @@ STATE_AFTER = {
 
 
 def advance(current: SandboxState | None, new: SandboxState) -> SandboxState:
-    """The state after ``new`` is observed in ``current``: never moves backwards."""
+    """The state after ``new`` is observed in ``current``: never moves backwards, and
+    never after an end. A refused create names a sandbox that never lived: it moves no
+    sandbox that lives (another's create of a live id, refused as a duplicate, must not
+    end it), and a later create of that id lives anew."""
     if current is None:
+        return new
+    if current in ENDED or new == SandboxState.REJECTED:
+        return current
+    if current == SandboxState.REJECTED:
         return new
     return new if _RANK[new] >= _RANK[current] else current
 

@@ -388,6 +388,13 @@ def test_a_refused_reuse_of_a_running_id_changes_nothing(conn: Connection) -> No
     # Then it is still one running life (the autouse check compares with the log)
     (life,) = lives(conn, log.tenant)
     assert life["ended_at"] is None
+    # And the sandbox still lives in its projection, so a restarted scheduler recovers
+    # it (projections v7: the refusal used to end it there, and the scheduler then
+    # destroyed it as an orphan)
+    row = conn.execute(
+        text("SELECT state, ended_at, tenant FROM sandboxes WHERE sandbox_id = :s"), {"s": sb}
+    ).one()
+    assert (row.state, row.ended_at, row.tenant) == ("running", None, log.tenant)
 
 
 def test_a_start_logged_after_the_stop_is_a_life_of_zero_seconds(conn: Connection) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy.exc import DBAPIError
 from app.config import Settings
 from app.db import archive, billing, projections, queries
 from app.db.engine import engine_for
-from app.db.setup import drop_database, ensure_database, migrate
+from tests.conftest import scratch_database
 from tests.integration.test_billing import Log, at
 
 pytestmark = pytest.mark.integration
@@ -29,19 +29,8 @@ OLD = TODAY - timedelta(days=40)
 
 @pytest.fixture(scope="module")
 def scratch(migrated: Settings) -> Iterator[Settings]:
-    settings = migrated.model_copy(
-        update={
-            "database_url": migrated.database_url + "_archive_test",
-            "admin_database_url": migrated.admin_database_url + "_archive_test",
-        }
-    )
-    drop_database(settings)
-    ensure_database(settings)
-    migrate(settings)
-    yield settings
-    engine_for(settings.database_url).dispose()
-    engine_for(settings.admin_database_url).dispose()
-    drop_database(settings)
+    with scratch_database(migrated) as settings:
+        yield settings
 
 
 def test_archived_days_keep_their_bill_and_restore_their_audit(

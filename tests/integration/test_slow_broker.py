@@ -5,7 +5,7 @@ The broker is an Apache Kafka of the test's own (app/stack/local_cluster.py), re
 only through a proxy that holds every chunk it forwards, each way, for as long as the
 test says (its advertised client address is the proxy's, so no client goes around
 it). A scheduler, a node worker and a projector of their own use it
-(tests/side_platform.py); Postgres and Redis are the stack's.
+(tests/side_platform.py), with a database of their own; Redis is the stack's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from sqlalchemy import text
 from app.config import Settings
 from app.sdk import Client
 from app.stack import local_cluster
-from tests.conftest import declare_lost, free_port, wait_for
+from tests.conftest import free_port, wait_for
 from tests.side_platform import first_sandbox, side_platform
 from workers.host.mounts import remove_tree
 
@@ -101,8 +101,6 @@ def slow(stack: Settings) -> Iterator[tuple[Settings, DelayProxy]]:
         ):  # fmt: skip
             yield settings, proxy
     finally:
-        # Its projector wrote the node into the stack's projections: not a node of it.
-        declare_lost(stack, [NODE])
         proxy.close()
         remove_tree(state)
 

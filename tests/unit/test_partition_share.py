@@ -119,7 +119,7 @@ def test_placements_of_another_scheduler_count_and_can_be_taken_over() -> None:
     # and knows them as A does: a redelivered create is a no-op, the group is one
     assert b.created_by == a.created_by
     assert b.groups == {("t", "grp-1"): ["sb-m0", "sb-m1"]}
-    assert b.unstarted == {"sb-big", "sb-m0", "sb-m1"}
+    assert b.book.unstarted == {"sb-big", "sb-m0", "sb-m1"}
     again = Outbox()
     b.handle(again, _record(create))  # read again by B after a takeover
     assert again.tasks == [] and again.events == [] and again.replies == []
