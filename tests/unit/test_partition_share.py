@@ -79,7 +79,7 @@ def test_key_partition_is_kafkas_default_partitioner() -> None:
     # (values from kafka-python's own partitioner on an 8-partition topic)
     from kafka.partitioner.default import murmur2
 
-    for key in ("sb-1", "lease-abc", "x" * 60):
+    for key in ("sb-1", "lease-abc", "x" * 60, "", "é", *(("k" * n) for n in range(1, 9))):
         assert key_partition(key, 8) == (murmur2(key.encode()) & 0x7FFFFFFF) % 8
         assert 0 <= key_partition(key, 8) < 8
 
