@@ -132,8 +132,9 @@ class Settings(BaseSettings):
     reply_partitions: int = Field(
         16,
         description=(
-            "Partitions of a tenant's replies topic, and the highest a trainer may name"
-            " (the embedded broker's have 4: see embedded_broker)."
+            "Partitions a tenant's replies topic is made with (the embedded broker's have 4:"
+            " see embedded_broker). A trainer may name any partition the topic has: the"
+            " scheduler asks the broker, not this setting."
         ),
     )
     kafka_replication_factor: int = Field(

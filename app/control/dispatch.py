@@ -42,6 +42,7 @@ from app.domain.events import (
 )
 from app.domain.gate import Admitted, Gate, GateRules, Refusal, Sender
 from app.domain.lease import Lease, LeaseAction, LeaseState
+from app.domain.partition_counts import PartitionCounts
 from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement
 from app.domain.proof import KeyLookup, Principal, ProofError, Purpose, Role, verify
 from app.domain.records import Record
@@ -100,6 +101,7 @@ class Dispatcher:
         self,
         settings: Settings,
         keys: KeyLookup,
+        partitions: PartitionCounts,
         heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT,
         trajectory: TrajectoryLog | None = None,
         tally: Tally | None = None,
@@ -112,10 +114,10 @@ class Dispatcher:
             GateRules(
                 max_age=timedelta(seconds=settings.request_max_age_s),
                 max_message_bytes=settings.max_message_bytes,
-                reply_partitions=settings.reply_partitions,
                 topic_prefix=settings.topic_prefix,
             ),
             keys,
+            partitions,
         )
         self.placement = Placement()
         self.pending: list[Pending] = []

@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 from kafka.consumer.fetcher import ConsumerRecord
@@ -59,6 +60,37 @@ PROJECTOR = "projector"
 
 #: Seconds without a record after which catching up stops short of a stated end.
 CATCH_UP_STALL_S = 10.0
+#: How long a replies topic's partition count is believed before the producer's
+#: metadata is read again (a topic made again with another count is noticed).
+PARTITIONS_TTL_S = 5.0
+#: How long a replies topic the broker did not know stays unknown before it is asked
+#: for again, and how long asking may wait: a batch waits that long at most, once per
+#: unknown topic and period (only a proven tenant's own topic is ever asked for).
+UNKNOWN_TOPIC_TTL_S = 10.0
+UNKNOWN_TOPIC_WAIT_S = 0.5
+
+
+class BrokerPartitions:
+    """The gate's partition counts (:class:`app.domain.partition_counts.PartitionCounts`)
+    from this scheduler's Kafka clients: the requests topic as its consumer reads it,
+    replies topics as the producer's metadata knows them, cached briefly."""
+
+    def __init__(self, publisher: bus.Publisher, requests: Callable[[], int]) -> None:
+        self._publisher = publisher
+        self._requests = requests
+        self._replies: dict[str, tuple[int | None, float]] = {}
+
+    def requests(self) -> int:
+        return self._requests()
+
+    def replies(self, topic: str) -> int | None:
+        now = time.monotonic()
+        cached = self._replies.get(topic)
+        if cached is not None and now < cached[1]:
+            return cached[0]
+        count = self._publisher.partitions_of(topic, UNKNOWN_TOPIC_WAIT_S)
+        self._replies[topic] = (count, now + (PARTITIONS_TTL_S if count else UNKNOWN_TOPIC_TTL_S))
+        return count
 
 
 class Scheduler:
@@ -69,9 +101,11 @@ class Scheduler:
     ) -> None:
         self.settings = settings
         self.keyring = Keyring.from_settings(settings)
+        self.publisher = bus.Publisher(settings)
         self.dispatcher = Dispatcher(
             settings,
             self.keyring,
+            BrokerPartitions(self.publisher, lambda: self.partition_count),
             heartbeat_timeout,
             PostgresTrajectoryLog(settings.database_url),
             metrics.SchedulerTally(),
@@ -87,7 +121,6 @@ class Scheduler:
         bus.ensure_topics(settings, self._tenants)
         self._topics_checked = time.monotonic()
         self._pruned = time.monotonic()
-        self.publisher = bus.Publisher(settings)
         self.tasks = CeleryTaskQueue(settings)
         self._stopping = threading.Event()
         self.events = PositionedConsumer(

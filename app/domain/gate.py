@@ -1,6 +1,7 @@
 """The door every request passes: who sent it, is it fresh, is it new, may it say that.
 
-Pure: keys come from a :class:`KeyLookup`, time from the caller. The scheduler runs
+Pure: keys come from a :class:`KeyLookup`, partition counts from a
+:class:`PartitionCounts`, time from the caller. The scheduler runs
 every request record through :meth:`Gate.admit` before deciding anything; what comes
 out is either an :class:`Admitted` request, whose ``tenant`` and ``actor`` are the
 proven sender's, or a :class:`Refusal` saying why, and whether a reply may be sent.
@@ -16,6 +17,7 @@ from typing import Any
 
 from app.domain.base import RejectReason
 from app.domain.codec import DecodeError, decode_request, peek
+from app.domain.partition_counts import PartitionCounts
 from app.domain.proof import (
     KeyInfo,
     KeyLookup,
@@ -82,7 +84,6 @@ class GateRules:
 
     max_age: timedelta
     max_message_bytes: int
-    reply_partitions: int
     topic_prefix: str
 
     def replies_topic(self, tenant: str) -> str:
@@ -95,9 +96,10 @@ class Gate:
     #: Request ids remembered per partition at most (the freshness window bounds it).
     MEMORY = 1_000_000
 
-    def __init__(self, rules: GateRules, keys: KeyLookup) -> None:
+    def __init__(self, rules: GateRules, keys: KeyLookup, partitions: PartitionCounts) -> None:
         self.rules = rules
         self.keys = keys
+        self.partitions = partitions
         # request id -> (partition, offset, when handled): the same id read anywhere
         # else is a replay. Old entries go once they are older than the window.
         self.handled: OrderedDict[uuid.UUID, tuple[int, int, datetime]] = OrderedDict()
@@ -177,32 +179,44 @@ class Gate:
                 f"the request says tenant {request.tenant!r} but is proven by a credential "
                 f"of {principal.subject!r}",
             )
-        if request.reply_to is not None and reply_to is None:
-            return refuse(
-                RejectReason.FORBIDDEN,
-                f"replies to {principal.subject}'s requests go to partitions 0-"
-                f"{self.rules.reply_partitions - 1} of "
-                f"{self.rules.replies_topic(principal.subject)}",
-                answer=False,
-            )
+        if request.reply_to is not None:
+            why = self._misdirected(sender, request.reply_to)
+            if why is not None:
+                # No reply: there is nowhere it may go.
+                return refuse(*why, answer=False)
         admitted = request.model_copy(
             update={"tenant": principal.subject, "actor": principal.actor}
         )
         return Admitted(admitted, sender)
 
     def _reply_to(self, sender: Sender, wanted: object) -> ReplyTo | None:
-        """Where replies to ``sender`` may go: its own topic, an existing partition."""
+        """Where replies to ``sender`` may go, if ``wanted`` is somewhere they may."""
         if isinstance(wanted, dict):
             try:
                 wanted = ReplyTo.model_validate(wanted)
             except ValueError:
                 return None
-        if not isinstance(wanted, ReplyTo):
-            return None
-        own = self.rules.replies_topic(sender.principal.subject)
-        if wanted.topic != own or wanted.partition >= self.rules.reply_partitions:
+        if not isinstance(wanted, ReplyTo) or self._misdirected(sender, wanted) is not None:
             return None
         return wanted
+
+    def _misdirected(self, sender: Sender, wanted: ReplyTo) -> tuple[RejectReason, str] | None:
+        """Why replies to ``sender`` may not go to ``wanted``; None if they may: its own
+        topic, on a partition the broker says exists (a send to one that does not
+        would wait on the broker, holding up everyone's answers)."""
+        subject = sender.principal.subject
+        own = self.rules.replies_topic(subject)
+        if wanted.topic != own:
+            return RejectReason.FORBIDDEN, f"replies to {subject}'s requests go to {own} only"
+        count = self.partitions.replies(own)
+        if count is None:
+            return RejectReason.INVALID, f"the broker does not know a topic {own} (yet)"
+        if wanted.partition >= count:
+            return (
+                RejectReason.INVALID,
+                f"{own} has partitions 0-{count - 1}: there is no partition {wanted.partition}",
+            )
+        return None
 
     def _unproven(self, raw: bytes, exc: ProofError) -> Refusal:
         seen = peek(raw)

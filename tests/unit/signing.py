@@ -10,6 +10,7 @@ from pydantic import BaseModel
 
 from app.domain.codec import encode
 from app.domain.node_tasks import read_inbox_record
+from app.domain.partition_counts import FixedPartitions
 from app.domain.proof import SCHEDULER_KEY_ID, KeyInfo, Purpose, Role, StaticKeys, headers
 from app.domain.records import Inbound
 from app.domain.requests import ReplyTo
@@ -29,6 +30,9 @@ def keys() -> StaticKeys:
 
 
 KEYS = keys()
+#: The partitions of the topics unit tests read and answer on: requests have 8, every
+#: replies topic 16 (the gate checks reply partitions and where a request was read).
+PARTITIONS = FixedPartitions(requests_topic=8, replies_each=16)
 
 
 def reply_to(tenant: str = "t", partition: int = 0) -> ReplyTo:

@@ -17,13 +17,13 @@ from app.domain.proof import Principal, Role
 from app.domain.records import Inbound
 from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReadFile, ReplyTo
 from app.domain.trust import event_refusal
-from tests.unit.signing import KEYS, inbox_tasks, record, reply_to, task_request
+from tests.unit.signing import KEYS, PARTITIONS, inbox_tasks, record, reply_to, task_request
 
-RULES = GateRules(timedelta(seconds=300), 1 << 20, 16, "dsec")
+RULES = GateRules(timedelta(seconds=300), 1 << 20, "dsec")
 
 
 def _gate() -> Gate:
-    return Gate(RULES, KEYS)
+    return Gate(RULES, KEYS, PARTITIONS)
 
 
 def test_a_signed_request_is_admitted_as_its_sender() -> None:
@@ -57,7 +57,9 @@ def test_a_revoked_key_is_refused() -> None:
     keys = KEYS.__class__(KEYS.master)
     keys.keys = dict(KEYS.keys)
     keys.revoke("k-tenant-t")
-    verdict = Gate(RULES, keys).admit(record(Exec(sandbox_id="sb-a", command="x")), utcnow())
+    verdict = Gate(RULES, keys, PARTITIONS).admit(
+        record(Exec(sandbox_id="sb-a", command="x")), utcnow()
+    )
     assert isinstance(verdict, Refusal) and "revoked" in verdict.detail
 
 
@@ -93,10 +95,13 @@ def test_a_request_naming_another_tenant_is_forbidden() -> None:
 
 
 def test_replies_stay_on_the_senders_topic_and_partitions() -> None:
-    for where in (ReplyTo(topic="dsec.replies.u", partition=0), reply_to(partition=16)):
+    for where, reason in (
+        (ReplyTo(topic="dsec.replies.u", partition=0), RejectReason.FORBIDDEN),
+        (reply_to(partition=16), RejectReason.INVALID),
+    ):
         exec_ = Exec(sandbox_id="sb-a", command="x", reply_to=where)
         verdict = _gate().admit(record(exec_), utcnow())
-        assert isinstance(verdict, Refusal) and verdict.reason == RejectReason.FORBIDDEN
+        assert isinstance(verdict, Refusal) and verdict.reason == reason
         assert verdict.reply_to is None
 
 
@@ -119,7 +124,7 @@ def _payload(sandboxes: list[str] | None) -> NodePayload:
 
 
 def _dispatcher() -> Dispatcher:
-    dispatcher = Dispatcher(Settings(), KEYS)
+    dispatcher = Dispatcher(Settings(), KEYS, PARTITIONS)
     for node in ("n0", "n1"):
         beat = NodeHeartbeat(node_id=node, payload=_payload(None))
         dispatcher.observe(Outbox(), record(beat))
@@ -227,7 +232,7 @@ class Counted:
 
 def test_the_dispatcher_counts_what_it_did_through_its_tally_only() -> None:
     tally = Counted()
-    dispatcher = Dispatcher(Settings(), KEYS, tally=tally)
+    dispatcher = Dispatcher(Settings(), KEYS, PARTITIONS, tally=tally)
     beat = NodeHeartbeat(node_id="n0", payload=_payload(None))
     dispatcher.observe(Outbox(), record(beat))
     dispatcher.handle(Outbox(), record(CreateSandbox(sandbox_id="sb-a"), offset=100))

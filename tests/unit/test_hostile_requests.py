@@ -1,0 +1,102 @@
+"""Requests an attacker sends with its own valid credential, a plain Kafka client or a
+victim's key id (issue 23). Each is refused, and every other tenant's request in the
+same batch is answered as if it were not there."""
+
+from __future__ import annotations
+
+import json
+from itertools import count
+
+from pydantic import BaseModel
+
+from app.config import Settings
+from app.control.dispatch import Dispatcher
+from app.control.outbox import Outbox
+from app.domain.events import NodeHeartbeat, NodePayload
+from app.domain.partition_counts import FixedPartitions, PartitionCounts
+from app.domain.records import Inbound
+from app.domain.requests import RenewLease
+from tests.unit.signing import KEYS, PARTITIONS, record, reply_to
+
+_offsets = count(1000)
+
+
+def _signed(message: BaseModel, key_id: str | None = None) -> Inbound:
+    """``message`` proven by ``key_id`` (tenant t's, or a node's for its events), at a
+    fresh offset."""
+    return record(message, next(_offsets), key_id=key_id)
+
+
+def _forged(message: BaseModel, key_id: str | None) -> Inbound:
+    """``message`` carrying ``key_id`` (or no key at all) and a proof that does not hold."""
+    proof = [] if key_id is None else [("dsec-key", key_id.encode()), ("dsec-mac", b"0" * 64)]
+    good = _signed(message)
+    return Inbound(good.topic, good.partition, good.offset, good.key, good.value, proof)
+
+
+def _dispatcher(
+    partitions: PartitionCounts = PARTITIONS, settings: Settings | None = None
+) -> Dispatcher:
+    dispatcher = Dispatcher(settings or Settings(), KEYS, partitions)
+    beat = NodeHeartbeat(
+        node_id="n0",
+        payload=NodePayload(
+            capacity_sandboxes=1000, capacity_cpus=1000, capacity_memory_mb=1 << 20,
+            queue="node.n0",
+        ),
+    )  # fmt: skip
+    dispatcher.observe(Outbox(), _signed(beat))
+    return dispatcher
+
+
+def _answered(out: Outbox) -> dict[str, dict[str, object]]:
+    """The replies of a batch by request id."""
+    return {json.loads(value)["request_id"]: json.loads(value) for _, _, value, _ in out.replies}
+
+
+def _rejected(out: Outbox) -> list[dict[str, object]]:
+    """The SandboxRejected events of a batch."""
+    events = [json.loads(value) for _, value in out.events]
+    return [e for e in events if e["type"] == "SandboxRejected"]
+
+
+# --- 1. a reply partition the topic does not have ------------------------------------
+
+
+def test_a_reply_partition_the_topic_lacks_is_never_written_to() -> None:
+    # Given replies topics of 4 partitions (the platform asked for 16; the broker made 4)
+    dispatcher = _dispatcher(FixedPartitions(requests_topic=8, replies_each=4))
+    # When tenant t names partition 9 of its own topic, signed, unsigned and under u's
+    # key id, between two renewals of tenant u
+    out = Outbox()
+    theirs = [RenewLease(sandbox_id=f"lease-u{i}", reply_to=reply_to("u", 2)) for i in range(2)]
+    attack = RenewLease(sandbox_id="lease-t", reply_to=reply_to("t", 9))
+    on_u = RenewLease(sandbox_id="lease-x", reply_to=reply_to("u", 9))
+    batch = [
+        _signed(theirs[0], "k-tenant-u"),
+        _signed(attack),
+        _forged(on_u, None),
+        _forged(on_u, "k-tenant-u"),
+        _signed(theirs[1], "k-tenant-u"),
+    ]
+    for one in batch:
+        dispatcher.handle(out, one)
+    # Then u's renewals are answered, and nothing goes to a partition that does not exist
+    assert set(_answered(out)) == {str(r.request_id) for r in theirs}
+    assert all(where.partition < 4 for where, *_ in out.replies)
+    # and t's attempt is logged as invalid, naming the partitions there are
+    [logged] = [e for e in _rejected(out) if e["tenant"] == "t"]
+    assert logged["payload"]["reason"] == "invalid"  # type: ignore[index]
+    assert "partitions 0-3" in logged["payload"]["detail"]  # type: ignore[index]
+
+
+def test_a_replies_topic_the_broker_does_not_know_gets_no_answer() -> None:
+    class NoReplies(FixedPartitions):
+        def replies(self, topic: str) -> int | None:
+            return None
+
+    dispatcher = _dispatcher(NoReplies())
+    out = Outbox()
+    dispatcher.handle(out, _signed(RenewLease(sandbox_id="lease-t", reply_to=reply_to("t", 0))))
+    assert out.replies == []
+    assert [e["payload"]["reason"] for e in _rejected(out)] == ["invalid"]  # type: ignore[index]
