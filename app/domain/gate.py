@@ -18,6 +18,7 @@ from typing import Any
 from app.domain.base import RejectReason
 from app.domain.codec import DecodeError, decode_request, peek
 from app.domain.partition_counts import PartitionCounts
+from app.domain.partitioner import key_partition
 from app.domain.proof import (
     KeyInfo,
     KeyLookup,
@@ -148,9 +149,12 @@ class Gate:
                 reason, detail, sender, request, {}, reply_to if answer else None, None, sender
             )
 
-        key = record.key.decode(errors="replace") if record.key is not None else None
-        if key != request.sandbox_id:
-            return refuse(RejectReason.INVALID, f"record key {key!r} is not the sandbox id")
+        misplaced = self._misplaced(record, request.sandbox_id)
+        if misplaced is not None:
+            # Not answered, nor remembered as handled: these may be a copy of someone's
+            # request moved elsewhere on the bus (onto another scheduler's partition, to
+            # be acted on twice), and the original, read where it belongs, stands.
+            return refuse(RejectReason.INVALID, misplaced, answer=False)
         age = now - request.sent_at
         if abs(age) > self.rules.max_age:
             return refuse(
@@ -188,6 +192,23 @@ class Gate:
             update={"tenant": principal.subject, "actor": principal.actor}
         )
         return Admitted(admitted, sender)
+
+    def _misplaced(self, record: Record, sandbox_id: str) -> str | None:
+        """Why ``record`` is not where a request about ``sandbox_id`` is sent: keyed by
+        the sandbox id, on the partition Kafka's default partitioner gives that key
+        (so every request about one sandbox reaches one scheduler, in order)."""
+        key = record.key.decode(errors="replace") if record.key is not None else None
+        if key != sandbox_id:
+            return f"record key {key!r} is not the sandbox id"
+        count = self.partitions.requests()
+        expected = key_partition(key, count) if count > 0 else record.partition
+        if record.partition != expected:
+            return (
+                f"read on partition {record.partition}, but its key {key!r} goes to partition "
+                f"{expected} of {count} (Kafka's default partitioner, murmur2): a request is "
+                "sent keyed by its sandbox id, never to a partition of the sender's choosing"
+            )
+        return None
 
     def _reply_to(self, sender: Sender, wanted: object) -> ReplyTo | None:
         """Where replies to ``sender`` may go, if ``wanted`` is somewhere they may."""

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from app.domain.codec import encode
 from app.domain.node_tasks import read_inbox_record
 from app.domain.partition_counts import FixedPartitions
+from app.domain.partitioner import key_partition
 from app.domain.proof import SCHEDULER_KEY_ID, KeyInfo, Purpose, Role, StaticKeys, headers
 from app.domain.records import Inbound
 from app.domain.requests import ReplyTo
@@ -45,13 +46,14 @@ def record(
     offset: int = 0,
     *,
     key_id: str | None = None,
-    partition: int = 0,
+    partition: int | None = None,
     purpose: Purpose | None = None,
     value: bytes | None = None,
 ) -> Inbound:
     """A record carrying ``message`` with the proof its sender would give it: a
     request signed by tenant t (or ``key_id``), an event by its node (or the
-    scheduler, for events without a node)."""
+    scheduler, for events without a node), keyed and placed as a Kafka client would
+    (on ``partition`` if one is given)."""
     body = value if value is not None else encode(message)
     kind = purpose or (Purpose.EVENT if hasattr(message, "event_id") else Purpose.REQUEST)
     if key_id is None:
@@ -63,6 +65,8 @@ def record(
     info: KeyInfo | None = KEYS.lookup(key_id)
     assert info is not None, key_id
     subject = getattr(message, "sandbox_id", None) or getattr(message, "node_id", None) or "x"
+    if partition is None:
+        partition = key_partition(str(subject), PARTITIONS.requests_topic)
     return Inbound(
         topic="t", partition=partition, offset=offset, key=str(subject).encode(), value=body,
         headers=headers(kind, key_id, info.secret, body),

@@ -111,6 +111,15 @@ def test_the_record_key_must_be_the_sandbox() -> None:
     moved = Inbound("r", 0, 0, b"sb-other", good.value, good.headers)
     verdict = _gate().admit(moved, utcnow())
     assert isinstance(verdict, Refusal) and verdict.reason == RejectReason.INVALID
+    assert verdict.reply_to is None  # maybe a copy: the original's answer stands
+
+
+def test_a_request_read_on_another_partition_than_its_keys_is_refused() -> None:
+    good = record(Exec(sandbox_id="sb-a", command="x", reply_to=reply_to()))
+    elsewhere = Inbound("r", (good.partition + 1) % 8, 0, good.key, good.value, good.headers)
+    verdict = _gate().admit(elsewhere, utcnow())
+    assert isinstance(verdict, Refusal) and verdict.reason == RejectReason.INVALID
+    assert "murmur2" in verdict.detail and verdict.reply_to is None
 
 
 # --- the dispatcher's rules on top ------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from itertools import count
 
+import pytest
 from pydantic import BaseModel
 
 from app.config import Settings
@@ -100,3 +101,49 @@ def test_a_replies_topic_the_broker_does_not_know_gets_no_answer() -> None:
     dispatcher.handle(out, _signed(RenewLease(sandbox_id="lease-t", reply_to=reply_to("t", 0))))
     assert out.replies == []
     assert [e["payload"]["reason"] for e in _rejected(out)] == ["invalid"]  # type: ignore[index]
+
+
+# --- 7. a request copied elsewhere on the bus ------------------------------------------
+
+
+def _moved(original: Inbound, *, partition: int | None = None, key: bytes | None = None) -> Inbound:
+    """The same signed bytes, written again by someone else: on another partition, or
+    under another record key."""
+    return Inbound(
+        original.topic,
+        original.partition if partition is None else partition,
+        next(_offsets),
+        original.key if key is None else key,
+        original.value,
+        original.headers,
+    )
+
+
+def test_a_renewal_copied_onto_another_schedulers_partition_is_not_acted_on() -> None:
+    # Given two schedulers: A reads the partition a lease's renewals go to, B another
+    a, b = _dispatcher(), _dispatcher()
+    renew = RenewLease(sandbox_id="lease-1", reply_to=reply_to("t", 0))
+    original = _signed(renew)
+    copy = _moved(original, partition=(original.partition + 1) % 8)
+    # When B reads a copy of the signed renewal first, and A the original
+    out_a, out_b = Outbox(), Outbox()
+    b.handle(out_b, copy)
+    a.handle(out_a, original)
+    # Then only A renews and answers; B does neither, and says why in the log
+    assert set(_answered(out_a)) == {str(renew.request_id)}
+    assert out_b.replies == []
+    with pytest.raises(KeyError):
+        b.leases[("t", "lease-1")]
+    assert [e["payload"]["reason"] for e in _rejected(out_b)] == ["invalid"]  # type: ignore[index]
+
+
+def test_a_copy_read_first_on_the_wrong_partition_costs_the_original_nothing() -> None:
+    dispatcher = _dispatcher()
+    renew = RenewLease(sandbox_id="lease-1", reply_to=reply_to("t", 0))
+    original = _signed(renew)
+    out = Outbox()
+    dispatcher.handle(out, _moved(original, partition=(original.partition + 3) % 8))
+    dispatcher.handle(out, _moved(original, key=b"lease-2"))
+    assert out.replies == []
+    dispatcher.handle(out, original)
+    assert set(_answered(out)) == {str(renew.request_id)}
