@@ -13,10 +13,14 @@ from pydantic import BaseModel
 from app.config import Settings
 from app.control.dispatch import Dispatcher
 from app.control.outbox import Outbox
+from app.domain.base import utcnow
+from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.partition_counts import FixedPartitions, PartitionCounts
+from app.domain.partitioner import key_partition
+from app.domain.proof import Purpose, headers
 from app.domain.records import Inbound
-from app.domain.requests import RenewLease
+from app.domain.requests import CreateSandbox, Exec, RenewLease
 from tests.unit.signing import KEYS, PARTITIONS, record, reply_to
 
 _offsets = count(1000)
@@ -147,3 +151,75 @@ def test_a_copy_read_first_on_the_wrong_partition_costs_the_original_nothing() -
     assert out.replies == []
     dispatcher.handle(out, original)
     assert set(_answered(out)) == {str(renew.request_id)}
+
+
+# --- 2 and 3. what a request must carry itself ------------------------------------------
+
+
+def _live(dispatcher: Dispatcher, sandbox_id: str = "sb-a", key_id: str = "k-tenant-t") -> None:
+    """A sandbox of ``key_id``'s tenant, placed."""
+    out = Outbox()
+    dispatcher.handle(out, _signed(CreateSandbox(sandbox_id=sandbox_id), key_id))
+    assert out.tasks, out
+
+
+def _raw(value: dict[str, object], key_id: str = "k-tenant-t") -> Inbound:
+    """Bytes as any Kafka client might send them, signed, keyed and placed correctly."""
+    body = json.dumps(value).encode()
+    info = KEYS.lookup(key_id)
+    assert info is not None
+    sandbox = str(value["sandbox_id"])
+    return Inbound(
+        "dsec.requests", key_partition(sandbox, 8), next(_offsets), sandbox.encode(), body,
+        headers(Purpose.REQUEST, key_id, info.secret, body),
+    )  # fmt: skip
+
+
+def test_the_same_signed_bytes_without_id_and_time_never_run() -> None:
+    # Given a live sandbox and an Exec signed without request_id and sent_at
+    dispatcher = _dispatcher()
+    _live(dispatcher)
+    bare = {"type": "Exec", "sandbox_id": "sb-a", "command": "echo once", "reply_to": None}
+    # When the same bytes arrive three times
+    out = Outbox()
+    for _ in range(3):
+        dispatcher.handle(out, _raw(bare))
+    # Then nothing runs (before, each copy got an id of its own and ran)
+    assert out.inbox == [] and out.tasks == []
+    refused = [e["payload"] for e in _rejected(out)]
+    assert {p["reason"] for p in refused} == {"invalid"}  # type: ignore[index]
+    assert all("request_id and sent_at missing" in p["detail"] for p in refused)  # type: ignore[index]
+    assert len(out.dead) == 3
+
+
+def test_a_signed_request_without_a_time_zone_is_refused_and_the_batch_goes_on() -> None:
+    # Given a live sandbox of t, and one of u
+    dispatcher = _dispatcher()
+    _live(dispatcher)
+    _live(dispatcher, "sb-u", "k-tenant-u")
+    naive = json.loads(encode(Exec(sandbox_id="sb-a", command="true", reply_to=reply_to())))
+    naive["sent_at"] = utcnow().replace(tzinfo=None).isoformat()
+    theirs = [Exec(sandbox_id="sb-u", command="true", reply_to=reply_to("u", 1)) for _ in range(2)]
+    # When t's Exec with a naive sent_at is read between two of u's
+    out = Outbox()
+    dispatcher.handle(out, _signed(theirs[0], "k-tenant-u"))
+    dispatcher.handle(out, _raw(naive))  # raised TypeError here, failing the batch
+    dispatcher.handle(out, _signed(theirs[1], "k-tenant-u"))
+    # Then u's commands go to their node, and t is told why its request was refused
+    assert len(out.inbox) == 2
+    [answer] = _answered(out).values()
+    assert answer["request_id"] == naive["request_id"] and answer["reason"] == "invalid"
+    assert "timezone" in str(answer["detail"])
+
+
+def test_a_request_id_spelt_otherwise_than_canonically_is_refused() -> None:
+    dispatcher = _dispatcher()
+    _live(dispatcher)
+    exec_ = json.loads(encode(Exec(sandbox_id="sb-a", command="true")))
+    for spelling in (str.upper, lambda text: "{" + text + "}", lambda text: text.replace("-", "")):
+        odd = {**exec_, "request_id": spelling(exec_["request_id"])}
+        out = Outbox()
+        dispatcher.handle(out, _raw(odd))
+        assert out.inbox == []
+        [refused] = _rejected(out)
+        assert "canonical form" in refused["payload"]["detail"]  # type: ignore[index]
