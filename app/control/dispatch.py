@@ -14,7 +14,8 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -183,9 +184,29 @@ class Dispatcher:
         """Try again, oldest first, the creates that wait for room."""
         still: list[Pending] = []
         for pending in self.pending:
-            if not self._admit(out, pending):
-                still.append(pending)
+            with self._isolated(out, None, "a waiting create"):
+                if not self._admit(out, pending):
+                    still.append(pending)
         self.pending = still
+
+    @contextmanager
+    def _isolated(self, out: Outbox, record: Record | None, what: str) -> Iterator[None]:
+        """Run the handling of one record (or one waiting create) on its own: if it
+        raises (a bug), what it put in the outbox is taken back, the record goes to
+        the dead letters with the error, and the rest of the batch goes on as if it
+        were not there. What it changed in memory before raising stays: no rollback
+        of the scheduler's state is attempted, only nothing half-decided is sent."""
+        mark = out.mark()
+        try:
+            yield
+        except Exception as exc:
+            out.undo(mark)
+            where = f" at {record.topic}[{record.partition}]@{record.offset}" if record else ""
+            log.exception("scheduler: %s%s failed; the rest of its batch goes on", what, where)
+            if record is not None:
+                failed = f"{type(exc).__name__}: {exc}"
+                out.dead.append((record, DecodeError(DeadLetterReason.INTERNAL, failed)))
+            self.tally.refused(DeadLetterReason.INTERNAL.value)
 
     # --- events -----------------------------------------------------------------
 
@@ -208,7 +229,11 @@ class Dispatcher:
         return sender, event
 
     def observe(self, out: Outbox, record: Record) -> None:
-        """Follow one event: nodes come and go, sandboxes end."""
+        """Follow one event: nodes come and go, sandboxes end. Never raises."""
+        with self._isolated(out, record, "an event"):
+            self._observe(out, record)
+
+    def _observe(self, out: Outbox, record: Record) -> None:
         proven = self._proven_event(record)
         if proven is None:
             return
@@ -525,7 +550,11 @@ class Dispatcher:
     # --- requests -----------------------------------------------------------------
 
     def handle(self, out: Outbox, record: Record) -> None:
-        """One request record: through the gate, then by type."""
+        """One request record: through the gate, then by type. Never raises."""
+        with self._isolated(out, record, "a request"):
+            self._handle(out, record)
+
+    def _handle(self, out: Outbox, record: Record) -> None:
         verdict = self.gate.admit(record, utcnow())
         if isinstance(verdict, Refusal):
             if verdict.decode_error is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from app.config import Settings
@@ -39,6 +39,15 @@ class Outbox:
     #: (node inbox topic, key, record): the data plane, straight to the node.
     inbox: list[tuple[str, str, bytes]] = field(default_factory=list)
     dead: list[tuple[Record, DecodeError]] = field(default_factory=list)
+
+    def mark(self) -> tuple[int, ...]:
+        """Where the outbox stands now (see :meth:`undo`)."""
+        return tuple(len(getattr(self, f.name)) for f in fields(self))
+
+    def undo(self, mark: tuple[int, ...]) -> None:
+        """Take back everything put in since ``mark``."""
+        for f, length in zip(fields(self), mark, strict=True):
+            del getattr(self, f.name)[length:]
 
 
 class Tally(Protocol):

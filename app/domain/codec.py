@@ -43,6 +43,9 @@ class DeadLetterReason(StrEnum):
     UNSTORABLE = "unstorable"
     UNAUTHENTICATED = "unauthenticated"
     FORBIDDEN = "forbidden"
+    #: The consumer failed on it (a bug: its log has the traceback); the rest of its
+    #: batch was handled.
+    INTERNAL = "internal"
 
 
 class DecodeError(DsecError, ValueError):

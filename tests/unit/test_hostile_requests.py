@@ -5,7 +5,9 @@ same batch is answered as if it were not there."""
 from __future__ import annotations
 
 import json
+import uuid
 from itertools import count
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -39,18 +41,17 @@ def _forged(message: BaseModel, key_id: str | None) -> Inbound:
     return Inbound(good.topic, good.partition, good.offset, good.key, good.value, proof)
 
 
+def _payload() -> NodePayload:
+    return NodePayload(
+        capacity_sandboxes=1000, capacity_cpus=1000, capacity_memory_mb=1 << 20, queue="x"
+    )
+
+
 def _dispatcher(
     partitions: PartitionCounts = PARTITIONS, settings: Settings | None = None
 ) -> Dispatcher:
     dispatcher = Dispatcher(settings or Settings(), KEYS, partitions)
-    beat = NodeHeartbeat(
-        node_id="n0",
-        payload=NodePayload(
-            capacity_sandboxes=1000, capacity_cpus=1000, capacity_memory_mb=1 << 20,
-            queue="node.n0",
-        ),
-    )  # fmt: skip
-    dispatcher.observe(Outbox(), _signed(beat))
+    dispatcher.observe(Outbox(), _signed(NodeHeartbeat(node_id="n0", payload=_payload())))
     return dispatcher
 
 
@@ -223,3 +224,46 @@ def test_a_request_id_spelt_otherwise_than_canonically_is_refused() -> None:
         assert out.inbox == []
         [refused] = _rejected(out)
         assert "canonical form" in refused["payload"]["detail"]  # type: ignore[index]
+
+
+def test_a_record_whose_handling_raises_is_dead_lettered_alone() -> None:
+    # Given a dispatcher with a bug that only tenant t's lease "lease-bug" trips
+    dispatcher = _dispatcher()
+    renew = dispatcher.leases.renew
+
+    def buggy(owner: str, lease_id: str, *args: float) -> Any:
+        if lease_id == "lease-bug":
+            raise RuntimeError("a bug")
+        return renew(owner, lease_id, *args)
+
+    dispatcher.leases.renew = buggy  # type: ignore[method-assign]
+    theirs = [RenewLease(sandbox_id=f"lease-u{i}", reply_to=reply_to("u", 1)) for i in range(2)]
+    bug = _signed(RenewLease(sandbox_id="lease-bug", reply_to=reply_to()))
+    # When it is read between two of u's renewals
+    out = Outbox()
+    dispatcher.handle(out, _signed(theirs[0], "k-tenant-u"))
+    dispatcher.handle(out, bug)  # raised out of the dispatcher, failing the batch
+    dispatcher.handle(out, _signed(theirs[1], "k-tenant-u"))
+    # Then u's renewals are answered, and the one that failed is a dead letter, alone
+    assert set(_answered(out)) == {str(r.request_id) for r in theirs}
+    assert [(r, e.reason.value) for r, e in out.dead] == [(bug, "internal")]
+    assert "RuntimeError: a bug" in out.dead[0][1].detail
+
+
+def test_an_event_whose_handling_raises_costs_the_others_nothing() -> None:
+    dispatcher = _dispatcher()
+
+    def buggy(*_: object) -> bool:
+        raise RuntimeError("a bug")
+
+    beat = NodeHeartbeat(node_id="n1", payload=_payload())
+    heard = dispatcher.health.heard
+    dispatcher.health.heard = buggy  # type: ignore[method-assign]
+    out = Outbox()
+    dispatcher.observe(out, _signed(beat))
+    assert [e.reason.value for _, e in out.dead] == ["internal"]
+    assert "n1" not in dispatcher.placement.nodes
+    # the next event is followed as usual
+    dispatcher.health.heard = heard  # type: ignore[method-assign]
+    dispatcher.observe(out, _signed(beat.model_copy(update={"event_id": uuid.uuid4()})))
+    assert "n1" in dispatcher.placement.nodes
