@@ -170,16 +170,12 @@ class Courier:
                 reason=refusal.reason.value,
                 detail=refusal.detail[:2000],
             )
-            self.reply(out, refusal.reply_as, refusal.reply_to, reply)
+            self.reply(out, refusal.sender, refusal.reply_to, reply)
 
     def refuse(self, out: Outbox, admitted: Admitted, reason: RejectReason, detail: str) -> None:
         """Refuse an admitted request for a reason found after the door."""
         request = admitted.request
-        self.reject(
-            out,
-            Refusal(reason, detail, admitted.sender, request, {}, request.reply_to, None,
-                    admitted.sender),
-        )  # fmt: skip
+        self.reject(out, Refusal(reason, detail, admitted.sender, request, {}, request.reply_to))
 
 
 def _uuid_or_none(value: object) -> uuid.UUID | None:

@@ -20,7 +20,6 @@ from app.domain.codec import DecodeError, decode_request, peek
 from app.domain.partition_counts import PartitionCounts
 from app.domain.partitioner import key_partition
 from app.domain.proof import (
-    KeyInfo,
     KeyLookup,
     Principal,
     ProofError,
@@ -64,19 +63,17 @@ class Refusal:
 
     reason: RejectReason
     detail: str
-    #: The sender, if the request proved one (the log names it).
+    #: The key the record is proven with (the log names it); None if its proof
+    #: failed. An answer is proven under this key, so only its holder reads it.
     sender: Sender | None
     #: The request, if it decoded.
     request: Request | None
     #: What could be read of it otherwise (ids for the log).
     raw: dict[str, Any]
-    #: Where an answer may go (None: nobody, or nobody it can be proven to).
+    #: Where the answer goes; None: nobody is answered (see Gate).
     reply_to: ReplyTo | None
     #: The decode error, if that is why: the record also goes to the dead letters.
     decode_error: DecodeError | None = None
-    #: Whose key proves the answer: the sender's, or, for a request whose proof
-    #: failed under a known key, that key's (only its holder can read the answer).
-    reply_as: Sender | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +89,16 @@ class GateRules:
 
 
 class Gate:
-    """Authentication, freshness and replay checks for request records."""
+    """Authentication, freshness and replay checks for request records.
+
+    A refusal is answered only where the answer cannot settle another request: to a
+    proven sender, about a request that is its own first one of that id. So a record
+    whose proof fails is never answered (logged only: it may carry a victim's key id
+    and request id, and an answer under the victim's key would end the victim's real
+    request), nor is one that may be a copy of a proven request: read on another
+    partition or under another key than it belongs, a replay, or older than the
+    freshness window (a command may run for hours after its request was sent).
+    """
 
     #: Request ids remembered per partition at most (the freshness window bounds it).
     MEMORY = 1_000_000
@@ -133,9 +139,11 @@ class Gate:
             request = decode_request(raw, self.rules.max_message_bytes)
         except DecodeError as exc:
             seen = peek(raw)
+            # Answered: the sender signed these very bytes, so no request of its own
+            # that decoded can be waiting under this id.
             return Refusal(
                 RejectReason.INVALID, str(exc), sender, None, seen,
-                self._reply_to(sender, seen.get("reply_to")), exc, sender,
+                self._reply_to(sender, seen.get("reply_to")), exc,
             )  # fmt: skip
         return self._check(record, request, sender, now)
 
@@ -145,9 +153,7 @@ class Gate:
         reply_to = self._reply_to(sender, request.reply_to)
 
         def refuse(reason: RejectReason, detail: str, answer: bool = True) -> Refusal:
-            return Refusal(
-                reason, detail, sender, request, {}, reply_to if answer else None, None, sender
-            )
+            return Refusal(reason, detail, sender, request, {}, reply_to if answer else None)
 
         misplaced = self._misplaced(record, request.sandbox_id)
         if misplaced is not None:
@@ -162,6 +168,10 @@ class Gate:
                 f"stale: sent_at is {age.total_seconds():.0f}s from the platform's clock "
                 f"(at most {self.rules.max_age.total_seconds():.0f}s): check the client's "
                 "clock; a captured request cannot be sent again later",
+                # Answered only if sent from the future: its original was refused the
+                # same way, so nothing of its sender's can be waiting on it. One from
+                # the past may be a copy of a request admitted then and still running.
+                answer=age < timedelta(0),
             )
         seen = self.handled.get(request.request_id)
         if seen is not None and seen[:2] != (record.partition, record.offset):
@@ -240,13 +250,6 @@ class Gate:
         return None
 
     def _unproven(self, raw: bytes, exc: ProofError) -> Refusal:
-        seen = peek(raw)
-        key: KeyInfo | None = exc.key
-        # A known key whose proof failed (altered, revoked): its holder can be told,
-        # on its own topic and under its own key; nobody else can.
-        sender = Sender(key.principal, key.secret) if key is not None else None
-        reply_to = self._reply_to(sender, seen.get("reply_to")) if sender is not None else None
+        # Never answered, whatever key id it names (see the class).
         detail = f"{exc.failure.value}: {exc.detail}"
-        return Refusal(
-            RejectReason.UNAUTHENTICATED, detail, None, None, seen, reply_to, None, sender
-        )
+        return Refusal(RejectReason.UNAUTHENTICATED, detail, None, None, peek(raw), None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import timedelta
 from itertools import count
 from typing import Any
 
@@ -18,6 +19,7 @@ from app.control.outbox import Outbox
 from app.domain.base import utcnow
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload
+from app.domain.gate import Refusal
 from app.domain.partition_counts import FixedPartitions, PartitionCounts
 from app.domain.partitioner import key_partition
 from app.domain.proof import Purpose, headers
@@ -267,3 +269,45 @@ def test_an_event_whose_handling_raises_costs_the_others_nothing() -> None:
     dispatcher.health.heard = heard  # type: ignore[method-assign]
     dispatcher.observe(out, _signed(beat.model_copy(update={"event_id": uuid.uuid4()})))
     assert "n1" in dispatcher.placement.nodes
+
+
+# --- 4. nothing unproven settles a proven request -------------------------------------
+
+
+def test_an_altered_copy_of_a_victims_request_gets_no_answer_under_its_key() -> None:
+    # Given tenant t's command in flight
+    dispatcher = _dispatcher()
+    _live(dispatcher)
+    victim = Exec(sandbox_id="sb-a", command="sleep 600", reply_to=reply_to("t", 3))
+    out = Outbox()
+    dispatcher.handle(out, _signed(victim))
+    assert len(out.inbox) == 1
+    # When someone sends its bytes with the command changed under t's key id, and a
+    # record carrying only t's key id and the request id
+    original = _signed(victim)
+    altered = (original.value or b"").replace(b"sleep 600", b"rm -rf /")
+    bare = json.dumps(
+        {"request_id": str(victim.request_id), "reply_to": reply_to("t", 3).model_dump()}
+    ).encode()
+    out = Outbox()
+    for body in (altered, bare):
+        copy = _moved(original)
+        dispatcher.handle(out, Inbound(copy.topic, copy.partition, copy.offset, copy.key, body,
+                                       original.headers))  # fmt: skip
+    # Then nobody is answered (t's SDK would report its running command as refused),
+    # and both are kept as dead letters
+    assert out.replies == [] and out.inbox == []
+    assert [e.reason.value for _, e in out.dead] == ["unauthenticated", "unauthenticated"]
+
+
+def test_a_stale_copy_of_a_running_request_gets_no_answer() -> None:
+    # Given t's hour-long command, admitted
+    gate = _dispatcher().gate
+    victim = Exec(sandbox_id="sb-a", command="sleep 3600", timeout_s=3600, reply_to=reply_to())
+    assert not isinstance(gate.admit(_signed(victim), utcnow()), Refusal)
+    # When its bytes are sent again after the freshness window
+    later = utcnow() + timedelta(seconds=400)
+    verdict = gate.admit(_moved(_signed(victim)), later)
+    # Then it is refused as stale, and not answered: the command still runs
+    assert isinstance(verdict, Refusal) and "stale" in verdict.detail
+    assert verdict.reply_to is None
