@@ -138,11 +138,19 @@ class Courier:
         sandbox_id = request.sandbox_id if request else _str_or_none(raw.get("sandbox_id"))
         request_type = request.type if request else _str_or_none(raw.get("type")) or "unknown"
         sender = refusal.sender
-        if refusal.reason == RejectReason.DUPLICATE and request is not None:
-            # Its own id: the first request's refusal (if any) keeps its id.
-            event_id = derived_id(request.request_id, f"replay:{refusal.detail}")
+        if sender is None or request_id is None:
+            # Nobody's: its id is never one a proven refusal could need.
+            event_id = uuid.uuid4()
         else:
-            event_id = derived_id(request_id, "rejected") if request_id else uuid.uuid4()
+            # Derived (deciding twice logs once), and scoped by the key that proves it
+            # as request ids are: another key's record, or an unproven one, with the
+            # same request id cannot take this refusal's place in the log.
+            key_id = sender.principal.key_id
+            if refusal.reason == RejectReason.DUPLICATE:
+                # Its own id: the first request's refusal (if any) keeps its id.
+                event_id = derived_id(request_id, f"replay:{key_id}:{refusal.detail}")
+            else:
+                event_id = derived_id(request_id, f"rejected:{key_id}")
         tenant = (
             request.tenant if request and request.tenant
             else sender.principal.subject if sender else "unauthenticated"

@@ -163,8 +163,8 @@ class Scheduler:
             created_by = queries.created_by(conn, ids)
             window = timedelta(seconds=self.settings.request_max_age_s)
             seen = handled.load(conn, utcnow() - window)
-        for request_id, partition, offset, at in seen:
-            self.dispatcher.gate.remember(request_id, partition, offset, at)
+        for one in seen:
+            self.dispatcher.gate.remember(one)
         self.dispatcher.recover(
             ((row.node_id, row) for row in alive),
             (
@@ -270,7 +270,7 @@ class Scheduler:
                     )
 
                 # Fenced: committed only while this session holds every partition saved.
-                self.owner.save(write, set(offsets) | {p for _, p, _, _ in unsaved})
+                self.owner.save(write, set(offsets) | {h.partition for h in unsaved})
                 gate.unsaved.clear()
             if time.monotonic() - self._rebalanced >= REBALANCE_S:
                 self._rebalance()
@@ -314,9 +314,9 @@ class Scheduler:
             window = timedelta(seconds=self.settings.request_max_age_s)
             with transaction(self.settings.database_url) as conn:
                 seen = handled.load(conn, utcnow() - window)
-            for request_id, partition, offset, at in seen:
-                if partition in new:
-                    self.dispatcher.gate.remember(request_id, partition, offset, at)
+            for one in seen:
+                if one.partition in new:
+                    self.dispatcher.gate.remember(one)
             self.dispatcher.leases.restart_clocks(
                 lambda lease_id: key_partition(lease_id, self.partition_count) in new,
                 time.monotonic(),
@@ -337,8 +337,8 @@ class Scheduler:
         # Ids handled since the last commit are the next owner's to record: whoever
         # reads their records again (this scheduler included) handles them anew.
         gate = self.dispatcher.gate
-        for request_id, *_ in gate.unsaved:
-            gate.handled.pop(request_id, None)
+        for one in gate.unsaved:
+            gate.handled.pop((one.key_id, one.request_id), None)
         gate.unsaved.clear()
         self.requests.reassign([], {})
         self._rebalanced = 0.0

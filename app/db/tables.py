@@ -179,10 +179,12 @@ credentials = Table(
     Column("revoked_by", Text),
 )
 
-#: Request ids the scheduler handled and where it read them (replays are refused).
+#: Request ids the scheduler handled, scoped by the key that proved them, and where it
+#: read them (replays are refused).
 handled_requests = Table(
     "handled_requests",
     metadata,
+    Column("key_id", Text, primary_key=True),
     Column("request_id", UUID(as_uuid=True), primary_key=True),
     Column("partition", Integer, nullable=False),
     Column("offset", BigInteger, nullable=False),

@@ -13,7 +13,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from app.domain.base import RejectReason
 from app.domain.codec import DecodeError, decode_request, peek
@@ -31,6 +31,16 @@ from app.domain.proof import (
 from app.domain.records import Record
 from app.domain.requests import ReplyTo, Request
 from app.domain.trust import REQUEST_SENDERS
+
+
+class Handled(NamedTuple):
+    """A request id its key has used, and where it was read (a replay is read elsewhere)."""
+
+    key_id: str
+    request_id: uuid.UUID
+    partition: int
+    offset: int
+    at: datetime
 
 
 @dataclass(frozen=True)
@@ -107,21 +117,24 @@ class Gate:
         self.rules = rules
         self.keys = keys
         self.partitions = partitions
-        # request id -> (partition, offset, when handled): the same id read anywhere
-        # else is a replay. Old entries go once they are older than the window.
-        self.handled: OrderedDict[uuid.UUID, tuple[int, int, datetime]] = OrderedDict()
+        # (key id, request id) -> where and when it was handled: the same pair read
+        # anywhere else is a replay. Request ids are scoped by the key that proves
+        # them, so nobody else's record (unproven, or another key's) can use one up:
+        # a proven attempt is its prover's, whatever came before it. Old entries go
+        # once they are older than the window.
+        self.handled: OrderedDict[tuple[str, uuid.UUID], Handled] = OrderedDict()
         #: Ids handled since the owner last saved them (it persists these).
-        self.unsaved: list[tuple[uuid.UUID, int, int, datetime]] = []
+        self.unsaved: list[Handled] = []
 
-    def remember(self, request_id: uuid.UUID, partition: int, offset: int, at: datetime) -> None:
+    def remember(self, handled: Handled) -> None:
         """An id handled before (a restarted scheduler reloads them)."""
-        self.handled[request_id] = (partition, offset, at)
+        self.handled[handled.key_id, handled.request_id] = handled
 
     def forget_before(self, cutoff: datetime) -> None:
         """Drop ids handled before ``cutoff``: requests that old are refused as stale."""
         while self.handled:
             oldest = next(iter(self.handled.values()))
-            if oldest[2] >= cutoff and len(self.handled) <= self.MEMORY:
+            if oldest.at >= cutoff and len(self.handled) <= self.MEMORY:
                 break
             self.handled.popitem(last=False)
 
@@ -173,20 +186,22 @@ class Gate:
                 # the past may be a copy of a request admitted then and still running.
                 answer=age < timedelta(0),
             )
-        seen = self.handled.get(request.request_id)
-        if seen is not None and seen[:2] != (record.partition, record.offset):
+        principal = sender.principal
+        scoped = (principal.key_id, request.request_id)
+        seen = self.handled.get(scoped)
+        if seen is not None and (seen.partition, seen.offset) != (record.partition, record.offset):
             # No reply: its answer is the first request's, which its sender may still
             # be waiting for; an answer here would reach it first.
             return refuse(
                 RejectReason.DUPLICATE,
-                f"request id {request.request_id} was already handled (partition {seen[0]}, "
-                f"offset {seen[1]}): a replay",
+                f"request id {request.request_id} was already handled (partition "
+                f"{seen.partition}, offset {seen.offset}): a replay",
                 answer=False,
             )
         if seen is None:
-            self.handled[request.request_id] = (record.partition, record.offset, now)
-            self.unsaved.append((request.request_id, record.partition, record.offset, now))
-        principal = sender.principal
+            first = Handled(*scoped, record.partition, record.offset, now)
+            self.handled[scoped] = first
+            self.unsaved.append(first)
         if request.tenant and request.tenant != principal.subject:
             return refuse(
                 RejectReason.FORBIDDEN,

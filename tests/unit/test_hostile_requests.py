@@ -19,12 +19,12 @@ from app.control.outbox import Outbox
 from app.domain.base import utcnow
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload
-from app.domain.gate import Refusal
+from app.domain.gate import Handled, Refusal
 from app.domain.partition_counts import FixedPartitions, PartitionCounts
 from app.domain.partitioner import key_partition
 from app.domain.proof import Purpose, headers
 from app.domain.records import Inbound
-from app.domain.requests import CreateSandbox, Exec, RenewLease
+from app.domain.requests import CreateSandbox, DestroySandbox, Exec, RenewLease
 from tests.unit.signing import KEYS, PARTITIONS, record, reply_to
 
 _offsets = count(1000)
@@ -311,3 +311,40 @@ def test_a_stale_copy_of_a_running_request_gets_no_answer() -> None:
     # Then it is refused as stale, and not answered: the command still runs
     assert isinstance(verdict, Refusal) and "stale" in verdict.detail
     assert verdict.reply_to is None
+
+
+# --- 5. a proven attempt is its prover's ------------------------------------------------
+
+
+def test_a_forbidden_attempt_is_logged_as_its_provers_whatever_came_first() -> None:
+    # Given t's sandbox, and tenant u's attempt to destroy it under request id R
+    dispatcher = _dispatcher()
+    _live(dispatcher)
+    attempt = DestroySandbox(sandbox_id="sb-a", reply_to=reply_to("u", 0))
+    # When an unauthenticated record with R arrives first, then t's own request with R
+    # (seen on the bus and copied), then u's attempt
+    out = Outbox()
+    dispatcher.handle(out, _forged(attempt, None))
+    dispatcher.handle(out, _forged(attempt, "k-tenant-u"))
+    own = {"sandbox_id": "sb-b", "reply_to": reply_to("t", 0)}
+    dispatcher.handle(out, _signed(attempt.model_copy(update=own)))
+    dispatcher.handle(out, _signed(attempt, "k-tenant-u"))
+    # Then u's attempt is refused as u's, not as a replay, and logged under an id of its
+    # own: the log keeps every event id once, so a shared one would lose it
+    assert out.tasks == []
+    logged = _rejected(out)
+    assert len({e["event_id"] for e in logged}) == len(logged) == 4
+    [theirs] = [e for e in logged if e["tenant"] == "u"]
+    assert theirs["payload"]["actor"] == "u/k-tenant-u"  # type: ignore[index]
+    assert theirs["payload"]["reason"] == "forbidden"  # type: ignore[index]
+
+
+def test_request_ids_are_scoped_by_key_across_a_restart() -> None:
+    # Given a scheduler that reloaded t's handled id R (partition 3, offset 9)
+    gate = _dispatcher().gate
+    exec_ = Exec(sandbox_id="sb-a", command="x")
+    gate.remember(Handled("k-tenant-t", exec_.request_id, 3, 9, utcnow()))
+    # Then t's request with R anywhere else is a replay, u's with R is not
+    replay = gate.admit(_signed(exec_), utcnow())
+    assert isinstance(replay, Refusal) and replay.reason.value == "duplicate"
+    assert not isinstance(gate.admit(_signed(exec_, "k-tenant-u"), utcnow()), Refusal)
