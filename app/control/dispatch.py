@@ -520,21 +520,16 @@ class Dispatcher:
         members = expand_group(request) if isinstance(request, CreateGroup) else [request]
         for m in members:
             holder = self.created_by.get(m.sandbox_id)
-            if holder == m.request_id:
+            allocation = self.placement.allocations.get(m.sandbox_id)
+            if holder == m.request_id and (allocation is None or allocation.tenant == m.tenant):
                 return  # a redelivered create: already placed, its tasks already sent
-            if holder is not None or any(
-                m.sandbox_id in (p.sandbox_id for p in pending.members) for pending in self.pending
-            ):
-                self.send.refuse(out, admitted, RejectReason.DUPLICATE,
-                             f"sandbox id {m.sandbox_id} is in use")  # fmt: skip
-                return
-            ended = self.ended.get(m.sandbox_id)
-            if ended is not None:
-                self.send.refuse(
-                    out, admitted, RejectReason.DUPLICATE,
-                    f"sandbox id {m.sandbox_id} was used before (ended: {ended[0]}); "
-                    "ids are never reused",
-                )  # fmt: skip
+            in_use = self._in_use(m.sandbox_id)
+            if in_use is not None:
+                # The log says how (for the operator); the requester learns that the id
+                # is taken, never whose it is or how it ended.
+                told = f"sandbox id {m.sandbox_id} is taken: ids are never reused, choose another"
+                reason = RejectReason.ID_IN_USE
+                self.send.refuse(out, admitted, reason, in_use, told=(reason, told))
                 return
         pending = Pending(
             members,
@@ -546,6 +541,18 @@ class Dispatcher:
         )
         if not self._admit(out, pending):
             self.pending.append(pending)
+
+    def _in_use(self, sandbox_id: str) -> str | None:
+        """How ``sandbox_id`` is in use (live, waiting for room, or ended: ids are never
+        reused, every life is billed under its own), or None if it is free."""
+        if sandbox_id in self.created_by:
+            return f"sandbox id {sandbox_id} is in use"
+        if any(sandbox_id in (m.sandbox_id for m in p.members) for p in self.pending):
+            return f"sandbox id {sandbox_id} is in use (a create waits for room)"
+        ended = self.ended.get(sandbox_id)
+        if ended is not None:
+            return f"sandbox id {sandbox_id} was used before (ended: {ended[0]})"
+        return None
 
     # --- requests -----------------------------------------------------------------
 
@@ -581,24 +588,23 @@ class Dispatcher:
         """A request about one live sandbox: its owner's (or an operator's) only."""
         request, sender = admitted.request, admitted.sender
         allocation = self.placement.allocations.get(request.sandbox_id)
-        owner = allocation.tenant if allocation is not None else None
-        if allocation is None:
-            ended = self.ended.get(request.sandbox_id)
-            if ended is not None and may_act_on(sender.principal, ended[1]):
-                self.send.refuse(out, admitted, RejectReason.SANDBOX_NOT_RUNNING,
-                             f"sandbox {request.sandbox_id} has ended ({ended[0]})")  # fmt: skip
-                return
-            owner = ended[1] if ended is not None else None
+        ended = self.ended.get(request.sandbox_id)
+        owner = allocation.tenant if allocation is not None else ended[1] if ended else None
+        # "Not there" and "not yours" are one answer, in the same words: a tenant learns
+        # nothing of sandboxes that are not its own. The log tells them apart.
+        told = f"{sender.principal.subject} has no live sandbox {request.sandbox_id}"
         if owner is not None and not may_act_on(sender.principal, owner):
-            self.send.refuse(
-                out, admitted, RejectReason.FORBIDDEN,
-                f"sandbox {request.sandbox_id} is not {sender.principal.subject}'s",
-            )  # fmt: skip
+            self.send.refuse(out, admitted, RejectReason.FORBIDDEN,
+                             f"sandbox {request.sandbox_id} is another tenant's",
+                             told=(RejectReason.UNKNOWN_SANDBOX, told))  # fmt: skip
+            return
+        if allocation is None and ended is not None:
+            self.send.refuse(out, admitted, RejectReason.SANDBOX_NOT_RUNNING,
+                             f"sandbox {request.sandbox_id} has ended ({ended[0]})")  # fmt: skip
             return
         node = self.placement.node_of(request.sandbox_id)
         if node is None or allocation is None:
-            self.send.refuse(out, admitted, RejectReason.UNKNOWN_SANDBOX,
-                         f"sandbox {request.sandbox_id} is not live on any node")  # fmt: skip
+            self.send.refuse(out, admitted, RejectReason.UNKNOWN_SANDBOX, told)
             return
         # What the node records is the owner's: an operator acts on the owner's bill.
         request = request.model_copy(update={"tenant": allocation.tenant})

@@ -172,18 +172,30 @@ class Courier:
         self._tally.handled(request_type[:64], f"rejected:{refusal.reason.value}")
         self._tally.refused(refusal.reason.value)
         if request_id is not None:
+            reason, detail = refusal.told or (refusal.reason, refusal.detail)
             reply = ErrorReply(
                 request_id=request_id,
                 sandbox_id=sandbox_id or "",
-                reason=refusal.reason.value,
-                detail=refusal.detail[:2000],
+                reason=reason.value,
+                detail=detail[:2000],
             )
             self.reply(out, refusal.sender, refusal.reply_to, reply)
 
-    def refuse(self, out: Outbox, admitted: Admitted, reason: RejectReason, detail: str) -> None:
-        """Refuse an admitted request for a reason found after the door."""
+    def refuse(
+        self,
+        out: Outbox,
+        admitted: Admitted,
+        reason: RejectReason,
+        detail: str,
+        told: tuple[RejectReason, str] | None = None,
+    ) -> None:
+        """Refuse an admitted request for a reason found after the door (the requester
+        is ``told`` another reason and detail where the log's would tell it about
+        someone else's sandbox)."""
         request = admitted.request
-        self.reject(out, Refusal(reason, detail, admitted.sender, request, {}, request.reply_to))
+        self.reject(
+            out, Refusal(reason, detail, admitted.sender, request, {}, request.reply_to, told=told)
+        )
 
 
 def _uuid_or_none(value: object) -> uuid.UUID | None:

@@ -84,6 +84,9 @@ class Refusal:
     reply_to: ReplyTo | None
     #: The decode error, if that is why: the record also goes to the dead letters.
     decode_error: DecodeError | None = None
+    #: What the requester is told, where the reason and detail the log keeps would tell
+    #: it about someone else's sandbox (None: the same).
+    told: tuple[RejectReason, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -150,9 +150,11 @@ def test_another_tenants_request_is_forbidden_and_sends_no_task() -> None:
     attack = DestroySandbox(sandbox_id="sb-a", reply_to=reply_to("u"))
     dispatcher.handle(out, record(attack, offset=101, key_id="k-tenant-u"))
     assert out.tasks == []
-    assert json.loads(out.replies[0][2])["reason"] == "forbidden"
+    # u is told what it would be told of a sandbox that does not exist; the log knows
+    assert json.loads(out.replies[0][2])["reason"] == "unknown_sandbox"
     event = json.loads(out.events[0][1])
     assert event["tenant"] == "u" and event["payload"]["actor"] == "u/k-tenant-u"
+    assert event["payload"]["reason"] == "forbidden"
 
 
 def test_an_operator_acts_on_the_owners_bill() -> None:

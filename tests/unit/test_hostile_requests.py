@@ -348,3 +348,49 @@ def test_request_ids_are_scoped_by_key_across_a_restart() -> None:
     replay = gate.admit(_signed(exec_), utcnow())
     assert isinstance(replay, Refusal) and replay.reason.value == "duplicate"
     assert not isinstance(gate.admit(_signed(exec_, "k-tenant-u"), utcnow()), Refusal)
+
+
+# --- 12. nothing about sandboxes that are not one's own ---------------------------------
+
+
+def _told(dispatcher: Dispatcher, request: BaseModel, key_id: str) -> tuple[str, str]:
+    """The reason and detail ``key_id``'s tenant is answered with, its sandbox id blanked."""
+    out = Outbox()
+    dispatcher.handle(out, _signed(request, key_id))
+    [answer] = _answered(out).values()
+    sandbox = str(answer["sandbox_id"])
+    return str(answer["reason"]), str(answer["detail"]).replace(sandbox, "<id>")
+
+
+def test_not_there_and_not_yours_are_one_answer() -> None:
+    # Given t's live sandbox sb-a and t's ended sandbox sb-e
+    dispatcher = _dispatcher()
+    _live(dispatcher)
+    dispatcher.note_ended("sb-e", "destroyed", "t")
+    # When u execs in each, and in a sandbox that never was
+    answers = {
+        _told(dispatcher, Exec(sandbox_id=box, command="id", reply_to=reply_to("u")), "k-tenant-u")
+        for box in ("sb-a", "sb-e", "sb-never")
+    }
+    # Then u hears one thing, whoever holds the id
+    assert answers == {("unknown_sandbox", "u has no live sandbox <id>")}
+
+
+def test_a_create_with_a_taken_id_says_nothing_of_whose_or_how_it_ended() -> None:
+    dispatcher = _dispatcher()
+    _live(dispatcher)
+    dispatcher.note_ended("sb-e", "oom", "t")
+    answers = {
+        _told(dispatcher, CreateSandbox(sandbox_id=box, reply_to=reply_to("u")), "k-tenant-u")
+        for box in ("sb-a", "sb-e")
+    }
+    assert answers == {
+        ("id_in_use", "sandbox id <id> is taken: ids are never reused, choose another")
+    }
+    # and a replay is another reason (not answered: its first answer stands)
+    create = CreateSandbox(sandbox_id="sb-new", reply_to=reply_to("u"))
+    first = _signed(create, "k-tenant-u")
+    out = Outbox()
+    dispatcher.handle(out, first)
+    dispatcher.handle(out, _moved(first))
+    assert [e["payload"]["reason"] for e in _rejected(out)] == ["duplicate"]  # type: ignore[index]
