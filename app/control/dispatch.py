@@ -189,6 +189,11 @@ class Dispatcher:
                     still.append(pending)
         self.pending = still
 
+    def log_samples(self, out: Outbox) -> None:
+        """Log the samples of refusals nobody answers for (app/control/samples.py)
+        whose window has closed; the scheduler calls it every round."""
+        self.send.log_samples(out)
+
     @contextmanager
     def _isolated(self, out: Outbox, record: Record | None, what: str) -> Iterator[None]:
         """Run the handling of one record (or one waiting create) on its own: if it

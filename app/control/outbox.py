@@ -7,12 +7,14 @@ scheduler process sends what the outbox holds (``app/control/scheduler.py``).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from app.config import Settings
 from app.control.node_health import NodeHealth
+from app.control.samples import RefusalSamples
 from app.domain.base import RejectReason, derived_id
 from app.domain.codec import DecodeError, encode
 from app.domain.events import EventBase, RejectedPayload, SandboxRejected
@@ -22,7 +24,7 @@ from app.domain.placement import NodeView
 from app.domain.proof import KeyLookup, Role
 from app.domain.records import Record
 from app.domain.replies import ErrorReply, ReplyBase
-from app.domain.requests import ReplyTo, RequestBase
+from app.domain.requests import REQUEST_TYPES, ReplyTo, RequestBase
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,13 @@ class Courier:
         self._keys = keys
         self._health = health
         self._tally = tally
+        #: Refusals nobody answers for, folded until their window closes.
+        self.samples = RefusalSamples()
+
+    def log_samples(self, out: Outbox) -> None:
+        """Log the samples of folded refusals whose window has closed."""
+        for sample in self.samples.due(time.monotonic()):
+            self.emit(out, sample)
 
     def emit(self, out: Outbox, event: EventBase) -> None:
         """An event for the log (proven by the scheduler's key when it is sent)."""
@@ -127,12 +136,9 @@ class Courier:
         else:
             out.tasks.append((task, node.queue, args))
 
-    def reject(
-        self,
-        out: Outbox,
-        refusal: Refusal,
-    ) -> None:
-        """Log a refusal, and answer it where an answer can be proven."""
+    def reject(self, out: Outbox, refusal: Refusal) -> None:
+        """Log a refusal (or fold it into its kind's sample), count it, and answer it
+        where the gate says an answer may go."""
         request, raw = refusal.request, refusal.raw
         request_id = request.request_id if request else _uuid_or_none(raw.get("request_id"))
         sandbox_id = request.sandbox_id if request else _str_or_none(raw.get("sandbox_id"))
@@ -168,9 +174,16 @@ class Courier:
                 actor=sender.principal.actor if sender else None,
             ),
         )
-        self.emit(out, event)
-        self._tally.handled(request_type[:64], f"rejected:{refusal.reason.value}")
+        if refusal.sample is None:
+            self.emit(out, event)
+        else:
+            self.samples.add(refusal.sample, event, time.monotonic())
+        # A type the sender made up is no metric label (each would be a new series).
+        counted = request_type if request_type in REQUEST_TYPES else "unknown"
+        self._tally.handled(counted, f"rejected:{refusal.reason.value}")
         self._tally.refused(refusal.reason.value)
+        if sender is None:
+            self._tally.unproven("request")
         if request_id is not None:
             reason, detail = refusal.told or (refusal.reason, refusal.detail)
             reply = ErrorReply(

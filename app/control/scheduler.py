@@ -237,6 +237,7 @@ class Scheduler:
         self.dispatcher.check_nodes(out)
         self.dispatcher.check_leases(out)
         self.dispatcher.retry_pending(out)
+        self.dispatcher.log_samples(out)
         records = self.requests.poll(timeout_ms=50, max_records=500)
         try:
             self._learn_ended(records)

@@ -87,6 +87,10 @@ class Refusal:
     #: What the requester is told, where the reason and detail the log keeps would tell
     #: it about someone else's sandbox (None: the same).
     told: tuple[RejectReason, str] | None = None
+    #: Refused before the request was known as its sender's own (no proof, or maybe a
+    #: copy): the kind of refusal it is (its reason, and its proof's failure or key),
+    #: by which the log keeps a sample instead of one row per record; None: logged.
+    sample: str | None = None
 
 
 @dataclass(frozen=True)
@@ -168,15 +172,19 @@ class Gate:
     ) -> Admitted | Refusal:
         reply_to = self._reply_to(sender, request.reply_to)
 
-        def refuse(reason: RejectReason, detail: str, answer: bool = True) -> Refusal:
-            return Refusal(reason, detail, sender, request, {}, reply_to if answer else None)
+        def refuse(
+            reason: RejectReason, detail: str, answer: bool = True, copy: bool = False
+        ) -> Refusal:
+            sample = f"{reason.value}:{sender.principal.key_id}" if copy else None
+            where = reply_to if answer else None
+            return Refusal(reason, detail, sender, request, {}, where, sample=sample)
 
         misplaced = self._misplaced(record, request.sandbox_id)
         if misplaced is not None:
             # Not answered, nor remembered as handled: these may be a copy of someone's
             # request moved elsewhere on the bus (onto another scheduler's partition, to
             # be acted on twice), and the original, read where it belongs, stands.
-            return refuse(RejectReason.INVALID, misplaced, answer=False)
+            return refuse(RejectReason.INVALID, misplaced, answer=False, copy=True)
         age = now - request.sent_at
         if abs(age) > self.rules.max_age:
             return refuse(
@@ -188,6 +196,7 @@ class Gate:
                 # same way, so nothing of its sender's can be waiting on it. One from
                 # the past may be a copy of a request admitted then and still running.
                 answer=age < timedelta(0),
+                copy=True,
             )
         principal = sender.principal
         scoped = (principal.key_id, request.request_id)
@@ -200,6 +209,7 @@ class Gate:
                 f"request id {request.request_id} was already handled (partition "
                 f"{seen.partition}, offset {seen.offset}): a replay",
                 answer=False,
+                copy=True,
             )
         if seen is None:
             first = Handled(*scoped, record.partition, record.offset, now)
@@ -269,5 +279,7 @@ class Gate:
 
     def _unproven(self, raw: bytes, exc: ProofError) -> Refusal:
         # Never answered, whatever key id it names (see the class).
+        reason = RejectReason.UNAUTHENTICATED
         detail = f"{exc.failure.value}: {exc.detail}"
-        return Refusal(RejectReason.UNAUTHENTICATED, detail, None, None, peek(raw), None)
+        sample = f"{reason.value}:{exc.failure.value}"
+        return Refusal(reason, detail, None, None, peek(raw), None, sample=sample)

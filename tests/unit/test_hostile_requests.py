@@ -62,8 +62,12 @@ def _answered(out: Outbox) -> dict[str, dict[str, object]]:
     return {json.loads(value)["request_id"]: json.loads(value) for _, _, value, _ in out.replies}
 
 
-def _rejected(out: Outbox) -> list[dict[str, object]]:
-    """The SandboxRejected events of a batch."""
+def _rejected(out: Outbox, dispatcher: Dispatcher | None = None) -> list[dict[str, object]]:
+    """The SandboxRejected events of a batch (with ``dispatcher``: and the samples of
+    its folded refusals, as if their windows had closed)."""
+    if dispatcher is not None:
+        for sample in dispatcher.send.samples.due(float("inf")):
+            dispatcher.send.emit(out, sample)
     events = [json.loads(value) for _, value in out.events]
     return [e for e in events if e["type"] == "SandboxRejected"]
 
@@ -141,7 +145,7 @@ def test_a_renewal_copied_onto_another_schedulers_partition_is_not_acted_on() ->
     assert out_b.replies == []
     with pytest.raises(KeyError):
         b.leases[("t", "lease-1")]
-    assert [e["payload"]["reason"] for e in _rejected(out_b)] == ["invalid"]  # type: ignore[index]
+    assert [e["payload"]["reason"] for e in _rejected(out_b, b)] == ["invalid"]  # type: ignore[index]
 
 
 def test_a_copy_read_first_on_the_wrong_partition_costs_the_original_nothing() -> None:
@@ -332,7 +336,7 @@ def test_a_forbidden_attempt_is_logged_as_its_provers_whatever_came_first() -> N
     # Then u's attempt is refused as u's, not as a replay, and logged under an id of its
     # own: the log keeps every event id once, so a shared one would lose it
     assert out.tasks == []
-    logged = _rejected(out)
+    logged = _rejected(out, dispatcher)
     assert len({e["event_id"] for e in logged}) == len(logged) == 4
     [theirs] = [e for e in logged if e["tenant"] == "u"]
     assert theirs["payload"]["actor"] == "u/k-tenant-u"  # type: ignore[index]
@@ -393,4 +397,72 @@ def test_a_create_with_a_taken_id_says_nothing_of_whose_or_how_it_ended() -> Non
     out = Outbox()
     dispatcher.handle(out, first)
     dispatcher.handle(out, _moved(first))
-    assert [e["payload"]["reason"] for e in _rejected(out)] == ["duplicate"]  # type: ignore[index]
+    assert [e["payload"]["reason"] for e in _rejected(out, dispatcher)] == ["duplicate"]  # type: ignore[index]
+
+
+# --- 10. junk is counted and sampled, not logged row by row ---------------------------
+
+
+class Counted:
+    """A Tally that counts (the scheduler's is Prometheus's)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, ...], int] = {}
+
+    def _count(self, *what: str) -> None:
+        self.seen[what] = self.seen.get(what, 0) + 1
+
+    def handled(self, request_type: str, outcome: str) -> None:
+        self._count("handled", request_type, outcome)
+
+    def refused(self, reason: str) -> None:
+        self._count("refused", reason)
+
+    def unproven(self, kind: str) -> None:
+        self._count("unproven", kind)
+
+
+def test_made_up_keys_are_counted_and_sampled_not_logged_row_by_row() -> None:
+    # Given a scheduler counting what it refuses
+    tally = Counted()
+    dispatcher = Dispatcher(Settings(), KEYS, PARTITIONS, tally=tally)
+    dispatcher.observe(Outbox(), _signed(NodeHeartbeat(node_id="n0", payload=_payload())))
+    # When 5,000 records with made-up key ids arrive (with made-up types), and tenant
+    # u's renewal among them
+    out = Outbox()
+    junk = [_forged(RenewLease(sandbox_id=f"lease-{i}"), f"k-madeup-{i}") for i in range(5000)]
+    theirs = RenewLease(sandbox_id="lease-u", reply_to=reply_to("u", 1))
+    for i, one in enumerate(junk):
+        if i == 2500:
+            dispatcher.handle(out, _signed(theirs, "k-tenant-u"))
+        body = (one.value or b"").replace(b"RenewLease", f"Type{i}".encode())
+        dispatcher.handle(out, Inbound(one.topic, one.partition, one.offset, one.key, body,
+                                       one.headers))  # fmt: skip
+    # and the window closes
+    dispatcher.send.samples.window_s = 0
+    dispatcher.log_samples(out)
+    # Then u is answered, each junk record is a dead letter and counted, under no
+    # made-up label
+    assert set(_answered(out)) == {str(theirs.request_id)}
+    assert len(out.dead) == 5000
+    assert tally.seen[("unproven", "request")] == 5000
+    assert tally.seen[("handled", "unknown", "rejected:unauthenticated")] == 5000
+    # and the log gets one row for them all, saying how many it stands for
+    [sample] = _rejected(out)
+    assert sample["tenant"] == "unauthenticated"
+    assert sample["payload"]["folded"] == 5000  # type: ignore[index]
+    assert "4999 more like it" in sample["payload"]["detail"]  # type: ignore[index]
+
+
+def test_replays_of_a_captured_request_are_one_sample() -> None:
+    dispatcher = _dispatcher()
+    captured = _signed(RenewLease(sandbox_id="lease-t", reply_to=reply_to()))
+    out = Outbox()
+    dispatcher.handle(out, captured)
+    for _ in range(1000):
+        dispatcher.handle(out, _moved(captured))
+    assert len(_answered(out)) == 1  # the original's answer only
+    [sample] = _rejected(out, dispatcher)
+    assert sample["payload"]["reason"] == "duplicate"  # type: ignore[index]
+    assert sample["payload"]["folded"] == 1000  # type: ignore[index]
+    assert sample["tenant"] == "t"  # the key's, whoever sent the copies
