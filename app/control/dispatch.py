@@ -24,6 +24,7 @@ from app.control.creates import Pending, Waiting, placement_events, why_refused
 from app.control.leases import Leases, lease_request
 from app.control.node_health import NodeHealth
 from app.control.outbox import Courier, NoTally, Outbox, Tally
+from app.control.quotas import QuotaLookup, SettingsQuotas, TenantQuotas
 from app.domain.base import RejectReason, StopReason, derived_id, utcnow
 from app.domain.codec import DeadLetterReason, DecodeError, decode_event
 from app.domain.events import (
@@ -106,6 +107,7 @@ class Dispatcher:
         heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT,
         trajectory: TrajectoryLog | None = None,
         tally: Tally | None = None,
+        quotas: QuotaLookup | None = None,
     ) -> None:
         self.settings = settings
         self.keys = keys
@@ -143,6 +145,8 @@ class Dispatcher:
         # the one that reads a lease's renewals keeps its clock (app/control/scheduler.py
         # sets ``leases.keeps``).
         self.leases = Leases(settings.lease_ttl_s, settings.lease_grace_s)
+        #: Each tenant's limits (the scheduler's include the stored ones) and holdings.
+        self.quotas = TenantQuotas(quotas or SettingsQuotas(settings), self.leases)
         self.health = NodeHealth(heartbeat_timeout, _NS)
         self.send = Courier(settings, keys, self.health, self.tally)
         # Ended sandboxes: why, and whose they were.
@@ -169,7 +173,7 @@ class Dispatcher:
         for box in live:
             group = box.labels.get(GROUP_LABEL)
             if group:
-                self.groups.setdefault((box.tenant, group), []).append(box.sandbox_id)
+                self._join_group(box.tenant, group, box.sandbox_id)
             if box.node_id:
                 self.placement.assign(
                     box.sandbox_id, box.node_id, box.cpus, box.memory_mb, box.tenant, box.job_id
@@ -187,7 +191,19 @@ class Dispatcher:
             with self._isolated(out, None, "a waiting create"):
                 if not self._admit(out, pending):
                     still.append(pending)
-        self.pending = still
+        self._set_pending(still)
+
+    def _set_pending(self, pending: list[Pending]) -> None:
+        """The creates that wait for room now."""
+        self.pending = pending
+        self.quotas.waiting_now(pending)
+
+    def _join_group(self, tenant: str, group: str, sandbox_id: str) -> None:
+        """``sandbox_id`` is a member of ``tenant``'s group (held while one lives)."""
+        members = self.groups.setdefault((tenant, group), [])
+        if sandbox_id not in members:
+            members.append(sandbox_id)
+        self.quotas.joined_group(tenant, group, sandbox_id)
 
     def log_samples(self, out: Outbox) -> None:
         """Log the samples of refusals nobody answers for (app/control/samples.py)
@@ -270,8 +286,9 @@ class Dispatcher:
                 self.awaiting_start.pop(event.sandbox_id or "", None)
                 self.unstarted.discard(event.sandbox_id or "")
                 self._alive(event.node_id, event.sandbox_id, event.occurred_at)
-            case CommandCompleted() if self._placed_here(sender, event.sandbox_id):
+            case CommandCompleted(payload=p) if self._placed_here(sender, event.sandbox_id):
                 self._alive(event.node_id, event.sandbox_id, event.occurred_at)
+                self.quotas.command_ended(event.tenant, p.request_id)
             case SandboxStopped(payload=p) if self._placed_here(sender, event.sandbox_id):
                 self._ended_elsewhere(out, sender, event.sandbox_id or "", p.reason.value,
                                       p.detail)  # fmt: skip
@@ -280,6 +297,8 @@ class Dispatcher:
             ):
                 self._ended_elsewhere(out, sender, event.sandbox_id or "", p.reason.value,
                                       p.detail)  # fmt: skip
+            case SandboxFailed(payload=p) if p.request_type == "Exec":
+                self.quotas.command_ended(event.tenant, p.request_id)
             case SandboxFrozen() | SandboxThawed() if self._placed_here(sender, event.sandbox_id):
                 self.leases.follow(
                     event.sandbox_id or "", isinstance(event, SandboxFrozen), time.monotonic()
@@ -304,9 +323,7 @@ class Dispatcher:
         self.unstarted.add(sandbox_id)
         group = p.labels.get(GROUP_LABEL)
         if group:
-            members = self.groups.setdefault((requested.tenant, group), [])
-            if sandbox_id not in members:
-                members.append(sandbox_id)
+            self._join_group(requested.tenant, group, sandbox_id)
         lease_id = p.labels.get(LEASE_LABEL)
         if lease_id:
             self.leases.join(sandbox_id, requested.tenant, lease_id, time.monotonic())
@@ -332,7 +349,7 @@ class Dispatcher:
         """Forget the creates waiting for room that were read from ``partitions`` (this
         scheduler gave them away: their stored offsets make the next owner read them
         again)."""
-        self.pending = [p for p in self.pending if p.partition not in partitions]
+        self._set_pending([p for p in self.pending if p.partition not in partitions])
 
     def _alive(self, node_id: str | None, sandbox_id: str | None, at: datetime) -> None:
         """The node spoke for the sandbox as of ``at`` (its clock, the one its start is
@@ -348,11 +365,12 @@ class Dispatcher:
         return allocation is None or allocation.node_id == sender.subject
 
     def _forget(self, sandbox_id: str, reason: str) -> None:
-        """A sandbox ended: free its room, its lease, its group slot."""
+        """A sandbox ended: free its room, its lease, its group slot, its commands."""
         self.awaiting_start.pop(sandbox_id, None)
         self.unstarted.discard(sandbox_id)
         self._requested.pop(sandbox_id, None)
         self.leases.leave(sandbox_id)
+        self.quotas.sandbox_ended(sandbox_id)
         allocation = self.placement.release(sandbox_id)
         self.created_by.pop(sandbox_id, None)
         owner = allocation.tenant if allocation is not None else ""
@@ -451,21 +469,14 @@ class Dispatcher:
 
     # --- creates ------------------------------------------------------------------
 
-    def _quota_left(self, tenant: str) -> int | None:
-        """Sandboxes the tenant may still start; None: no quota."""
-        quota = self.settings.tenant_quotas.get(tenant, self.settings.default_tenant_quota)
-        if not quota:
-            return None
-        return quota - self.placement.tenant_sandboxes(tenant)
-
     def _admit(self, out: Outbox, pending: Pending) -> bool:
         """Place every member, or none; False if they must keep waiting."""
         members = pending.members
         tenant = members[0].tenant
-        left = self._quota_left(tenant)
+        over = self.quotas.sandboxes(pending, self.placement.tenant_sandboxes(tenant))
         placed: list[Allocation] = []
         reason: RejectReason | None = None
-        if left is not None and left < len(members):
+        if over is not None:
             reason = RejectReason.QUOTA
         else:
             for m in members:
@@ -483,15 +494,19 @@ class Dispatcher:
             if reason != RejectReason.INVALID and time.monotonic() < pending.deadline_s:
                 return False
             largest = self.placement.largest_sandbox() if reason == RejectReason.INVALID else None
-            detail = why_refused(reason, members[0], len(members), pending.group, largest)
-            for m in members:
-                self.send.refuse(out, Admitted(m, pending.sender), reason, detail)
+            detail = why_refused(reason, members[0], len(members), pending.group, largest, over)
+            self._refuse_all(out, pending, reason, detail)
             return True
         for m, allocation in zip(members, placed, strict=True):
             self._schedule(out, m, allocation, pending.sender)
-        if pending.group is not None:
-            self.groups[(tenant, pending.group)] = [m.sandbox_id for m in members]
+            if pending.group is not None:
+                self._join_group(tenant, pending.group, m.sandbox_id)
         return True
+
+    def _refuse_all(self, out: Outbox, pending: Pending, reason: RejectReason, detail: str) -> None:
+        """Refuse every member of a create (each answered under its own request id)."""
+        for m in pending.members:
+            self.send.refuse(out, Admitted(m, pending.sender), reason, detail)
 
     def _schedule(
         self, out: Outbox, request: CreateSandbox, placed: Allocation, sender: Sender
@@ -544,15 +559,22 @@ class Dispatcher:
             time.monotonic() + request.queue_s,
             request.sandbox_id if isinstance(request, CreateGroup) else None,
         )
-        if not self._admit(out, pending):
-            self.pending.append(pending)
+        over = self.quotas.create(pending, request.lease_id)
+        if over is None and not self._admit(out, pending):
+            # No room now: it waits, within the tenant's quota of waiting creates.
+            over = self.quotas.wait(pending)
+            if over is None:
+                self.pending.append(pending)
+                self.quotas.waits(pending)
+        if over is not None:
+            self._refuse_all(out, pending, RejectReason.QUOTA, over)
 
     def _in_use(self, sandbox_id: str) -> str | None:
         """How ``sandbox_id`` is in use (live, waiting for room, or ended: ids are never
         reused, every life is billed under its own), or None if it is free."""
         if sandbox_id in self.created_by:
             return f"sandbox id {sandbox_id} is in use"
-        if any(sandbox_id in (m.sandbox_id for m in p.members) for p in self.pending):
+        if self.quotas.is_waiting(sandbox_id):
             return f"sandbox id {sandbox_id} is in use (a create waits for room)"
         ended = self.ended.get(sandbox_id)
         if ended is not None:
@@ -621,16 +643,32 @@ class Dispatcher:
                 f"sandbox {request.sandbox_id} is frozen: lease {lease.lease_id} lapsed",
             )  # fmt: skip
             return
-        if isinstance(request, Exec) and self._replay(out, admitted):
+        if isinstance(request, Exec) and (
+            self._replay(out, admitted) or not self._takes_command(out, admitted)
+        ):
             return
         self.send.task(out, node, request, sender)
         self.tally.handled(request.type, "routed")
+
+    def _takes_command(self, out: Outbox, admitted: Admitted) -> bool:
+        """Whether an Exec's command may be held against its owner's quotas (refused
+        if not)."""
+        request = admitted.request
+        assert isinstance(request, Exec)
+        over = self.quotas.command(request, admitted.sender.principal, time.monotonic())
+        if over is not None:
+            self.send.refuse(out, admitted, RejectReason.QUOTA, over)
+        return over is None
 
     # --- leases and groups ----------------------------------------------------------
 
     def _renew(self, out: Outbox, admitted: Admitted) -> None:
         request = admitted.request
         assert isinstance(request, RenewLease)
+        over = self.quotas.lease(admitted.sender.principal, request.tenant, request.sandbox_id)
+        if over is not None:
+            self.send.refuse(out, admitted, RejectReason.QUOTA, over)
+            return
         lease, action = self.leases.renew(
             request.tenant, request.sandbox_id, request.ttl_s, request.grace_s, time.monotonic()
         )
@@ -662,6 +700,7 @@ class Dispatcher:
         """Route a destroy to every member; members already gone are answered here.
         Group ids are the tenant's own: another tenant's id names nothing here."""
         request = admitted.request
+        self.quotas.group_destroyed(request.tenant, request.sandbox_id)
         for member in self.groups.pop((request.tenant, request.sandbox_id), []):
             destroy = DestroySandbox(**member_envelope(request, member))
             node = self.placement.node_of(member)
