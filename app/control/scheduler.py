@@ -35,6 +35,7 @@ from app.consuming import PositionedConsumer, dead_letter, key_partition
 from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox
 from app.control.keyring import Keyring
 from app.control.outbox import Outbox
+from app.control.stored_quotas import StoredQuotas
 from app.control.waiting import until_available
 from app.db import handled, queries
 from app.db import log as event_log
@@ -109,6 +110,7 @@ class Scheduler:
             heartbeat_timeout,
             PostgresTrajectoryLog(settings.database_url),
             metrics.SchedulerTally(),
+            StoredQuotas.from_settings(settings),
         )
         self.placement = self.dispatcher.placement
         # Every tenant's replies topic exists before its first answer is sent (a send to

@@ -191,6 +191,18 @@ handled_requests = Table(
     Column("handled_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
 )
 
+#: Tenants' own quotas over the settings' defaults (app/domain/quotas.py): no row, the
+#: default; a NULL ``max_held``, no limit.
+tenant_quotas = Table(
+    "tenant_quotas",
+    metadata,
+    Column("tenant", Text, primary_key=True),
+    Column("resource", Text, primary_key=True),
+    Column("max_held", BigInteger),
+    Column("set_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("set_by", Text, nullable=False, server_default=text("current_user")),
+)
+
 #: Projection: one row per sandbox with the raw ``sandbox_lives_from_log`` view's
 #: rules (the first Requested, Started and Stopped win); ``sandbox_lives`` reads it.
 lives = Table(

@@ -11,12 +11,14 @@ from itertools import count
 
 import pytest
 from pydantic import BaseModel
+from typer.testing import CliRunner
 
 from app.config import Settings
 from app.control.dispatch import Dispatcher
 from app.control.outbox import Outbox
+from app.control.stored_quotas import Back, Held, StoredQuotas
 from app.domain.events import CommandCompleted, CommandPayload, NodeHeartbeat, NodePayload
-from app.domain.quotas import Resource
+from app.domain.quotas import Quota, Resource
 from app.domain.records import Inbound
 from app.domain.requests import CreateGroup, CreateSandbox, DestroyGroup, Exec, RenewLease
 from tests.unit.signing import KEYS, PARTITIONS, record, reply_to
@@ -182,3 +184,67 @@ def test_an_operator_is_not_held_to_quotas_and_the_log_says_so(
     assert _reasons(out) == ["done"] * 3
     [said] = [r.getMessage() for r in caplog.records]
     assert "operator:ops/k-operator goes past ops's leases quota" in said
+
+
+def test_a_lease_another_scheduler_keeps_stops_counting_with_its_last_sandbox() -> None:
+    # Given a scheduler that keeps no lease's clock (another reads their renewals)
+    dispatcher = _dispatcher(quota_leases=1)
+    dispatcher.leases.keeps = lambda _lease_id: False
+    dispatcher.handle(Outbox(), _signed(CreateSandbox(sandbox_id="sb-1", lease_id="l1")))
+    assert dispatcher.leases.count("t") == 1
+    # When its sandbox ends, Then the lease is its keeper's alone to count
+    dispatcher._forget("sb-1", "destroyed")
+    assert dispatcher.leases.count("t") == 0
+    out = Outbox()
+    dispatcher.handle(out, _signed(CreateSandbox(sandbox_id="sb-2", lease_id="l2")))
+    assert len(out.tasks) == 1
+
+
+# --- the stored limits ------------------------------------------------------------------
+
+
+def test_stored_limits_override_the_defaults_and_outlive_a_failed_read() -> None:
+    stored: dict[str, dict[Resource, int | None]] = {"t": {Resource.LEASES: 5}}
+    reads = []
+
+    def load() -> dict[str, dict[Resource, int | None]]:
+        reads.append(1)
+        if len(reads) > 1:
+            raise ConnectionError("postgres is down")
+        return stored
+
+    quotas = StoredQuotas(Settings(quota_groups=7), load, refresh_s=0)
+    assert quotas.of("t") == Quota(leases=5, groups=7, pending_creates=10_000,
+                                   commands=100_000, trajectories=100_000)  # fmt: skip
+    # Postgres gone: the limits read last hold
+    assert quotas.of("t").leases == 5 and quotas.of("u").leases == 1000
+
+
+def test_dsec_tenant_quota_sets_and_shows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.cli.main import cli
+    from app.control import stored_quotas
+
+    asked: list[tuple[str, dict[Resource, object]]] = []
+
+    def change(_settings: Settings, tenant: str, changes: dict[Resource, object]) -> list[Held]:
+        asked.append((tenant, changes))
+        return [Held(Resource.LEASES, 5, "tenant"), Held(Resource.COMMANDS, None, "default")]
+
+    monkeypatch.setattr(stored_quotas, "change", change)
+    monkeypatch.setattr(stored_quotas, "limits", lambda _s, _t: change(_s, _t, {}))
+    runner = CliRunner()
+    done = runner.invoke(
+        cli, ["tenant", "quota", "team-a", "--leases", "5", "--commands", "none",
+              "--pending-creates", "default", "--json"],
+    )  # fmt: skip
+    assert done.exit_code == 0, done.stdout
+    assert asked == [("team-a", {Resource.LEASES: 5, Resource.COMMANDS: None,
+                                 Resource.PENDING_CREATES: Back.DEFAULT})]  # fmt: skip
+    assert json.loads(done.stdout) == [
+        {"resource": "leases", "limit": 5, "from": "tenant"},
+        {"resource": "commands", "limit": None, "from": "default"},
+    ]
+    shown = runner.invoke(cli, ["tenant", "quota", "team-a", "--show"])
+    assert shown.exit_code == 0 and "none" in shown.stdout and asked[-1] == ("team-a", {})
+    for wrong in (["--leases", "-3"], ["--leases", "many"], ["--show", "--leases", "1"]):
+        assert runner.invoke(cli, ["tenant", "quota", "team-a", *wrong]).exit_code == 2
