@@ -311,6 +311,18 @@ class Publisher:
         if failures:
             raise ServiceUnavailable(f"flush: {failures} record(s) not delivered: {last}")
 
+    def partitions_of(self, topic: str, wait_s: float) -> int | None:
+        """How many partitions ``topic`` has, as this producer's metadata says; a topic
+        it does not know is asked for, waiting ``wait_s`` at most (None: still unknown,
+        or refused). kafka-python's own ``partitions_for`` would wait max_block_ms (60 s)."""
+        found = self._producer._metadata.partitions_for_topic(topic)
+        if found is None:
+            try:
+                found = self._producer._wait_on_metadata(topic, int(wait_s * 1000))
+            except (KafkaError, ValueError):  # timed out, not authorized, a bad name
+                return None
+        return len(found) if found else None
+
     def close(self) -> None:
         """Flush and close."""
         self._producer.close(timeout=10)

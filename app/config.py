@@ -14,7 +14,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Settings(BaseSettings):
     """Platform configuration, read from ``DSEC_*`` environment variables."""
 
-    model_config = SettingsConfigDict(env_prefix="DSEC_", extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(
+        env_prefix="DSEC_", extra="ignore", populate_by_name=True, env_parse_none_str="none"
+    )
 
     kafka_bootstrap: str = Field(
         "127.0.0.1:19092", description="Kafka bootstrap servers, comma separated."
@@ -271,7 +273,27 @@ class Settings(BaseSettings):
     )
     default_tenant_quota: int = Field(0, description="Live sandboxes per tenant (0: no quota).")
     tenant_quotas: dict[str, int] = Field(
-        default_factory=dict, description='Per-tenant quotas, JSON: {"team-a": 500}.'
+        default_factory=dict,
+        description=(
+            'Per-tenant sandbox quotas, JSON: {"team-a": 500} (`dsec tenant quota` overrides'
+            " them, and sets every other resource's)."
+        ),
+    )
+    # Every other resource a tenant may hold at once (app/domain/quotas.py); "none": no
+    # quota. `dsec tenant quota TENANT` sets a tenant's own limits over these.
+    quota_leases: int | None = Field(1000, ge=0, description="Trainer leases per tenant.")
+    quota_groups: int | None = Field(1000, ge=0, description="Live rollout groups per tenant.")
+    quota_pending_creates: int | None = Field(
+        10_000, ge=0, description="Sandboxes per tenant waiting for room (queue_s)."
+    )
+    quota_commands: int | None = Field(
+        100_000, ge=0, description="Commands per tenant in flight, per scheduler."
+    )
+    quota_trajectories: int | None = Field(
+        100_000, ge=0, description="Trajectories per tenant being written by live sandboxes."
+    )
+    quota_images: int | None = Field(
+        None, ge=0, description="Images per tenant in the layer store (not enforced yet)."
     )
     lease_ttl_s: float = Field(30.0, description="Default trainer lease, seconds.")
     lease_grace_s: float = Field(300.0, description="Frozen this long after a lapse.")

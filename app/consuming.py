@@ -11,15 +11,18 @@ from typing import Any
 
 from kafka import TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.partitioner.default import murmur2
 
 from app import bus, metrics
 from app.config import Settings
 from app.domain.codec import DeadLetterReason
 from app.domain.dead_letter import DeadLetter
+from app.domain.partitioner import key_partition
 from app.domain.records import Record, StoredOffset
 
 log = logging.getLogger(__name__)
+
+#: Re-exported: the partitioner is the domain's (the gate checks it too).
+__all__ = ["PositionedConsumer", "dead_letter", "key_partition"]
 
 
 #: How often a consumer says how far behind it is (metrics.CONSUMER_LAG).
@@ -172,12 +175,6 @@ class PositionedConsumer:
     def close(self) -> None:
         """Leave cleanly."""
         self._consumer.close()
-
-
-def key_partition(key: str, partitions: int) -> int:
-    """The partition a record keyed ``key`` lands on with Kafka's default partitioner
-    (murmur2, as the Java client, kafka-python and so the SDK choose it)."""
-    return int(murmur2(key.encode()) & 0x7FFF_FFFF) % partitions
 
 
 def dead_letter(

@@ -112,7 +112,12 @@ class SandboxFailedError(SandboxError, RuntimeError):
 
 
 class SandboxNotFound(SandboxRejectedError, LookupError):
-    """The sandbox does not exist (or no longer does)."""
+    """The sandbox is not one of the sender's live sandboxes: it does not exist (or no
+    longer does), or it is another tenant's (the platform does not say which)."""
+
+
+class SandboxIdInUse(SandboxRejectedError, FileExistsError):
+    """A create named a sandbox id that is taken (ids are never reused): choose another."""
 
 
 class StorageRefused(DsecError, ValueError):

@@ -28,6 +28,7 @@ from app.control.dispatch import Dispatcher
 from app.control.outbox import Outbox
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload
+from app.domain.partition_counts import FixedPartitions
 from app.domain.proof import KeyInfo, Purpose, Role, StaticKeys, headers
 from app.domain.records import Inbound
 from app.domain.requests import CreateSandbox, Exec, ReplyTo
@@ -47,7 +48,9 @@ def main() -> None:
     args = parser.parse_args()
     keys = StaticKeys(os.urandom(32))
     tenants = [keys.add(f"k-tenant-{i}", Role.TENANT, f"t{i}") for i in range(50)]
-    dispatcher = Dispatcher(get_settings(), keys)
+    settings = get_settings()
+    partitions = FixedPartitions(settings.topic_partitions, settings.reply_partitions)
+    dispatcher = Dispatcher(settings, keys, partitions)
     out = Outbox()
     # 160 nodes of DSec's shape: 188 cores, 1.5 TB, ~3,200 sandboxes each.
     for i in range(args.nodes):

@@ -1,4 +1,5 @@
-"""``dsec tenant ...`` and ``dsec node ...``: credentials, as an operator manages them.
+"""``dsec tenant ...`` and ``dsec node ...``: credentials (and tenants' quotas), as an
+operator manages them.
 
 Secrets never reach the terminal: a new credential is written to a file readable by
 root only (its path is printed), for the operator to hand to the tenant or the node
@@ -9,15 +10,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from app.cli import render as cli_render
 from app.config import get_settings
 from app.db.credentials import CredentialRow
-from app.domain.proof import Role
-from app.errors import DsecError
+from app.domain.proof import SUBJECT, Role
+from app.domain.quotas import Resource
+from app.errors import ConfigError, DsecError
+
+if TYPE_CHECKING:
+    from app.control.stored_quotas import Change
 
 tenant_cli = typer.Typer(
     no_args_is_help=True, help="Tenants and operators: credentials that sign requests."
@@ -207,3 +212,67 @@ def node_agent(
 
 def _log(message: str) -> None:
     console.print(f"[green]✓[/] {message}")
+
+
+LimitOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="A number, `none` (no limit) or `default` (the settings').", show_default=False
+    ),
+]
+
+
+def _limit(resource: Resource, text: str) -> Change:
+    """An option's value as a change of limit; ConfigError if it is none of them."""
+    from app.control.stored_quotas import Back
+
+    if text in ("none", "default"):
+        return None if text == "none" else Back.DEFAULT
+    if not (text.isascii() and text.isdigit()):
+        option = resource.value.replace("_", "-")
+        raise ConfigError(f"--{option} {text!r}: a number, none or default")
+    return int(text)
+
+
+@tenant_cli.command("quota")
+def tenant_quota(
+    name: str,
+    show: Annotated[bool, typer.Option("--show", help="Only show its limits.")] = False,
+    sandboxes: LimitOpt = None,
+    leases: LimitOpt = None,
+    groups: LimitOpt = None,
+    pending_creates: LimitOpt = None,
+    commands: LimitOpt = None,
+    trajectories: LimitOpt = None,
+    images: LimitOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Set a tenant's own limits on what it may hold at once (taking effect within 5 s),
+    and show them with where each comes from (`--show`: only show)."""
+    from app.control import stored_quotas
+
+    given = {
+        Resource.SANDBOXES: sandboxes, Resource.LEASES: leases, Resource.GROUPS: groups,
+        Resource.PENDING_CREATES: pending_creates, Resource.COMMANDS: commands,
+        Resource.TRAJECTORIES: trajectories, Resource.IMAGES: images,
+    }  # fmt: skip
+    try:
+        if not SUBJECT.match(name):
+            raise ConfigError(f"{name!r} is not a tenant name")
+        changes = {r: _limit(r, text) for r, text in given.items() if text is not None}
+        if changes and show:
+            raise ConfigError("--show only shows: leave out the limits, or --show")
+        settings = get_settings()
+        if changes:
+            held = stored_quotas.change(settings, name, changes)
+        else:
+            held = stored_quotas.limits(settings, name)
+    except DsecError as exc:
+        _fail(exc)
+        return
+    rows = [
+        {"resource": h.resource.value,
+         "limit": h.limit if as_json or h.limit is not None else "none", "from": h.source}
+        for h in held
+    ]  # fmt: skip
+    cli_render.rows(f"quota of {name}", rows, as_json)

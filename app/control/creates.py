@@ -78,6 +78,7 @@ def why_refused(
     n: int,
     group: str | None,
     largest: SandboxMax | None = None,
+    over_quota: str | None = None,
 ) -> str:
     """Why a create (or ``n`` of a group) was refused, and what would have fitted."""
     what = f"group {group} ({n} sandboxes)" if group else "the sandbox"
@@ -96,7 +97,8 @@ def why_refused(
     if reason == RejectReason.NO_NODES:
         return f"no live node {waited}"
     if reason == RejectReason.QUOTA:
-        return f"tenant {request.tenant} is at its sandbox quota; {what} refused {waited}"
+        over = over_quota or f"tenant {request.tenant} is at its sandbox quota"
+        return f"{over}; {what} refused {waited}"
     return (
         f"no room for {what} of {request.cpus:g} CPU and {request.memory_mb} MiB each "
         f"{waited}; all or nothing, nothing was started"

@@ -14,7 +14,8 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -24,6 +25,7 @@ from app.control.leases import Leases, lease_request
 from app.control.life_book import LifeBook, Unstarted
 from app.control.node_health import NodeHealth
 from app.control.outbox import Courier, NoTally, Outbox, Tally
+from app.control.quotas import QuotaLookup, SettingsQuotas, TenantQuotas
 from app.domain.base import RejectReason, StopReason, derived_id, utcnow
 from app.domain.codec import DeadLetterReason, DecodeError, decode_event
 from app.domain.events import (
@@ -44,6 +46,7 @@ from app.domain.events import (
 from app.domain.gate import Admitted, Gate, GateRules, Refusal, Sender
 from app.domain.lease import Lease, LeaseAction, LeaseState
 from app.domain.lives import CONTROL_NS, RECONCILER, Terms, declared_end
+from app.domain.partition_counts import PartitionCounts
 from app.domain.placement import Allocation, NodeCapacity, NodeView, Placement
 from app.domain.proof import KeyLookup, Principal, ProofError, Purpose, Role, verify
 from app.domain.records import Record
@@ -104,9 +107,11 @@ class Dispatcher:
         self,
         settings: Settings,
         keys: KeyLookup,
+        partitions: PartitionCounts,
         heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT,
         trajectory: TrajectoryLog | None = None,
         tally: Tally | None = None,
+        quotas: QuotaLookup | None = None,
     ) -> None:
         self.settings = settings
         self.keys = keys
@@ -116,10 +121,10 @@ class Dispatcher:
             GateRules(
                 max_age=timedelta(seconds=settings.request_max_age_s),
                 max_message_bytes=settings.max_message_bytes,
-                reply_partitions=settings.reply_partitions,
                 topic_prefix=settings.topic_prefix,
             ),
             keys,
+            partitions,
         )
         self.placement = Placement()
         self.pending: list[Pending] = []
@@ -145,6 +150,8 @@ class Dispatcher:
         # the one that reads a lease's renewals keeps its clock (app/control/scheduler.py
         # sets ``leases.keeps``).
         self.leases = Leases(settings.lease_ttl_s, settings.lease_grace_s)
+        #: Each tenant's limits (the scheduler's include the stored ones) and holdings.
+        self.quotas = TenantQuotas(quotas or SettingsQuotas(settings), self.leases)
         self.health = NodeHealth(heartbeat_timeout, _NS)
         self.send = Courier(settings, keys, self.health, self.tally)
         # Ended sandboxes: why, and whose they were.
@@ -182,7 +189,7 @@ class Dispatcher:
         for box in live:
             group = box.labels.get(GROUP_LABEL)
             if group:
-                self.groups.setdefault((box.tenant, group), []).append(box.sandbox_id)
+                self._join_group(box.tenant, group, box.sandbox_id)
             if box.node_id:
                 self.placement.assign(
                     box.sandbox_id, box.node_id, box.cpus, box.memory_mb, box.tenant, box.job_id
@@ -211,9 +218,46 @@ class Dispatcher:
         """Try again, oldest first, the creates that wait for room."""
         still: list[Pending] = []
         for pending in self.pending:
-            if not self._admit(out, pending):
-                still.append(pending)
-        self.pending = still
+            with self._isolated(out, None, "a waiting create"):
+                if not self._admit(out, pending):
+                    still.append(pending)
+        self._set_pending(still)
+
+    def _set_pending(self, pending: list[Pending]) -> None:
+        """The creates that wait for room now."""
+        self.pending = pending
+        self.quotas.waiting_now(pending)
+
+    def _join_group(self, tenant: str, group: str, sandbox_id: str) -> None:
+        """``sandbox_id`` is a member of ``tenant``'s group (held while one lives)."""
+        members = self.groups.setdefault((tenant, group), [])
+        if sandbox_id not in members:
+            members.append(sandbox_id)
+        self.quotas.joined_group(tenant, group, sandbox_id)
+
+    def log_samples(self, out: Outbox) -> None:
+        """Log the samples of refusals nobody answers for (app/control/samples.py)
+        whose window has closed; the scheduler calls it every round."""
+        self.send.log_samples(out)
+
+    @contextmanager
+    def _isolated(self, out: Outbox, record: Record | None, what: str) -> Iterator[None]:
+        """Run the handling of one record (or one waiting create) on its own: if it
+        raises (a bug), what it put in the outbox is taken back, the record goes to
+        the dead letters with the error, and the rest of the batch goes on as if it
+        were not there. What it changed in memory before raising stays: no rollback
+        of the scheduler's state is attempted, only nothing half-decided is sent."""
+        mark = out.mark()
+        try:
+            yield
+        except Exception as exc:
+            out.undo(mark)
+            where = f" at {record.topic}[{record.partition}]@{record.offset}" if record else ""
+            log.exception("scheduler: %s%s failed; the rest of its batch goes on", what, where)
+            if record is not None:
+                failed = f"{type(exc).__name__}: {exc}"
+                out.dead.append((record, DecodeError(DeadLetterReason.INTERNAL, failed)))
+            self.tally.refused(DeadLetterReason.INTERNAL.value)
 
     # --- events -----------------------------------------------------------------
 
@@ -236,7 +280,11 @@ class Dispatcher:
         return sender, event
 
     def observe(self, out: Outbox, record: Record) -> None:
-        """Follow one event: nodes come and go, sandboxes end."""
+        """Follow one event: nodes come and go, sandboxes end. Never raises."""
+        with self._isolated(out, record, "an event"):
+            self._observe(out, record)
+
+    def _observe(self, out: Outbox, record: Record) -> None:
         proven = self._proven_event(record)
         if proven is None:
             return
@@ -270,8 +318,9 @@ class Dispatcher:
                 self.awaiting_start.pop(event.sandbox_id or "", None)
                 self.book.started(event.sandbox_id or "")
                 self._alive(event.node_id, event.sandbox_id, event.occurred_at)
-            case CommandCompleted() if self._placed_here(sender, event.sandbox_id):
+            case CommandCompleted(payload=p) if self._placed_here(sender, event.sandbox_id):
                 self._alive(event.node_id, event.sandbox_id, event.occurred_at)
+                self.quotas.command_ended(event.tenant, p.request_id)
             case SandboxStopped(payload=p) if self._placed_here(sender, event.sandbox_id):
                 self._ended_elsewhere(out, sender, event.sandbox_id or "", p.reason.value,
                                       p.detail)  # fmt: skip
@@ -280,6 +329,8 @@ class Dispatcher:
             ):
                 self._ended_elsewhere(out, sender, event.sandbox_id or "", p.reason.value,
                                       p.detail)  # fmt: skip
+            case SandboxFailed(payload=p) if p.request_type == "Exec":
+                self.quotas.command_ended(event.tenant, p.request_id)
             case SandboxFrozen() | SandboxThawed() if self._placed_here(sender, event.sandbox_id):
                 self.leases.follow(
                     event.sandbox_id or "", isinstance(event, SandboxFrozen), time.monotonic()
@@ -307,9 +358,7 @@ class Dispatcher:
         )  # fmt: skip
         group = p.labels.get(GROUP_LABEL)
         if group:
-            members = self.groups.setdefault((requested.tenant, group), [])
-            if sandbox_id not in members:
-                members.append(sandbox_id)
+            self._join_group(requested.tenant, group, sandbox_id)
         lease_id = p.labels.get(LEASE_LABEL)
         if lease_id:
             self.leases.join(sandbox_id, requested.tenant, lease_id, time.monotonic())
@@ -335,7 +384,7 @@ class Dispatcher:
         """Forget the creates waiting for room that were read from ``partitions`` (this
         scheduler gave them away: their stored offsets make the next owner read them
         again)."""
-        self.pending = [p for p in self.pending if p.partition not in partitions]
+        self._set_pending([p for p in self.pending if p.partition not in partitions])
 
     def _alive(self, node_id: str | None, sandbox_id: str | None, at: datetime) -> None:
         """The node spoke for the sandbox as of ``at`` (its clock, the one its start is
@@ -351,11 +400,12 @@ class Dispatcher:
         return allocation is None or allocation.node_id == sender.subject
 
     def _forget(self, sandbox_id: str, reason: str) -> None:
-        """A sandbox ended: free its room, its lease, its group slot."""
+        """A sandbox ended: free its room, its lease, its group slot, its commands."""
         self.awaiting_start.pop(sandbox_id, None)
         self.book.forget(sandbox_id)
         self._requested.pop(sandbox_id, None)
         self.leases.leave(sandbox_id)
+        self.quotas.sandbox_ended(sandbox_id)
         allocation = self.placement.release(sandbox_id)
         self.created_by.pop(sandbox_id, None)
         owner = allocation.tenant if allocation is not None else ""
@@ -485,21 +535,14 @@ class Dispatcher:
 
     # --- creates ------------------------------------------------------------------
 
-    def _quota_left(self, tenant: str) -> int | None:
-        """Sandboxes the tenant may still start; None: no quota."""
-        quota = self.settings.tenant_quotas.get(tenant, self.settings.default_tenant_quota)
-        if not quota:
-            return None
-        return quota - self.placement.tenant_sandboxes(tenant)
-
     def _admit(self, out: Outbox, pending: Pending) -> bool:
         """Place every member, or none; False if they must keep waiting."""
         members = pending.members
         tenant = members[0].tenant
-        left = self._quota_left(tenant)
+        over = self.quotas.sandboxes(pending, self.placement.tenant_sandboxes(tenant))
         placed: list[Allocation] = []
         reason: RejectReason | None = None
-        if left is not None and left < len(members):
+        if over is not None:
             reason = RejectReason.QUOTA
         else:
             for m in members:
@@ -517,15 +560,19 @@ class Dispatcher:
             if reason != RejectReason.INVALID and time.monotonic() < pending.deadline_s:
                 return False
             largest = self.placement.largest_sandbox() if reason == RejectReason.INVALID else None
-            detail = why_refused(reason, members[0], len(members), pending.group, largest)
-            for m in members:
-                self.send.refuse(out, Admitted(m, pending.sender), reason, detail)
+            detail = why_refused(reason, members[0], len(members), pending.group, largest, over)
+            self._refuse_all(out, pending, reason, detail)
             return True
         for m, allocation in zip(members, placed, strict=True):
             self._schedule(out, m, allocation, pending.sender)
-        if pending.group is not None:
-            self.groups[(tenant, pending.group)] = [m.sandbox_id for m in members]
+            if pending.group is not None:
+                self._join_group(tenant, pending.group, m.sandbox_id)
         return True
+
+    def _refuse_all(self, out: Outbox, pending: Pending, reason: RejectReason, detail: str) -> None:
+        """Refuse every member of a create (each answered under its own request id)."""
+        for m in pending.members:
+            self.send.refuse(out, Admitted(m, pending.sender), reason, detail)
 
     def _schedule(
         self, out: Outbox, request: CreateSandbox, placed: Allocation, sender: Sender
@@ -563,21 +610,16 @@ class Dispatcher:
         members = expand_group(request) if isinstance(request, CreateGroup) else [request]
         for m in members:
             holder = self.created_by.get(m.sandbox_id)
-            if holder == m.request_id:
+            allocation = self.placement.allocations.get(m.sandbox_id)
+            if holder == m.request_id and (allocation is None or allocation.tenant == m.tenant):
                 return  # a redelivered create: already placed, its tasks already sent
-            if holder is not None or any(
-                m.sandbox_id in (p.sandbox_id for p in pending.members) for pending in self.pending
-            ):
-                self.send.refuse(out, admitted, RejectReason.DUPLICATE,
-                             f"sandbox id {m.sandbox_id} is in use")  # fmt: skip
-                return
-            ended = self.ended.get(m.sandbox_id)
-            if ended is not None:
-                self.send.refuse(
-                    out, admitted, RejectReason.DUPLICATE,
-                    f"sandbox id {m.sandbox_id} was used before (ended: {ended[0]}); "
-                    "ids are never reused",
-                )  # fmt: skip
+            in_use = self._in_use(m.sandbox_id)
+            if in_use is not None:
+                # The log says how (for the operator); the requester learns that the id
+                # is taken, never whose it is or how it ended.
+                told = f"sandbox id {m.sandbox_id} is taken: ids are never reused, choose another"
+                reason = RejectReason.ID_IN_USE
+                self.send.refuse(out, admitted, reason, in_use, told=(reason, told))
                 return
         pending = Pending(
             members,
@@ -587,13 +629,36 @@ class Dispatcher:
             time.monotonic() + request.queue_s,
             request.sandbox_id if isinstance(request, CreateGroup) else None,
         )
-        if not self._admit(out, pending):
-            self.pending.append(pending)
+        over = self.quotas.create(pending, request.lease_id)
+        if over is None and not self._admit(out, pending):
+            # No room now: it waits, within the tenant's quota of waiting creates.
+            over = self.quotas.wait(pending)
+            if over is None:
+                self.pending.append(pending)
+                self.quotas.waits(pending)
+        if over is not None:
+            self._refuse_all(out, pending, RejectReason.QUOTA, over)
+
+    def _in_use(self, sandbox_id: str) -> str | None:
+        """How ``sandbox_id`` is in use (live, waiting for room, or ended: ids are never
+        reused, every life is billed under its own), or None if it is free."""
+        if sandbox_id in self.created_by:
+            return f"sandbox id {sandbox_id} is in use"
+        if self.quotas.is_waiting(sandbox_id):
+            return f"sandbox id {sandbox_id} is in use (a create waits for room)"
+        ended = self.ended.get(sandbox_id)
+        if ended is not None:
+            return f"sandbox id {sandbox_id} was used before (ended: {ended[0]})"
+        return None
 
     # --- requests -----------------------------------------------------------------
 
     def handle(self, out: Outbox, record: Record) -> None:
-        """One request record: through the gate, then by type."""
+        """One request record: through the gate, then by type. Never raises."""
+        with self._isolated(out, record, "a request"):
+            self._handle(out, record)
+
+    def _handle(self, out: Outbox, record: Record) -> None:
         verdict = self.gate.admit(record, utcnow())
         if isinstance(verdict, Refusal):
             if verdict.decode_error is not None:
@@ -620,24 +685,23 @@ class Dispatcher:
         """A request about one live sandbox: its owner's (or an operator's) only."""
         request, sender = admitted.request, admitted.sender
         allocation = self.placement.allocations.get(request.sandbox_id)
-        owner = allocation.tenant if allocation is not None else None
-        if allocation is None:
-            ended = self.ended.get(request.sandbox_id)
-            if ended is not None and may_act_on(sender.principal, ended[1]):
-                self.send.refuse(out, admitted, RejectReason.SANDBOX_NOT_RUNNING,
-                             f"sandbox {request.sandbox_id} has ended ({ended[0]})")  # fmt: skip
-                return
-            owner = ended[1] if ended is not None else None
+        ended = self.ended.get(request.sandbox_id)
+        owner = allocation.tenant if allocation is not None else ended[1] if ended else None
+        # "Not there" and "not yours" are one answer, in the same words: a tenant learns
+        # nothing of sandboxes that are not its own. The log tells them apart.
+        told = f"{sender.principal.subject} has no live sandbox {request.sandbox_id}"
         if owner is not None and not may_act_on(sender.principal, owner):
-            self.send.refuse(
-                out, admitted, RejectReason.FORBIDDEN,
-                f"sandbox {request.sandbox_id} is not {sender.principal.subject}'s",
-            )  # fmt: skip
+            self.send.refuse(out, admitted, RejectReason.FORBIDDEN,
+                             f"sandbox {request.sandbox_id} is another tenant's",
+                             told=(RejectReason.UNKNOWN_SANDBOX, told))  # fmt: skip
+            return
+        if allocation is None and ended is not None:
+            self.send.refuse(out, admitted, RejectReason.SANDBOX_NOT_RUNNING,
+                             f"sandbox {request.sandbox_id} has ended ({ended[0]})")  # fmt: skip
             return
         node = self.placement.node_of(request.sandbox_id)
         if node is None or allocation is None:
-            self.send.refuse(out, admitted, RejectReason.UNKNOWN_SANDBOX,
-                         f"sandbox {request.sandbox_id} is not live on any node")  # fmt: skip
+            self.send.refuse(out, admitted, RejectReason.UNKNOWN_SANDBOX, told)
             return
         # What the node records is the owner's: an operator acts on the owner's bill.
         request = request.model_copy(update={"tenant": allocation.tenant})
@@ -649,18 +713,34 @@ class Dispatcher:
                 f"sandbox {request.sandbox_id} is frozen: lease {lease.lease_id} lapsed",
             )  # fmt: skip
             return
-        if isinstance(request, Exec) and self._replay(out, admitted):
+        if isinstance(request, Exec) and (
+            self._replay(out, admitted) or not self._takes_command(out, admitted)
+        ):
             return
         if isinstance(request, DestroySandbox):
             self.book.ending(request.sandbox_id, time.monotonic())
         self.send.task(out, node, request, sender)
         self.tally.handled(request.type, "routed")
 
+    def _takes_command(self, out: Outbox, admitted: Admitted) -> bool:
+        """Whether an Exec's command may be held against its owner's quotas (refused
+        if not)."""
+        request = admitted.request
+        assert isinstance(request, Exec)
+        over = self.quotas.command(request, admitted.sender.principal, time.monotonic())
+        if over is not None:
+            self.send.refuse(out, admitted, RejectReason.QUOTA, over)
+        return over is None
+
     # --- leases and groups ----------------------------------------------------------
 
     def _renew(self, out: Outbox, admitted: Admitted) -> None:
         request = admitted.request
         assert isinstance(request, RenewLease)
+        over = self.quotas.lease(admitted.sender.principal, request.tenant, request.sandbox_id)
+        if over is not None:
+            self.send.refuse(out, admitted, RejectReason.QUOTA, over)
+            return
         lease, action = self.leases.renew(
             request.tenant, request.sandbox_id, request.ttl_s, request.grace_s, time.monotonic()
         )
@@ -694,6 +774,7 @@ class Dispatcher:
         """Route a destroy to every member; members already gone are answered here.
         Group ids are the tenant's own: another tenant's id names nothing here."""
         request = admitted.request
+        self.quotas.group_destroyed(request.tenant, request.sandbox_id)
         for member in self.groups.pop((request.tenant, request.sandbox_id), []):
             destroy = DestroySandbox(**member_envelope(request, member))
             node = self.placement.node_of(member)

@@ -9,6 +9,7 @@ several schedulers, only the one that reads a lease's renewals keeps its clock
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 
@@ -29,6 +30,8 @@ class Leases:
         self.grace_s = grace_s
         self._by_key: dict[LeaseKey, Lease] = {}
         self._of: dict[str, LeaseKey] = {}
+        #: Leases per owner (its lease quota counts them).
+        self._held: Counter[str] = Counter()
         #: Whether this scheduler keeps a lease's clock (freezes and destroys on its
         #: lapse); alone, it keeps every lease.
         self.keeps: Callable[[str], bool] = lambda _lease_id: True
@@ -36,25 +39,45 @@ class Leases:
     def __getitem__(self, key: LeaseKey) -> Lease:
         return self._by_key[key]
 
+    def holds(self, owner: str, lease_id: str) -> bool:
+        """Whether ``owner`` has a lease ``lease_id`` here."""
+        return (owner, lease_id) in self._by_key
+
+    def count(self, owner: str) -> int:
+        """How many leases ``owner`` has here."""
+        return self._held[owner]
+
+    def _new(self, key: LeaseKey, lease: Lease) -> Lease:
+        self._by_key[key] = lease
+        self._held[key[0]] += 1
+        return lease
+
+    def _drop(self, key: LeaseKey) -> None:
+        if self._by_key.pop(key, None) is not None:
+            self._held[key[0]] -= 1
+            if not self._held[key[0]]:
+                del self._held[key[0]]
+
     def join(self, sandbox_id: str, owner: str, lease_id: str, now_s: float) -> Lease:
         """Put a sandbox under its owner's lease, made with the default terms on first
         sight (a renewal sets the trainer's own)."""
         key = (owner, lease_id)
         lease = self._by_key.get(key)
         if lease is None:
-            lease = self._by_key[key] = Lease(
-                lease_id, self.ttl_s, self.grace_s, now_s + self.ttl_s
-            )
+            lease = self._new(key, Lease(lease_id, self.ttl_s, self.grace_s, now_s + self.ttl_s))
         lease.sandboxes.add(sandbox_id)
         self._of[sandbox_id] = key
         return lease
 
     def leave(self, sandbox_id: str) -> None:
-        """The sandbox ended: its lease no longer holds it."""
+        """The sandbox ended: its lease no longer holds it. A lease whose clock another
+        scheduler keeps is forgotten with its last sandbox (its keeper destroys it)."""
         key = self._of.pop(sandbox_id, None)
         lease = self._by_key.get(key) if key is not None else None
-        if lease is not None:
+        if lease is not None and key is not None:
             lease.sandboxes.discard(sandbox_id)
+            if not lease.sandboxes and not self.keeps(key[1]):
+                self._drop(key)
 
     def of(self, sandbox_id: str) -> Lease | None:
         """The lease the sandbox is under, if any."""
@@ -74,7 +97,7 @@ class Leases:
         key = (owner, lease_id)
         lease = self._by_key.get(key)
         if lease is None:
-            lease = self._by_key[key] = Lease(lease_id, ttl_s, grace_s, now_s + ttl_s)
+            lease = self._new(key, Lease(lease_id, ttl_s, grace_s, now_s + ttl_s))
         return lease, lease.renew(now_s, ttl_s, grace_s)
 
     def follow(self, sandbox_id: str, frozen: bool, now_s: float) -> None:
@@ -133,7 +156,7 @@ class Leases:
                 continue
             found.append((lease, action))
             if action == LeaseAction.DESTROY:
-                del self._by_key[key]
+                self._drop(key)
         return found
 
 

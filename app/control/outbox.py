@@ -7,12 +7,14 @@ scheduler process sends what the outbox holds (``app/control/scheduler.py``).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from app.config import Settings
 from app.control.node_health import NodeHealth
+from app.control.samples import RefusalSamples
 from app.domain.base import RejectReason, derived_id
 from app.domain.codec import DecodeError, encode
 from app.domain.events import EventBase, RejectedPayload, SandboxRejected
@@ -29,7 +31,7 @@ from app.domain.placement import NodeView
 from app.domain.proof import KeyLookup, Role
 from app.domain.records import Record
 from app.domain.replies import ErrorReply, ReplyBase
-from app.domain.requests import ReplyTo, RequestBase
+from app.domain.requests import REQUEST_TYPES, ReplyTo, RequestBase
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,15 @@ class Outbox:
     #: (node inbox topic, key, record): the data plane, straight to the node.
     inbox: list[tuple[str, str, bytes]] = field(default_factory=list)
     dead: list[tuple[Record, DecodeError]] = field(default_factory=list)
+
+    def mark(self) -> tuple[int, ...]:
+        """Where the outbox stands now (see :meth:`undo`)."""
+        return tuple(len(getattr(self, f.name)) for f in fields(self))
+
+    def undo(self, mark: tuple[int, ...]) -> None:
+        """Take back everything put in since ``mark``."""
+        for f, length in zip(fields(self), mark, strict=True):
+            del getattr(self, f.name)[length:]
 
 
 class Tally(Protocol):
@@ -80,6 +91,13 @@ class Courier:
         self._keys = keys
         self._health = health
         self._tally = tally
+        #: Refusals nobody answers for, folded until their window closes.
+        self.samples = RefusalSamples()
+
+    def log_samples(self, out: Outbox) -> None:
+        """Log the samples of folded refusals whose window has closed."""
+        for sample in self.samples.due(time.monotonic()):
+            self.emit(out, sample)
 
     def emit(self, out: Outbox, event: EventBase) -> None:
         """An event for the log (proven by the scheduler's key when it is sent)."""
@@ -126,22 +144,27 @@ class Courier:
         else:
             out.tasks.append((task, node.queue, args))
 
-    def reject(
-        self,
-        out: Outbox,
-        refusal: Refusal,
-    ) -> None:
-        """Log a refusal, and answer it where an answer can be proven."""
+    def reject(self, out: Outbox, refusal: Refusal) -> None:
+        """Log a refusal (or fold it into its kind's sample), count it, and answer it
+        where the gate says an answer may go."""
         request, raw = refusal.request, refusal.raw
         request_id = request.request_id if request else _uuid_or_none(raw.get("request_id"))
         sandbox_id = request.sandbox_id if request else _str_or_none(raw.get("sandbox_id"))
         request_type = request.type if request else _str_or_none(raw.get("type")) or "unknown"
         sender = refusal.sender
-        if refusal.reason == RejectReason.DUPLICATE and request is not None:
-            # Its own id: the first request's refusal (if any) keeps its id.
-            event_id = derived_id(request.request_id, f"replay:{refusal.detail}")
+        if sender is None or request_id is None:
+            # Nobody's: its id is never one a proven refusal could need.
+            event_id = uuid.uuid4()
         else:
-            event_id = derived_id(request_id, "rejected") if request_id else uuid.uuid4()
+            # Derived (deciding twice logs once), and scoped by the key that proves it
+            # as request ids are: another key's record, or an unproven one, with the
+            # same request id cannot take this refusal's place in the log.
+            key_id = sender.principal.key_id
+            if refusal.reason == RejectReason.DUPLICATE:
+                # Its own id: the first request's refusal (if any) keeps its id.
+                event_id = derived_id(request_id, f"replay:{key_id}:{refusal.detail}")
+            else:
+                event_id = derived_id(request_id, f"rejected:{key_id}")
         tenant = (
             request.tenant if request and request.tenant
             else sender.principal.subject if sender else "unauthenticated"
@@ -159,26 +182,41 @@ class Courier:
                 actor=sender.principal.actor if sender else None,
             ),
         )
-        self.emit(out, event)
-        self._tally.handled(request_type[:64], f"rejected:{refusal.reason.value}")
+        if refusal.sample is None:
+            self.emit(out, event)
+        else:
+            self.samples.add(refusal.sample, event, time.monotonic())
+        # A type the sender made up is no metric label (each would be a new series).
+        counted = request_type if request_type in REQUEST_TYPES else "unknown"
+        self._tally.handled(counted, f"rejected:{refusal.reason.value}")
         self._tally.refused(refusal.reason.value)
+        if sender is None:
+            self._tally.unproven("request")
         if request_id is not None:
+            reason, detail = refusal.told or (refusal.reason, refusal.detail)
             reply = ErrorReply(
                 request_id=request_id,
                 sandbox_id=sandbox_id or "",
-                reason=refusal.reason.value,
-                detail=refusal.detail[:2000],
+                reason=reason.value,
+                detail=detail[:2000],
             )
-            self.reply(out, refusal.reply_as, refusal.reply_to, reply)
+            self.reply(out, refusal.sender, refusal.reply_to, reply)
 
-    def refuse(self, out: Outbox, admitted: Admitted, reason: RejectReason, detail: str) -> None:
-        """Refuse an admitted request for a reason found after the door."""
+    def refuse(
+        self,
+        out: Outbox,
+        admitted: Admitted,
+        reason: RejectReason,
+        detail: str,
+        told: tuple[RejectReason, str] | None = None,
+    ) -> None:
+        """Refuse an admitted request for a reason found after the door (the requester
+        is ``told`` another reason and detail where the log's would tell it about
+        someone else's sandbox)."""
         request = admitted.request
         self.reject(
-            out,
-            Refusal(reason, detail, admitted.sender, request, {}, request.reply_to, None,
-                    admitted.sender),
-        )  # fmt: skip
+            out, Refusal(reason, detail, admitted.sender, request, {}, request.reply_to, told=told)
+        )
 
 
 def _uuid_or_none(value: object) -> uuid.UUID | None:

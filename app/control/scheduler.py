@@ -22,6 +22,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from kafka.consumer.fetcher import ConsumerRecord
@@ -33,6 +34,7 @@ from app.consuming import PositionedConsumer, dead_letter, key_partition
 from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox
 from app.control.keyring import Keyring
 from app.control.outbox import Outbox
+from app.control.stored_quotas import StoredQuotas
 from app.control.waiting import until_available
 from app.db import handled, queries
 from app.db import log as event_log
@@ -58,6 +60,39 @@ BUS_PROBE_S = 1.0
 PROJECTOR = "projector"
 
 
+#: How long a replies topic's partition count is believed before the producer's
+#: metadata is read again (a topic made again with another count is noticed).
+PARTITIONS_TTL_S = 5.0
+#: How long a replies topic the broker did not know stays unknown before it is asked
+#: for again, and how long asking may wait: a batch waits that long at most, once per
+#: unknown topic and period (only a proven tenant's own topic is ever asked for).
+UNKNOWN_TOPIC_TTL_S = 10.0
+UNKNOWN_TOPIC_WAIT_S = 0.5
+
+
+class BrokerPartitions:
+    """The gate's partition counts (:class:`app.domain.partition_counts.PartitionCounts`)
+    from this scheduler's Kafka clients: the requests topic as its consumer reads it,
+    replies topics as the producer's metadata knows them, cached briefly."""
+
+    def __init__(self, publisher: bus.Publisher, requests: Callable[[], int]) -> None:
+        self._publisher = publisher
+        self._requests = requests
+        self._replies: dict[str, tuple[int | None, float]] = {}
+
+    def requests(self) -> int:
+        return self._requests()
+
+    def replies(self, topic: str) -> int | None:
+        now = time.monotonic()
+        cached = self._replies.get(topic)
+        if cached is not None and now < cached[1]:
+            return cached[0]
+        count = self._publisher.partitions_of(topic, UNKNOWN_TOPIC_WAIT_S)
+        self._replies[topic] = (count, now + (PARTITIONS_TTL_S if count else UNKNOWN_TOPIC_TTL_S))
+        return count
+
+
 class Scheduler:
     """Places sandboxes on nodes and routes requests to them."""
 
@@ -66,12 +101,15 @@ class Scheduler:
     ) -> None:
         self.settings = settings
         self.keyring = Keyring.from_settings(settings)
+        self.publisher = bus.Publisher(settings)
         self.dispatcher = Dispatcher(
             settings,
             self.keyring,
+            BrokerPartitions(self.publisher, lambda: self.partition_count),
             heartbeat_timeout,
             PostgresTrajectoryLog(settings.database_url),
             metrics.SchedulerTally(),
+            StoredQuotas.from_settings(settings),
         )
         self.placement = self.dispatcher.placement
         # Every tenant's replies topic exists before its first answer is sent (a send to
@@ -82,7 +120,6 @@ class Scheduler:
         kafka_admin.ensure_topics(settings, self._tenants, check=False)
         self._topics_checked = time.monotonic()
         self._pruned = time.monotonic()
-        self.publisher = bus.Publisher(settings)
         self.tasks = CeleryTaskQueue(settings)
         self._stopping = threading.Event()
         self.events = PositionedConsumer(settings, settings.topic_events, f"{NAME} (events)")
@@ -128,8 +165,8 @@ class Scheduler:
             created_by = queries.created_by(conn, ids)
             window = timedelta(seconds=self.settings.request_max_age_s)
             seen = handled.load(conn, utcnow() - window)
-        for request_id, partition, offset, at in seen:
-            self.dispatcher.gate.remember(request_id, partition, offset, at)
+        for one in seen:
+            self.dispatcher.gate.remember(one)
         self.dispatcher.recover(
             ((row.node_id, row) for row in alive),
             (
@@ -202,6 +239,7 @@ class Scheduler:
         self.dispatcher.check_lives(out)
         self.dispatcher.check_leases(out)
         self.dispatcher.retry_pending(out)
+        self.dispatcher.log_samples(out)
         records = self.requests.poll(timeout_ms=50, max_records=500)
         try:
             self._learn_ended(records)
@@ -235,7 +273,7 @@ class Scheduler:
                     )
 
                 # Fenced: committed only while this session holds every partition saved.
-                self.owner.save(write, set(offsets) | {p for _, p, _, _ in unsaved})
+                self.owner.save(write, set(offsets) | {h.partition for h in unsaved})
                 gate.unsaved.clear()
             if time.monotonic() - self._rebalanced >= REBALANCE_S:
                 self._rebalance()
@@ -294,9 +332,9 @@ class Scheduler:
             window = timedelta(seconds=self.settings.request_max_age_s)
             with transaction(self.settings.database_url) as conn:
                 seen = handled.load(conn, utcnow() - window)
-            for request_id, partition, offset, at in seen:
-                if partition in new:
-                    self.dispatcher.gate.remember(request_id, partition, offset, at)
+            for one in seen:
+                if one.partition in new:
+                    self.dispatcher.gate.remember(one)
             self.dispatcher.leases.restart_clocks(
                 lambda lease_id: key_partition(lease_id, self.partition_count) in new,
                 time.monotonic(),
@@ -317,8 +355,8 @@ class Scheduler:
         # Ids handled since the last commit are the next owner's to record: whoever
         # reads their records again (this scheduler included) handles them anew.
         gate = self.dispatcher.gate
-        for request_id, *_ in gate.unsaved:
-            gate.handled.pop(request_id, None)
+        for one in gate.unsaved:
+            gate.handled.pop((one.key_id, one.request_id), None)
         gate.unsaved.clear()
         self.requests.reassign([], {})
         self._rebalanced = 0.0

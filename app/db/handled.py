@@ -1,10 +1,10 @@
 """Request ids the scheduler handled, kept for the freshness window: the gate's memory
-across restarts (a replayed request is refused even by a scheduler that just started).
+across restarts and takeovers (a replayed request is refused even by a scheduler that
+just started). Ids are scoped by the key that proved them, as in the gate.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -12,27 +12,30 @@ from sqlalchemy import Connection, delete, select
 from sqlalchemy.dialects.postgresql import insert
 
 from app.db.tables import handled_requests
+from app.domain.gate import Handled
 
 
-def save(conn: Connection, rows: Sequence[tuple[uuid.UUID, int, int, datetime]]) -> None:
+def save(conn: Connection, rows: Sequence[Handled]) -> None:
     """Record handled ids, in the transaction that saves the offsets past them."""
     if not rows:
         return
     values = [
-        {"request_id": r, "partition": p, "offset": o, "handled_at": at} for r, p, o, at in rows
-    ]
+        {"key_id": h.key_id, "request_id": h.request_id, "partition": h.partition,
+         "offset": h.offset, "handled_at": h.at}
+        for h in rows
+    ]  # fmt: skip
     conn.execute(insert(handled_requests).values(values).on_conflict_do_nothing())
 
 
-def load(conn: Connection, since: datetime) -> list[tuple[uuid.UUID, int, int, datetime]]:
+def load(conn: Connection, since: datetime) -> list[Handled]:
     """Ids handled since ``since``, oldest first."""
     t = handled_requests
     rows = conn.execute(
-        select(t.c.request_id, t.c.partition, t.c.offset, t.c.handled_at)
+        select(t.c.key_id, t.c.request_id, t.c.partition, t.c.offset, t.c.handled_at)
         .where(t.c.handled_at >= since)
         .order_by(t.c.handled_at)
     ).all()
-    return [(r.request_id, r.partition, r.offset, r.handled_at) for r in rows]
+    return [Handled(r.key_id, r.request_id, r.partition, r.offset, r.handled_at) for r in rows]
 
 
 def prune(conn: Connection, before: datetime) -> int:

@@ -179,14 +179,28 @@ credentials = Table(
     Column("revoked_by", Text),
 )
 
-#: Request ids the scheduler handled and where it read them (replays are refused).
+#: Request ids the scheduler handled, scoped by the key that proved them, and where it
+#: read them (replays are refused).
 handled_requests = Table(
     "handled_requests",
     metadata,
+    Column("key_id", Text, primary_key=True),
     Column("request_id", UUID(as_uuid=True), primary_key=True),
     Column("partition", Integer, nullable=False),
     Column("offset", BigInteger, nullable=False),
     Column("handled_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+)
+
+#: Tenants' own quotas over the settings' defaults (app/domain/quotas.py): no row, the
+#: default; a NULL ``max_held``, no limit.
+tenant_quotas = Table(
+    "tenant_quotas",
+    metadata,
+    Column("tenant", Text, primary_key=True),
+    Column("resource", Text, primary_key=True),
+    Column("max_held", BigInteger),
+    Column("set_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("set_by", Text, nullable=False, server_default=text("current_user")),
 )
 
 #: Projection: one row per sandbox with the raw ``sandbox_lives_from_log`` view's

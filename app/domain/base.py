@@ -76,7 +76,10 @@ class RejectReason(StrEnum):
     NO_NODES = "no_nodes"
     UNKNOWN_SANDBOX = "unknown_sandbox"
     SANDBOX_NOT_RUNNING = "sandbox_not_running"
+    #: A replay: the request id was already handled elsewhere on the bus.
     DUPLICATE = "duplicate"
+    #: A create names a sandbox id that is taken (live, waiting or ended: never reused).
+    ID_IN_USE = "id_in_use"
     UNAUTHENTICATED = "unauthenticated"
     FORBIDDEN = "forbidden"
 

@@ -21,7 +21,7 @@ from pydantic_core import from_json
 from app.domain.base import SCHEMA_VERSION
 from app.domain.events import EVENT_ADAPTER, EVENT_TYPES, Event
 from app.domain.replies import REPLY_ADAPTER, REPLY_FIELDS, REPLY_KINDS, Reply
-from app.domain.requests import REQUEST_ADAPTER, REQUEST_TYPES, Request
+from app.domain.requests import REQUEST_ADAPTER, REQUEST_TYPES, WIRE, Request
 from app.errors import DsecError
 
 #: Deepest nesting of arrays and objects a message may have (the schemas need 4).
@@ -45,6 +45,9 @@ class DeadLetterReason(StrEnum):
     FORBIDDEN = "forbidden"
     #: A second end of a life the log has ended already (app/domain/admission.py).
     ALREADY_ENDED = "already_ended"
+    #: The consumer failed on it (a bug: its log has the traceback); the rest of its
+    #: batch was handled.
+    INTERNAL = "internal"
 
 
 class DecodeError(DsecError, ValueError):
@@ -121,9 +124,9 @@ def _load(raw: bytes, max_bytes: int, discriminator: str, known: frozenset[str])
     return obj
 
 
-def _validate(adapter: TypeAdapter[Any], obj: Any) -> Any:
+def _validate(adapter: TypeAdapter[Any], obj: Any, context: Any = None) -> Any:
     try:
-        return adapter.validate_python(obj)
+        return adapter.validate_python(obj, context=context)
     except ValidationError as exc:
         raise DecodeError(DeadLetterReason.INVALID, _summary(exc)) from exc
     except Exception as exc:  # a validator that did not expect this input
@@ -156,7 +159,8 @@ def decode_event(raw: bytes, max_bytes: int = 1 << 20) -> Event:
 
 
 def decode_request(raw: bytes, max_bytes: int = 1 << 20) -> Request:
-    """Validate a request; raise :class:`DecodeError` with the reason otherwise.
+    """Validate a request read off the bus (it must carry its own ``request_id`` and
+    ``sent_at``); raise :class:`DecodeError` with the reason otherwise.
 
     A request whose text carries a NUL character is refused (``invalid``): what it
     says lands in the log, and Postgres' jsonb cannot store U+0000.
@@ -164,11 +168,12 @@ def decode_request(raw: bytes, max_bytes: int = 1 << 20) -> Request:
     request: Request | None = None
     if len(raw) <= max_bytes:
         try:
-            request = REQUEST_ADAPTER.validate_json(raw)
+            request = REQUEST_ADAPTER.validate_json(raw, context=WIRE)
         except Exception:  # any refusal: as in decode_event
             request = None
     if request is None:
-        request = _validate(REQUEST_ADAPTER, _load(raw, max_bytes, "type", REQUEST_TYPES))
+        obj = _load(raw, max_bytes, "type", REQUEST_TYPES)
+        request = _validate(REQUEST_ADAPTER, obj, WIRE)
     # The parser refuses a raw NUL byte in a string: only an escape can make one, and
     # looking for a backslash first (memchr) keeps this to ~15 ns on most requests.
     if _BACKSLASH in raw and b"\\u0000" in raw:

@@ -76,6 +76,14 @@ class RejectedPayload(Message):
     actor: str | None = Field(
         None, description="The authenticated sender; None if the request proved nobody."
     )
+    folded: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "A sample: how many refusals of this kind (no proof, or maybe a copy) in its"
+            " window it stands for, itself included; None: this refusal alone."
+        ),
+    )
 
 
 class StartedPayload(Message):

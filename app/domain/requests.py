@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import binascii
 import json
+import re
 import uuid
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, TypeAdapter
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationInfo,
+    model_validator,
+)
 
 from app.domain.base import SCHEMA_VERSION, Message, new_id, tags, utcnow
 
@@ -63,6 +72,39 @@ def _bounded_command(command: str | list[str]) -> str | list[str]:
 Command = Annotated[str | list[str], AfterValidator(_bounded_command)]
 
 
+#: A UUID as text in its canonical form: lower-case hex, hyphenated 8-4-4-4-12.
+CANONICAL_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def _canonical(value: object) -> object:
+    # Replies carry a request id in this form and reply keys are derived from it: an
+    # id spelt otherwise (upper case, braces, no hyphens) would be answered under a
+    # text its sender does not know, so it is refused instead.
+    if isinstance(value, str) and not CANONICAL_UUID.match(value):
+        raise ValueError(
+            "a request id is a UUID in canonical form: lower-case hex, hyphenated 8-4-4-4-12"
+        )
+    return value
+
+
+#: A request id (or the id of another request) as a trainer sends it.
+RequestId = Annotated[
+    uuid.UUID,
+    BeforeValidator(_canonical),
+    Field(json_schema_extra={"pattern": CANONICAL_UUID.pattern}),
+]
+#: The validation context of a request read off the bus (app/domain/codec.py).
+WIRE = "wire"
+#: What a request read off the bus must carry itself (see RequestBase).
+STAMPED = ("request_id", "sent_at")
+
+
+def _stamps_required(schema: dict[str, Any]) -> None:
+    """The published schema says what the bus requires: see RequestBase."""
+    required = {*schema.get("required", ()), *STAMPED}
+    schema["required"] = [name for name in schema["properties"] if name in required]
+
+
 class ReplyTo(Message):
     """Where a trainer waits for the answer."""
 
@@ -71,10 +113,21 @@ class ReplyTo(Message):
 
 
 class RequestBase(Message):
-    """Fields every request carries."""
+    """Fields every request carries.
+
+    ``request_id`` and ``sent_at`` are required on the bus, and signed with the rest:
+    filled in by the platform, every copy of the same signed bytes would be a new
+    request (never a replay) of unknown age. A request made in Python (the SDK, the
+    platform's own) is stamped when it is made.
+    """
+
+    model_config = ConfigDict(json_schema_extra=_stamps_required)
 
     type: str = Field(description="Request type (the discriminator).")
-    request_id: uuid.UUID = Field(default_factory=new_id, description="Idempotency key.")
+    request_id: RequestId = Field(
+        default_factory=new_id,
+        description="Idempotency key, chosen by the sender: a UUID in canonical form.",
+    )
     version: Literal[1] = Field(SCHEMA_VERSION, description="Schema version.")
     sandbox_id: SandboxId = Field(description="Target sandbox; also the Kafka key.")
     tenant: Owner = Field(
@@ -91,8 +144,19 @@ class RequestBase(Message):
             "Leave empty: the platform sets it to the authenticated sender (tenant and key)."
         ),
     )
-    sent_at: datetime = Field(default_factory=utcnow, description="Client clock.")
+    sent_at: AwareDatetime = Field(
+        default_factory=utcnow, description="Client clock, with its time zone (UTC: Z)."
+    )
     reply_to: ReplyTo | None = Field(None, description="Where to answer, if anyone waits.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stamped_by_sender(cls, data: Any, info: ValidationInfo) -> Any:
+        if info.context == WIRE and isinstance(data, dict):
+            missing = [name for name in STAMPED if name not in data]
+            if missing:
+                raise ValueError(f"{' and '.join(missing)} missing: a request carries its own")
+        return data
 
 
 class SandboxShape(Message):
@@ -170,7 +234,7 @@ class KillCommand(RequestBase):
     """
 
     type: Literal["KillCommand"] = "KillCommand"
-    command_id: uuid.UUID = Field(description="The request id of the Exec to kill.")
+    command_id: RequestId = Field(description="The request id of the Exec to kill.")
 
 
 class WriteFile(RequestBase):

@@ -31,7 +31,7 @@ from kafka.errors import KafkaError
 from app import bus
 from app.config import Settings, get_settings
 from app.domain import proof
-from app.domain.base import RejectReason, new_sandbox_id
+from app.domain.base import RejectReason, new_id, new_sandbox_id, utcnow
 from app.domain.codec import encode
 from app.domain.replies import (
     Done,
@@ -167,7 +167,7 @@ class Client:
     def _renew_lease(self) -> None:
         assert self.lease_id is not None
         renew = RenewLease(
-            sandbox_id=self.lease_id, job_id=self.job_id,
+            **self._stamp(), sandbox_id=self.lease_id, job_id=self.job_id,
             ttl_s=self._lease_ttl_s, grace_s=self._lease_grace_s,
         )  # fmt: skip
         self.publish(renew)
@@ -206,8 +206,19 @@ class Client:
     def _shape(self) -> dict[str, Any]:
         return {"lease_id": self.lease_id} if self.lease_id else {}
 
+    @staticmethod
+    def _stamp() -> dict[str, Any]:
+        """What every request carries as its own (the platform requires both, and signed:
+        a copy of the same bytes is then a replay): a new id, and when it was made."""
+        return {"request_id": new_id(), "sent_at": utcnow()}
+
     def _common(self, sandbox_id: str) -> dict[str, Any]:
-        return {"sandbox_id": sandbox_id, "job_id": self.job_id, "reply_to": self._reply_to}
+        return {
+            **self._stamp(),
+            "sandbox_id": sandbox_id,
+            "job_id": self.job_id,
+            "reply_to": self._reply_to,
+        }
 
     def expect(self, request_id: uuid.UUID) -> Future[Reply]:
         """A future for the reply to ``request_id`` (register before sending)."""

@@ -39,6 +39,7 @@ from app.errors import (
     RequestTimeout,
     SandboxError,
     SandboxFailedError,
+    SandboxIdInUse,
     SandboxNotFound,
     SandboxRejectedError,
     TimeoutReason,
@@ -60,6 +61,8 @@ def error_for(reply: ErrorReply) -> SandboxError:
     rejected = _REJECT_REASONS.get(reply.reason)
     if rejected == RejectReason.UNKNOWN_SANDBOX:
         return SandboxNotFound(reply.sandbox_id, rejected, reply.detail)
+    if rejected == RejectReason.ID_IN_USE:
+        return SandboxIdInUse(reply.sandbox_id, rejected, reply.detail)
     if rejected is not None:
         return SandboxRejectedError(reply.sandbox_id, rejected, reply.detail)
     reason = _FAIL_REASONS.get(reply.reason, reply.reason)

@@ -166,10 +166,11 @@ def test_a_sandbox_id_lives_once(client: Any, db: Any) -> None:
     box.close()
     with pytest.raises(SandboxRejectedError) as ended:
         client.call(CreateSandbox(**client._common(box.id)), timeout_s=30)
-    # Then both are refused at once with the reason, and the log holds one life
-    assert in_use.value.reason == ended.value.reason == "duplicate"
-    # (right after the destroy the scheduler may not have seen the end yet: "in use")
-    assert "in use" in str(in_use.value)
+    # Then both are refused at once with the reason (the same words: ids are never
+    # reused, and nothing says how it ended), and the log holds one life
+    assert in_use.value.reason == ended.value.reason == "id_in_use"
+    assert in_use.value.detail == ended.value.detail
+    assert "is taken" in str(in_use.value)
     with db() as conn:
         wait_for(
             lambda: scalar(

@@ -370,7 +370,7 @@ def test_a_reused_sandbox_id_bills_its_first_life_only(conn: Connection) -> None
 
 
 def test_a_refused_reuse_of_a_running_id_changes_nothing(conn: Connection) -> None:
-    # Given a running sandbox, and a second create with its id refused as a duplicate
+    # Given a running sandbox, and a second create with its id refused (id in use)
     log = Log(conn)
     now = datetime.now(UTC)
     sb = log.life("job-a", now - timedelta(hours=1), None, cpus=1, memory_mb=1024)
@@ -380,7 +380,7 @@ def test_a_refused_reuse_of_a_running_id_changes_nothing(conn: Connection) -> No
             payload=RejectedPayload(
                 request_id=uuid.uuid4(),
                 request_type="CreateSandbox",
-                reason=RejectReason.DUPLICATE,
+                reason=RejectReason.ID_IN_USE,
                 detail="sandbox id in use",
             ),
         )

@@ -10,6 +10,8 @@ from pydantic import BaseModel
 
 from app.domain.codec import encode
 from app.domain.node_tasks import read_inbox_record
+from app.domain.partition_counts import FixedPartitions
+from app.domain.partitioner import key_partition
 from app.domain.proof import SCHEDULER_KEY_ID, KeyInfo, Purpose, Role, StaticKeys, headers
 from app.domain.records import Inbound
 from app.domain.requests import ReplyTo
@@ -29,6 +31,9 @@ def keys() -> StaticKeys:
 
 
 KEYS = keys()
+#: The partitions of the topics unit tests read and answer on: requests have 8, every
+#: replies topic 16 (the gate checks reply partitions and where a request was read).
+PARTITIONS = FixedPartitions(requests_topic=8, replies_each=16)
 
 
 def reply_to(tenant: str = "t", partition: int = 0) -> ReplyTo:
@@ -41,13 +46,14 @@ def record(
     offset: int = 0,
     *,
     key_id: str | None = None,
-    partition: int = 0,
+    partition: int | None = None,
     purpose: Purpose | None = None,
     value: bytes | None = None,
 ) -> Inbound:
     """A record carrying ``message`` with the proof its sender would give it: a
     request signed by tenant t (or ``key_id``), an event by its node (or the
-    scheduler, for events without a node)."""
+    scheduler, for events without a node), keyed and placed as a Kafka client would
+    (on ``partition`` if one is given)."""
     body = value if value is not None else encode(message)
     kind = purpose or (Purpose.EVENT if hasattr(message, "event_id") else Purpose.REQUEST)
     if key_id is None:
@@ -59,6 +65,8 @@ def record(
     info: KeyInfo | None = KEYS.lookup(key_id)
     assert info is not None, key_id
     subject = getattr(message, "sandbox_id", None) or getattr(message, "node_id", None) or "x"
+    if partition is None:
+        partition = key_partition(str(subject), PARTITIONS.requests_topic)
     return Inbound(
         topic="t", partition=partition, offset=offset, key=str(subject).encode(), value=body,
         headers=headers(kind, key_id, info.secret, body),

@@ -13,7 +13,7 @@ from app.control.outbox import Outbox
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.records import Inbound
 from app.domain.requests import CreateGroup, CreateSandbox, DestroyGroup
-from tests.unit.signing import KEYS, record, reply_to, task_request
+from tests.unit.signing import KEYS, PARTITIONS, record, reply_to, task_request
 
 _offsets = count()
 
@@ -24,7 +24,7 @@ def _record(message: BaseModel, key_id: str | None = None) -> Inbound:
 
 
 def _dispatcher(settings: Settings | None = None, cpus: float = 4) -> Dispatcher:
-    dispatcher = Dispatcher(settings or Settings(), KEYS)
+    dispatcher = Dispatcher(settings or Settings(), KEYS, PARTITIONS)
     for node in ("n0", "n1"):
         beat = NodeHeartbeat(
             node_id=node,

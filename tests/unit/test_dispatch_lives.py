@@ -31,7 +31,7 @@ from app.domain.lease import LeaseAction
 from app.domain.lives import end_id
 from app.domain.proof import SCHEDULER_KEY_ID
 from app.domain.requests import LEASE_LABEL, CreateSandbox, DestroySandbox
-from tests.unit.signing import KEYS, reply_to
+from tests.unit.signing import KEYS, PARTITIONS, reply_to
 from tests.unit.test_dispatch_groups import _record
 from tests.unit.test_dispatch_recover import Row
 
@@ -51,7 +51,7 @@ def _beat(node: str = "n0", sandboxes: list[str] | None = None) -> NodeHeartbeat
 
 
 def _dispatcher() -> Dispatcher:
-    dispatcher = Dispatcher(SETTINGS, KEYS)
+    dispatcher = Dispatcher(SETTINGS, KEYS, PARTITIONS)
     dispatcher.observe(Outbox(), _record(_beat()))
     return dispatcher
 
@@ -123,7 +123,7 @@ def test_a_started_sandbox_has_no_create_deadline(monkeypatch: pytest.MonkeyPatc
 
 
 def _recovered(*live: LiveSandbox, lost: bool = False, heard: datetime | None = None) -> Dispatcher:
-    dispatcher = Dispatcher(SETTINGS, KEYS)
+    dispatcher = Dispatcher(SETTINGS, KEYS, PARTITIONS)
     if lost:
         dispatcher.recover([], live, [("n0", Row(), heard)])
     else:

@@ -12,7 +12,7 @@ from app.domain.codec import decode_event
 from app.domain.lease import LeaseState
 from app.domain.node_tasks import TASK_FOR_REQUEST
 from app.domain.requests import GROUP_LABEL, LEASE_LABEL, CreateSandbox, RenewLease
-from tests.unit.signing import KEYS, task_request
+from tests.unit.signing import KEYS, PARTITIONS, task_request
 from tests.unit.test_dispatch_groups import _record
 
 
@@ -35,7 +35,7 @@ def _live(sandbox_id: str, labels: dict[str, str], frozen: bool = False) -> Live
 
 
 def _recovered(*live: LiveSandbox) -> Dispatcher:
-    dispatcher = Dispatcher(Settings(lease_ttl_s=30, lease_grace_s=300), KEYS)
+    dispatcher = Dispatcher(Settings(lease_ttl_s=30, lease_grace_s=300), KEYS, PARTITIONS)
     dispatcher.recover([("n0", Row())], live)
     return dispatcher
 

@@ -11,13 +11,13 @@ from app.control.outbox import Outbox
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.requests import CreateSandbox, Exec
 from app.domain.trajectory import InMemoryTrajectoryLog, RecordedStep
-from tests.unit.signing import KEYS, reply_to
+from tests.unit.signing import KEYS, PARTITIONS, reply_to
 from tests.unit.test_dispatch_groups import _record
 
 
 def _dispatcher() -> tuple[Dispatcher, InMemoryTrajectoryLog]:
     log = InMemoryTrajectoryLog()
-    dispatcher = Dispatcher(Settings(), KEYS, trajectory=log)
+    dispatcher = Dispatcher(Settings(), KEYS, PARTITIONS, trajectory=log)
     beat = NodeHeartbeat(
         node_id="n0",
         payload=NodePayload(

@@ -24,7 +24,7 @@ from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.proof import Purpose, headers
 from app.domain.records import Inbound
 from app.domain.requests import CreateSandbox, Exec, WriteFile
-from tests.unit.signing import KEYS, record, reply_to
+from tests.unit.signing import KEYS, PARTITIONS, record, reply_to
 
 _offsets = count()
 
@@ -41,7 +41,7 @@ def _signed(value: bytes, key: str, secret: bytes, purpose: Purpose, rkey: bytes
 
 
 def _dispatcher() -> Dispatcher:
-    dispatcher = Dispatcher(Settings(), KEYS)
+    dispatcher = Dispatcher(Settings(), KEYS, PARTITIONS)
     beat = NodeHeartbeat(
         node_id="n0",
         payload=NodePayload(
