@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from app import bus as kafka
+from app import kafka_admin
 from app.config import Settings
 from app.memory import InMemoryBus
 from app.ports import Bus
@@ -23,13 +24,13 @@ def port(request: pytest.FixtureRequest) -> Iterator[tuple[Bus, str]]:
         return
     stack: Settings = request.getfixturevalue("stack")
     own = stack.model_copy(update={"topic_prefix": f"contract{uuid.uuid4().hex[:8]}"})
-    kafka.ensure_topics(own)
+    kafka_admin.ensure_topics(own)
     real = kafka.KafkaBus(own)
     try:
         yield real, own.topic_events
     finally:
         real.close()
-        kafka.drop_topics(own)
+        kafka_admin.drop_topics(own)
 
 
 def test_records_come_back_in_order_with_their_key_value_and_headers(

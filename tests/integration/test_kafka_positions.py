@@ -1,4 +1,4 @@
-"""Positions on the real broker: a stored offset at the true end is taken as valid."""
+"""Positions on the broker: a stored offset at the true end is taken as valid."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
+from kafka import KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
-from app import bus
+from app import bus, kafka_admin
 from app.config import Settings
 from app.consuming import PositionedConsumer
 from app.domain.records import StoredOffset
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def topic(stack: Settings) -> Iterator[str]:
     name = f"{stack.topic_prefix}.positions-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=stack.kafka_bootstrap.split(","))
+    admin = kafka_admin.admin_client(stack)
     admin.create_topics([NewTopic(name, 1, 1)])
     yield name
     admin.delete_topics([name])
@@ -31,7 +31,7 @@ def test_the_end_after_a_batch_of_several_records_is_where_it_is(
     stack: Settings, topic: str
 ) -> None:
     # Given one record batch of three records (the producer lingers, so they go together)
-    producer = KafkaProducer(bootstrap_servers=stack.kafka_bootstrap.split(","), linger_ms=100)
+    producer = KafkaProducer(**bus.client_options(stack), linger_ms=100)
     for n in range(3):
         producer.send(topic, key=b"k", value=b"%d" % n)
     producer.flush()
@@ -51,7 +51,7 @@ def test_the_end_after_a_batch_of_several_records_is_where_it_is(
 def test_a_producer_keeps_every_topic_after_a_new_one(stack: Settings) -> None:
     # Given a producer that has sent to an existing topic (known from its bootstrap)
     publisher = bus.Publisher(stack)
-    admin = KafkaAdminClient(bootstrap_servers=stack.kafka_bootstrap.split(","))
+    admin = kafka_admin.admin_client(stack)
     late = f"{stack.topic_prefix}.late-{uuid.uuid4().hex[:8]}"
     try:
         publisher.publish(stack.topic_dead_letters, "k", b"x", wait=True)
