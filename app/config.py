@@ -50,6 +50,13 @@ class Settings(BaseSettings):
             " their own DSEC_KAFKA_* settings."
         ),
     )
+    kafka_dist_dir: Path | None = Field(
+        None,
+        description=(
+            "Where Apache Kafka's checked jars are kept (default: <state_dir>/kafka): hosts"
+            " of one machine, or a shared disk, fetch them once."
+        ),
+    )
     kafka_ssl_cafile: Path | None = Field(
         None, description="CA bundle the brokers are checked with."
     )

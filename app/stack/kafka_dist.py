@@ -47,7 +47,11 @@ def pinned() -> dict[str, str]:
 
 def libs_dir(settings: Settings) -> Path:
     """Where the broker's jars live on this host."""
-    return settings.state_dir / "kafka" / f"kafka-{KAFKA_VERSION}" / "libs"
+    return _home(settings) / f"kafka-{KAFKA_VERSION}" / "libs"
+
+
+def _home(settings: Settings) -> Path:
+    return settings.kafka_dist_dir or settings.state_dir / "kafka"
 
 
 def _sha256(path: Path) -> str:
@@ -99,7 +103,7 @@ def ensure(settings: Settings) -> Path:
     command = [
         mvn, "--batch-mode", "--quiet", "--strict-checksums",
         "-f", str(packaged("pom.xml")),
-        f"-Dmaven.repo.local={settings.state_dir / 'kafka' / 'm2'}",
+        f"-Dmaven.repo.local={_home(settings) / 'm2'}",
         "dependency:copy-dependencies",
         "-DincludeScope=runtime",
         f"-DoutputDirectory={staging}",

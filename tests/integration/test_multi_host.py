@@ -1,12 +1,14 @@
 """Hosts as network namespaces on a bridge: a control host, two node hosts and a
 trainer, each with its own address and state directory, joined only by the network.
 
-The control namespace runs what an operator provides (a Kafka-protocol broker, a
-Postgres, a Redis, all on its bridge address) and `dsec control up`; each node
-namespace runs `dsec node up` with its own credential; the trainer's namespace runs
-the SDK. Loopback in each namespace holds nothing of another's, so an address that
-falls back to 127.0.0.1 anywhere fails here. The test itself reads the log over the
-bridge, as an operator's SQL client would.
+The control namespace runs what an operator provides (an Apache Kafka broker with its
+properties from `dsec kafka properties`, TLS and SASL on every listener; a Postgres; a
+Redis; all on its bridge address) and `dsec control prepare` then `dsec control up`;
+each node namespace runs `dsec node up` with its own credential file, which alone
+tells it the broker, the protocol and the CA; the trainer's namespace runs the SDK
+with nothing but its credential file. Loopback in each namespace holds nothing of
+another's, so an address that falls back to 127.0.0.1 anywhere fails here. The test
+itself reads the log over the bridge, as an operator's SQL client would.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from sqlalchemy.engine import Engine
 
 from app import secret_files
 from app.config import Settings
-from app.stack.services import broker_binary, port_open
+from app.stack.services import port_open
 from tests.conftest import flower_workers, wait_for
 from tests.pg_cluster import own_cluster
 from workers.host.mounts import remove_tree
@@ -135,12 +137,25 @@ def network() -> Iterator[None]:
         _remove_network()
 
 
-def operator_services(logs: Path, password: str) -> ExitStack:
-    """The broker and Redis on the control host's address; closing stops them."""
+def operator_services(root: Path, env: dict[str, str], password: str) -> ExitStack:
+    """The broker and Redis on the control host's address, as docs/deploy.md has an
+    operator run them (the broker's secrets and properties made by `dsec kafka`);
+    closing stops them."""
     control = ADDRESS[CONTROL]
+    logs = root / "logs"
+    _dsec(CONTROL, env, "kafka", "secrets", "--hosts", control)
+    props = _dsec(
+        CONTROL, env, "kafka", "properties", "--node-id", "1", "--voters",
+        f"1@{control}:9093", "--host", control, "--listen", control,
+        "--data-dir", str(root / CONTROL / "kafka-data"),
+        "--secrets", str(root / CONTROL / "secrets" / "kafka"),
+        "--replication", "1", "--min-isr", "1",
+    )  # fmt: skip
+    properties = root / CONTROL / "server.properties"
+    properties.write_text(props)
+    dsec = str(REPO / ".venv" / "bin" / "dsec")
     commands = {
-        "broker": [broker_binary(), "broker", "--listener-url", f"tcp://{KAFKA}",
-                   "--advertised-listener-url", f"tcp://{KAFKA}"],
+        "broker": [dsec, "kafka", "run", str(properties)],
         "redis": ["redis-server", "--bind", control, "--port", "6379", "--requirepass",
                   password, "--save", "", "--appendonly", "no"],
     }  # fmt: skip
@@ -149,7 +164,9 @@ def operator_services(logs: Path, password: str) -> ExitStack:
     for name, command in commands.items():
         out = running.enter_context(open(logs / f"{name}.log", "wb"))  # noqa: SIM115
         process = running.enter_context(
-            subprocess.Popen([*_in(CONTROL), *command], stdout=out, stderr=subprocess.STDOUT)
+            subprocess.Popen(
+                [*_in(CONTROL), *command], stdout=out, stderr=subprocess.STDOUT, env=env
+            )
         )
         running.callback(process.kill)  # (runs before the Popen's own exit waits)
     return running
@@ -162,7 +179,6 @@ def _env(host: str, root: Path, redis_url: str, **more: str) -> dict[str, str]:
         **{k: v for k, v in os.environ.items() if not k.startswith("DSEC_")},
         "DSEC_STATE_DIR": str(own),
         "DSEC_SECRETS_DIR": str(own / "secrets"),
-        "DSEC_KAFKA_BOOTSTRAP": KAFKA,
         "DSEC_CELERY_BROKER_URL": redis_url,
         "DSEC_DATABASE_URL": f"postgresql+psycopg://dsec_app@{ADDRESS[CONTROL]}:{PG_PORT}/dsec",
         "DSEC_ADMIN_DATABASE_URL": (
@@ -218,7 +234,18 @@ def test_nodes_on_other_hosts_serve_a_trainer_on_another_and_a_lost_host_ends_it
         own_cluster(host=control, port=PG_PORT, prefix=_in(CONTROL), trust=f"{SUBNET}.0/24") as pg,
     ):
         # Given what an operator runs on the control host: a broker, Postgres, Redis
-        services = operator_services(root / "logs", password)
+        envs = {h: _env(h, root, redis_url) for h in ADDRESS}
+        kafka = {
+            "DSEC_KAFKA_BOOTSTRAP": KAFKA,
+            "DSEC_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            # The jars the stack fetched: one machine, fetched once.
+            "DSEC_KAFKA_DIST_DIR": str(stack.state_dir / "kafka"),
+        }
+        # The control host and the nodes are told the broker; the trainer is not.
+        envs[CONTROL] |= {**kafka, "DSEC_KAFKA_CREDENTIAL_BOOTSTRAP": KAFKA}
+        for node in NODES:
+            envs[node] |= {k: v for k, v in kafka.items() if k != "DSEC_KAFKA_DIST_DIR"}
+        services = operator_services(root, envs[CONTROL], password)
         admin = create_engine(pg.url("postgres", "postgres"), isolation_level="AUTOCOMMIT")
         with admin.connect() as conn:
             conn.execute(text("CREATE ROLE dsec_owner LOGIN"))
@@ -226,11 +253,13 @@ def test_nodes_on_other_hosts_serve_a_trainer_on_another_and_a_lost_host_ends_it
             conn.execute(text("CREATE DATABASE dsec OWNER dsec_owner"))
         admin.dispose()
         log = create_engine(pg.url("dsec_app", "dsec"))
-        envs = {h: _env(h, root, redis_url) for h in ADDRESS}
         try:
-            wait_for(lambda: port_open(control, 9092) and port_open(control, 6379), 30, "broker")
+            wait_for(lambda: port_open(control, 9092) and port_open(control, 6379), 90, "broker")
 
-            # And the control plane brought up from settings alone
+            # And the control plane brought up from settings alone: the administrator
+            # made on the broker's internal listener, then the services
+            _dsec(CONTROL, envs[CONTROL], "control", "prepare", "--kafka-internal",
+                  f"{control}:9094")  # fmt: skip
             said = _dsec(CONTROL, envs[CONTROL], "control", "up")
             assert "projector: started" in said and "scheduler: started" in said, said
             agent = root / "dsec-agent"
