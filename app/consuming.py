@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Collection, Sequence
+from datetime import datetime
 from typing import Any
 
-from kafka import TopicPartition
+from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
 from app import bus, metrics
 from app.config import Settings
+from app.domain.base import utcnow
 from app.domain.codec import DeadLetterReason
 from app.domain.dead_letter import DeadLetter
 from app.domain.partitioner import key_partition
@@ -153,14 +157,6 @@ class PositionedConsumer:
         """The broker's id of the topic being read (owners store offsets with it)."""
         return self._topic_id
 
-    def reachable(self, timeout_ms: int = 500) -> bool:
-        """The broker answers this consumer now (one ListOffsets request)."""
-        try:
-            self._consumer.end_offsets(self.partitions or self.all_partitions[:1], timeout_ms)
-        except Exception:  # any failure to answer is the answer
-            return False
-        return True
-
     def ends(self) -> dict[int, int]:
         """Each assigned partition's end (the offset its next record gets)."""
         return {
@@ -208,3 +204,46 @@ def dead_letter(
     )
     # Partition 0 by name: one partition, in order, however many the topic has.
     publisher.publish(settings.topic_dead_letters, key or "", letter, partition=0)
+
+
+class BusWatch:
+    """Since when the broker has answered without a break, asked every ``period_s`` on
+    a connection of its own, from a thread of its own (a request on a consumer's
+    connection would queue behind its long-poll fetch, and the asking would block the
+    caller's loop)."""
+
+    def __init__(self, settings: Settings, topic: str, period_s: float = 1.0) -> None:
+        self._settings = settings
+        self._topic = topic
+        self._period_s = period_s
+        #: Since when the broker answers (None: it did not, last time it was asked).
+        self.since: datetime | None = utcnow()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsec-bus-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        probe: KafkaConsumer | None = None
+        while not self._stop.wait(self._period_s):
+            try:
+                if probe is None:
+                    probe = bus.make_consumer(self._settings)
+                probe.end_offsets([TopicPartition(self._topic, 0)], timeout_ms=5000)
+            except Exception as exc:  # any failure to answer is the answer
+                if self.since is not None:
+                    log.warning("the broker does not answer: %s", exc)
+                self.since = None
+                if probe is not None:
+                    with contextlib.suppress(Exception):
+                        probe.close()
+                probe = None
+                continue
+            if self.since is None:
+                log.warning("the broker answers again")
+                self.since = utcnow()
+        if probe is not None:
+            probe.close()
+
+    def stop(self) -> None:
+        """Stop asking."""
+        self._stop.set()

@@ -23,14 +23,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from kafka.consumer.fetcher import ConsumerRecord
 from sqlalchemy import Connection, text
 
 from app import bus, kafka_admin, metrics
 from app.config import Settings
-from app.consuming import PositionedConsumer, dead_letter, key_partition
+from app.consuming import BusWatch, PositionedConsumer, dead_letter, key_partition
 from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox
 from app.control.keyring import Keyring
 from app.control.outbox import Outbox
@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 PRUNE_S = 60.0
 #: How often a scheduler looks at who owns which partition (claims, gives back).
 REBALANCE_S = 1.0
-#: How often the scheduler asks whether the broker answers (see _bus_clock).
-BUS_PROBE_S = 1.0
 #: The projector whose offsets say where the recovered projections stand.
 PROJECTOR = "projector"
 
@@ -134,10 +132,10 @@ class Scheduler:
         self.owner = OwnerSession(settings.database_url, NAME, settings.topic_requests)
         self.dispatcher.leases.keeps = self._keeps_lease
         self._rebalanced = 0.0
-        # Nodes are judged on silence from now on: their heartbeats may not have
-        # reached a scheduler that was not running.
-        self._bus_since: datetime | None = utcnow()
-        self._probed = time.monotonic()
+        # A node's silence counts only from when the broker last came back (its
+        # heartbeats wait in transit while the broker is away), and from now on: they
+        # may not have reached a scheduler that was not running.
+        self.bus_watch = BusWatch(settings, settings.topic_events)
         until_available(self._rebalance, NAME, "postgres", self._stopping)
 
     def _stored_offsets(self) -> dict[int, StoredOffset]:
@@ -233,7 +231,7 @@ class Scheduler:
         out = Outbox()
         for record in self._poll_events():
             self.dispatcher.observe(out, record)
-        bus_since = self._bus_clock()
+        bus_since = self.bus_watch.since
         if bus_since is not None:  # no node is silent while the bus itself is
             self.dispatcher.check_nodes(out, bus_since)
         self.dispatcher.check_lives(out)
@@ -283,21 +281,6 @@ class Scheduler:
         self._housekeeping()
 
     # --- partition ownership ------------------------------------------------------
-
-    def _bus_clock(self) -> datetime | None:
-        """Since when the broker has answered without a break (None: it does not now),
-        looked at every :data:`BUS_PROBE_S`: a node's silence counts only from then,
-        its heartbeats being held up in transit while the broker was away."""
-        now = time.monotonic()
-        if now - self._probed >= BUS_PROBE_S:
-            self._probed = now
-            if not self.events.reachable():
-                if self._bus_since is not None:
-                    log.warning("scheduler: the broker does not answer: no node is judged")
-                self._bus_since = None
-            elif self._bus_since is None:
-                self._bus_since = utcnow()
-        return self._bus_since
 
     def _keeps_lease(self, lease_id: str) -> bool:
         """A lease's renewals are keyed by its id: the owner of that partition hears
@@ -425,6 +408,7 @@ class Scheduler:
         self.owner.close()
         self.requests.close()
         self.events.close()
+        self.bus_watch.stop()
         self.publisher.close()
 
     def stop(self, *_: object) -> None:
