@@ -102,6 +102,10 @@ def ensure_topics(
                 admin.create_topics([new])
             except TopicAlreadyExistsError:  # a concurrent `up`
                 continue
+        # Made is not yet usable: each partition needs its leader, and the brokers'
+        # metadata the new topic (whoever is told next may send to it at once).
+        if missing:
+            admin.wait_for_topics([new.name for new in missing], timeout_ms=30_000)
         found = (
             _check(admin, [spec for spec in specs.values() if spec.name in existing])
             if check

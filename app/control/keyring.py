@@ -60,7 +60,9 @@ class Keyring(KeyLookup):
         self._keys: dict[str, KeyInfo] = {}
         self._loaded_at = float("-inf")
         scheduler = Principal(SCHEDULER_KEY_ID, Role.SCHEDULER, "scheduler")
-        self.scheduler = KeyInfo(scheduler, derive_secret(master, SCHEDULER_KEY_ID))
+        self.scheduler = KeyInfo(
+            scheduler, derive_secret(master, SCHEDULER_KEY_ID, Role.SCHEDULER, "scheduler")
+        )
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Keyring:
@@ -117,10 +119,6 @@ class Keyring(KeyLookup):
                 if not k.revoked and k.principal.role in (Role.TENANT, Role.OPERATOR)
             }
 
-    def secret(self, key_id: str) -> bytes:
-        """The key of a credential (for a node: what the scheduler signs its tasks with)."""
-        return derive_secret(self._master, key_id)
-
     def _reload(self, now: float) -> None:
         try:
             rows = list(self._load())
@@ -136,7 +134,7 @@ class Keyring(KeyLookup):
     def _info(self, row: CredentialRow) -> KeyInfo:
         return KeyInfo(
             Principal(row.key_id, row.role, row.subject),
-            derive_secret(self._master, row.key_id),
+            derive_secret(self._master, row.key_id, row.role, row.subject),
             revoked=row.revoked_at is not None,
         )
 
@@ -174,7 +172,7 @@ def credential_for(settings: Settings, row: CredentialRow) -> Credential:
     """The credential file's content for a recorded key (its holder's copy)."""
     return Credential(
         key_id=row.key_id,
-        secret=derive_secret(read_master(settings), row.key_id),
+        secret=derive_secret(read_master(settings), row.key_id, row.role, row.subject),
         role=row.role,
         subject=row.subject,
         kafka=kafka_login_for(settings, row),

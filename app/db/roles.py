@@ -19,7 +19,7 @@ from sqlalchemy.exc import OperationalError
 
 from app import secret_files
 from app.config import Settings
-from app.errors import ServiceUnavailable
+from app.errors import ConfigError, ServiceUnavailable
 
 OWNER = "dsec_owner"
 SERVICE = "dsec_app"
@@ -140,8 +140,8 @@ class _Run:
 
 def _superuser(settings: Settings) -> _Run:
     url = make_url(settings.postgres_superuser_url)
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
     try:
-        engine = create_engine(url, isolation_level="AUTOCOMMIT")
         with engine.connect():
             pass
     except OperationalError:
@@ -151,6 +151,18 @@ def _superuser(settings: Settings) -> _Run:
                 "the dsec roles, and no local psql to try as the postgres user"
             ) from None
         return _Psql()
+    finally:
+        engine.dispose()
+    if url.password is None:
+        # Anyone on this host could then do what a superuser does: switch the log's
+        # guards off, rewrite credentials, read every tenant's data.
+        raise ConfigError(
+            f"Postgres at {url.host}:{url.port or 5432} lets {url.username} in without a"
+            " password (a trust rule in pg_hba.conf): any local user could then change the"
+            " event log and the credentials. Make pg_hba.conf ask for a password"
+            " (scram-sha-256) on TCP, or point DSEC_POSTGRES_SUPERUSER_URL at one with a"
+            " password; `dsec up` will not set the stack up on it."
+        )
     return _Sql(settings.postgres_superuser_url)
 
 

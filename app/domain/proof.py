@@ -118,9 +118,13 @@ class KeyInfo:
     revoked: bool = False
 
 
-def derive_secret(master: bytes, key_id: str) -> bytes:
-    """A credential's key: HMAC-SHA256(master, "dsec-key-v1" NUL key_id)."""
-    return hmac.digest(master, b"dsec-key-v1\x00" + key_id.encode(), "sha256")
+def derive_secret(master: bytes, key_id: str, role: Role, subject: str) -> bytes:
+    """A credential's key: HMAC-SHA256(master, "dsec-key-v2" NUL key_id NUL role NUL
+    subject). The role and the subject are bound into the key: a row of the credentials
+    table changed to give a key another role or owner derives another key, which its
+    holder does not have, so what the database says never raises what a key may do."""
+    text = "\x00".join(("dsec-key-v2", key_id, role.value, subject))
+    return hmac.digest(master, text.encode(), "sha256")
 
 
 def kafka_password(master: bytes, principal: str) -> str:
@@ -195,7 +199,9 @@ class StaticKeys(KeyLookup):
 
     def add(self, key_id: str, role: Role, subject: str) -> KeyInfo:
         """A new key (its secret derived as the platform derives it)."""
-        info = KeyInfo(Principal(key_id, role, subject), derive_secret(self.master, key_id))
+        info = KeyInfo(
+            Principal(key_id, role, subject), derive_secret(self.master, key_id, role, subject)
+        )
         self.keys[key_id] = info
         return info
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -134,10 +135,11 @@ def test_a_create_given_back_after_its_trainer_gave_up_is_refused_not_made(
     # Given a create the scheduler sealed for the node long ago, which a dead worker
     # held until its node's next worker gave it back (restore_unacked)
     sandbox_id = f"sb-stale-{uuid.uuid4().hex[:8]}"
-    create = CreateSandbox(
-        **client._common(sandbox_id), tenant=client.tenant, actor=f"{client.tenant}:test",
-        sent_at=utcnow() - timedelta(seconds=stack.request_max_age_s + 60),
-    )  # fmt: skip
+    common = {
+        **client._common(sandbox_id),
+        "sent_at": utcnow() - timedelta(seconds=stack.request_max_age_s + 60),
+    }
+    create = CreateSandbox(**common, tenant=client.tenant, actor=f"{client.tenant}:test")
     node_cred = credentials.load(credentials.node_file(stack, stack.node_id))
     envelope = TaskEnvelope(
         request=create.model_dump_json(),
@@ -158,7 +160,8 @@ def test_a_create_given_back_after_its_trainer_gave_up_is_refused_not_made(
     assert isinstance(reply, ErrorReply) and reply.reason == "timeout", reply
     assert "DSEC_REQUEST_MAX_AGE_S" in reply.detail
 
-    def failed() -> list[str]:
-        return logged(db, sandbox_id, "reason", "SandboxFailed", "SandboxStarted")
-
-    assert wait_for(failed, what="the refusal in the log") == ["timeout"]
+    # and nothing started in the log (this create was sealed by hand, never placed: the
+    # node's SandboxFailed about it is set aside as a node speaking for a sandbox not
+    # its own, app/domain/admission.py)
+    time.sleep(2)
+    assert logged(db, sandbox_id, "reason", "SandboxStarted") == []

@@ -110,3 +110,23 @@ def test_no_secret_is_printed_or_on_a_command_line(stack: Settings) -> None:
             continue
         assert not [s for s in secrets if s in cmdline], f"a secret on the command line of {pid}"
     assert json.loads(status.stdout)
+
+
+def test_a_postgres_that_trusts_its_superuser_is_refused(stack: Settings) -> None:
+    from app.db.roles import ensure_roles
+    from app.errors import ConfigError
+    from tests.pg_cluster import own_cluster
+
+    # Given a Postgres that lets its superuser in over TCP without a password (as the
+    # machines this project ran on once shipped one)
+    with own_cluster(trust="127.0.0.1/32") as pg:
+        settings = stack.model_copy(
+            update={
+                "postgres_superuser_url": pg.url("postgres", "postgres"),
+                "admin_database_url": pg.url("dsec_owner", "dsec"),
+                "database_url": pg.url("dsec_app", "dsec"),
+            }
+        )
+        # When the stack is set up on it, Then it refuses, and says why
+        with pytest.raises(ConfigError, match="without a password"):
+            ensure_roles(settings)

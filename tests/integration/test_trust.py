@@ -36,7 +36,7 @@ from app.domain.requests import (
     RenewLease,
     ReplyTo,
 )
-from app.errors import RequestTimeout, SandboxNotFound, SandboxRejectedError
+from app.errors import RequestTimeout, SandboxNotFound, SandboxRejectedError, ServiceUnavailable
 from app.sdk import Client, Sandbox
 from app.sdk.client import exec_request
 from app.sdk.credentials import Credential
@@ -525,9 +525,21 @@ def test_a_revoked_credential_stops_working(stack: Settings, db: Any) -> None:
         tenants.revoke(stack, name)
         time.sleep(6)  # the keyring's refresh
         since = utcnow()
-        # Refused, and never answered: a proof that fails proves nobody to answer
-        with pytest.raises(RequestTimeout):
-            client.call(exec_request(client._common(box.id), "echo still?", timeout_s=5), 5)
+        request = exec_request(client._common(box.id), "echo still?", timeout_s=5)
+        # The broker refuses its principal at once: the request is not even stored
+        with pytest.raises(ServiceUnavailable, match="Authorization"):
+            client.call(request, 5)
+        # And the same signed bytes, carried by a principal that may still write (one
+        # with another credential's Kafka access), are refused by the gate, and never
+        # answered: a proof that fails proves nobody to answer
+        value = encode(request)
+        cred = client.credential
+        publisher = bus.Publisher(stack)
+        publisher.publish(
+            stack.topic_requests, box.id, value,
+            headers=headers(Purpose.REQUEST, cred.key_id, cred.secret, value), wait=True,
+        )  # fmt: skip
+        publisher.close()
         assert "revoked" in _sample(db, "unauthenticated", "revoked", since)["detail"]
 
 
