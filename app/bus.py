@@ -127,6 +127,9 @@ def client_options(settings: Settings, login: KafkaLogin | None = None) -> dict[
         # Topics are made by the platform with their partitions and settings
         # (app.kafka_admin.ensure_topics), never by a client's metadata request.
         "allow_auto_create_topics": False,
+        # kafka-python backs off up to 30 s between attempts to reach a broker that went
+        # away: a restarted broker (back in ~15 s) then waited on for half a minute more.
+        "reconnect_backoff_max_ms": 1000,
     }
     if protocol.startswith("SASL"):
         if who is None:
@@ -198,6 +201,11 @@ class Publisher:
         self._tracked: set[str] = set()
         self._failures = 0
         self._last_failure: BaseException | None = None
+        # A record given up on leaves an idempotent producer's sequence out of step with
+        # the broker's; kafka-python 3.0.12 then resets its producer id and never gets
+        # another (every later send waits for good). The next send goes through a new
+        # producer instead.
+        self._lost = False
 
     def _make(self) -> KafkaProducer:
         settings = self._settings
@@ -270,8 +278,9 @@ class Publisher:
         the broker acknowledged it, else ``on_failure`` hears of a record the brokers
         never took (as :meth:`flush` does)."""
         value = message if isinstance(message, bytes) else encode(message)
-        if self._fatal():
-            log.warning("Kafka producer failed for good: a new one takes over")
+        if self._fatal() or self._lost:
+            log.warning("Kafka producer lost a record or failed for good: a new one takes over")
+            self._lost = False
             self._renew()
         self._track(topic)
         try:
@@ -294,6 +303,7 @@ class Publisher:
         with self._lock:
             self._failures += 1
             self._last_failure = exc
+            self._lost = True
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Block until every message sent so far is acknowledged; raises
