@@ -169,6 +169,10 @@ def _tls_context(settings: Settings, who: KafkaLogin | None) -> ssl.SSLContext:
     return context
 
 
+#: How long a producer may go without a producer id before a new one takes over.
+PRODUCER_ID_WAIT_S = 10.0
+
+
 class Publisher:
     """Sends typed messages; thread-safe (one per process is enough).
 
@@ -203,9 +207,11 @@ class Publisher:
         self._last_failure: BaseException | None = None
         # A record given up on leaves an idempotent producer's sequence out of step with
         # the broker's; kafka-python 3.0.12 then resets its producer id and never gets
-        # another (every later send waits for good). The next send goes through a new
-        # producer instead.
+        # another (every later send waits for good), nor does a producer whose first
+        # request for an id found no broker. The next send goes through a new producer
+        # instead (see _stuck).
         self._lost = False
+        self._idless_since: float | None = None
 
     def _make(self) -> KafkaProducer:
         settings = self._settings
@@ -228,6 +234,18 @@ class Publisher:
         idempotent producer the broker fenced), without a word to send() or flush()."""
         manager = getattr(self._producer, "_transaction_manager", None)
         return manager is not None and manager.has_fatal_error()
+
+    def _stuck(self) -> bool:
+        """The producer has been without a producer id for :data:`PRODUCER_ID_WAIT_S`:
+        it sends nothing, and never will (kafka-python 3.0.12)."""
+        manager = getattr(self._producer, "_transaction_manager", None)
+        if manager is None or manager.has_producer_id():
+            self._idless_since = None
+            return False
+        now = time.monotonic()
+        if self._idless_since is None:
+            self._idless_since = now
+        return now - self._idless_since > PRODUCER_ID_WAIT_S
 
     def _renew(self) -> None:
         """Put a new producer (a new producer id) in place of a failed one."""
@@ -278,9 +296,10 @@ class Publisher:
         the broker acknowledged it, else ``on_failure`` hears of a record the brokers
         never took (as :meth:`flush` does)."""
         value = message if isinstance(message, bytes) else encode(message)
-        if self._fatal() or self._lost:
+        if self._fatal() or self._lost or self._stuck():
             log.warning("Kafka producer lost a record or failed for good: a new one takes over")
             self._lost = False
+            self._idless_since = None
             self._renew()
         self._track(topic)
         try:

@@ -9,11 +9,13 @@ reply completes with it. Nothing here sends: :class:`app.sdk.Client` does.
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 import uuid
 from concurrent.futures import Future
 
 from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
 
 from app.domain import proof
 from app.domain.codec import DecodeError, decode_reply
@@ -28,6 +30,8 @@ from app.domain.replies import (
 )
 from app.errors import TransferFailed, TransferReason
 from app.sdk.results import Chunk, OutputHandler
+
+log = logging.getLogger(__name__)
 
 
 class ReplyReader:
@@ -84,7 +88,15 @@ class ReplyReader:
 
     def _read(self) -> None:
         while not self._closed.is_set():
-            for records in self._consumer.poll(timeout_ms=100).values():
+            try:
+                batches = self._consumer.poll(timeout_ms=100)
+            except KafkaError as exc:
+                # A broker away (or a partition moving to another leader): the reader
+                # lives on, and reads on from where it stood once the broker is back.
+                log.warning("replies: %s; reading again in a second", exc)
+                self._closed.wait(1.0)
+                continue
+            for records in batches.values():
                 for record in records:
                     self._take(record.value or b"", record.headers)
 
