@@ -3,6 +3,13 @@ brought back by the supervisor alone.
 
     .venv/bin/python bench/chaos.py --minutes 10 --every 30
     .venv/bin/python bench/chaos.py --minutes 3 --every 20 --targets projector,scheduler
+    .venv/bin/python bench/chaos.py --cluster --minutes 5 --every 30
+
+With ``--cluster`` the workload runs on three Apache Kafka brokers of the bench's own
+(replication 3, min.insync.replicas 2: app/stack/local_cluster.py) and a scheduler,
+projector and node worker on them (tests/side_platform.py); the targets are then the
+brokers (``kafka-1`` ... ``kafka-3``), each killed one is started again ``--every / 2``
+seconds later, as a supervisor would.
 
 ``--trainers`` threads each loop: create a sandbox, run ``--commands`` commands in it,
 destroy it. Every ``--every`` seconds one of ``--targets`` (services of the embedded
@@ -30,12 +37,14 @@ import os
 import random
 import signal
 import statistics
+import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -47,7 +56,11 @@ from app.db import doctor
 from app.db.engine import transaction
 from app.errors import DsecError
 from app.sdk import Client
+from app.stack import local_cluster
 from app.stack import services as stack_mod
+from tests.conftest import declare_lost
+from tests.side_platform import side_platform
+from workers.host.mounts import remove_tree
 from workers.host.podman_service import service_pids
 from workers.host.user import find_node_user
 
@@ -109,6 +122,16 @@ def trainer(client: Client, commands: int, stop: threading.Event, tally: Tally) 
                 tally.failed[f"destroy: {type(exc).__name__}"] += 1
 
 
+def kill_broker(cluster: local_cluster.Cluster, name: str) -> tuple[str, int] | None:
+    """SIGKILL one of the cluster's brokers (``kafka-N``)."""
+    member = cluster.members[int(name.removeprefix("kafka-")) - 1]
+    if not member.alive or member.process is None:
+        return None
+    pid = member.process.pid
+    member.kill()
+    return name, pid
+
+
 def kill_one(settings: Settings, targets: list[str], rng: random.Random) -> tuple[str, int] | None:
     """SIGKILL one target's process group; (name, pid) or None if it was not running."""
     services = {s.name: s for s in stack_mod.services(settings, stack_mod.known_node_ids(settings))}
@@ -146,18 +169,55 @@ def main() -> None:
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--settle", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--cluster", action="store_true", help="Three brokers of its own.")
     args = parser.parse_args()
 
     settings = get_settings()
-    rng = random.Random(args.seed)
-    targets = [t for t in args.targets.split(",") if t]
     tenants.local(settings, "chaos")
+    with contextlib.ExitStack() as running:
+        platform, cluster = settings, None
+        if args.cluster:
+            state = Path(tempfile.mkdtemp(prefix="dsec-chaos-"))
+            os.chmod(state, 0o755)  # the node user walks through it to its home
+            running.callback(remove_tree, state)
+            running.callback(declare_lost, settings, [CLUSTER_NODE])
+            cluster = running.enter_context(
+                local_cluster.running(
+                    settings, 3, state / "kafka", subjects=["tests", CLUSTER_NODE]
+                )
+            )
+            platform = running.enter_context(
+                side_platform(settings, CLUSTER_NODE, state, kafka=cluster.settings, projector=True)
+            )
+        run(args, settings, platform, cluster)
+
+
+#: The node of the --cluster run's own platform.
+CLUSTER_NODE = "node8"
+
+
+def run(
+    args: argparse.Namespace,
+    settings: Settings,
+    platform: Settings,
+    cluster: local_cluster.Cluster | None,
+) -> None:
+    """The workload and the kills, then what the log says of it."""
+    rng = random.Random(args.seed)
+    targets = (
+        [f"kafka-{i}" for i in (1, 2, 3)]
+        if cluster is not None
+        else [t for t in args.targets.split(",") if t]
+    )
     job = f"chaos-{uuid.uuid4().hex[:6]}"
     began_at = datetime.now(UTC)
     tally = Tally()
     stop = threading.Event()
     kills: list[tuple[float, str]] = []
-    with Client(settings, tenant="chaos", job_id=job, timeout_s=90) as client:
+    restarts: list[tuple[float, str]] = []
+    # The side platform knows the suite's own tenant (tests/side_platform.py).
+    tenant = "tests" if cluster is not None else "chaos"
+    with Client(platform, tenant=tenant, job_id=job, timeout_s=90) as client:
         threads = [
             threading.Thread(target=trainer, args=(client, args.commands, stop, tally))
             for _ in range(args.trainers)
@@ -169,9 +229,18 @@ def main() -> None:
         next_kill = started + args.every
         while time.monotonic() < end:
             time.sleep(min(1.0, max(0.0, end - time.monotonic())))
+            for due, name in [r for r in restarts if r[0] <= time.monotonic()]:
+                assert cluster is not None
+                cluster.members[int(name.removeprefix("kafka-")) - 1].start()
+                restarts.remove((due, name))
             if time.monotonic() >= next_kill:
                 next_kill += args.every
-                killed = kill_one(settings, targets, rng)
+                if cluster is not None:
+                    killed = kill_broker(cluster, rng.choice(targets))
+                    if killed is not None:
+                        restarts.append((time.monotonic() + args.every / 2, killed[0]))
+                else:
+                    killed = kill_one(settings, targets, rng)
                 if killed is not None:
                     kills.append((time.monotonic(), killed[0]))
                     console.print(
@@ -181,18 +250,21 @@ def main() -> None:
         stop.set()
         for thread in threads:
             thread.join(timeout=300)
+        for _due, name in restarts:
+            assert cluster is not None
+            cluster.members[int(name.removeprefix("kafka-")) - 1].start()
     console.print(f"settling {args.settle:.0f}s ...")
     time.sleep(args.settle)
 
-    with transaction(settings.database_url) as conn:
+    with transaction(platform.database_url) as conn:
         logged = Counter(
             token
             for (command,) in conn.execute(
                 text(
-                    "SELECT payload->>'command' FROM events WHERE tenant = 'chaos'"
+                    "SELECT payload->>'command' FROM events WHERE tenant = :t"
                     " AND job_id = :j AND type = 'CommandCompleted'"
                 ),
-                {"j": job},
+                {"j": job, "t": tenant},
             )
             for token in [command.split()[1] if command and command.startswith("echo ") else ""]
             if token
@@ -200,15 +272,15 @@ def main() -> None:
         ended = set(
             conn.execute(
                 text(
-                    "SELECT DISTINCT sandbox_id FROM events WHERE tenant = 'chaos' AND job_id = :j"
+                    "SELECT DISTINCT sandbox_id FROM events WHERE tenant = :t AND job_id = :j"
                     " AND type IN ('SandboxStopped', 'SandboxFailed')"
                 ),
-                {"j": job},
+                {"j": job, "t": tenant},
             ).scalars()
         )
     # What breaks the invariants of lives, since the run began (every tenant's: the
     # platform's own ends count too).
-    findings = doctor.examine(settings, began_at - timedelta(minutes=1), timedelta(seconds=60))
+    findings = doctor.examine(platform, began_at - timedelta(minutes=1), timedelta(seconds=60))
     lost = [t for t in tally.answered if logged[t] == 0]
     doubled = [t for t, n in logged.items() if n > 1]
     leaked = sorted(tally.created - ended)
@@ -244,7 +316,8 @@ def main() -> None:
     for finding in findings[:20]:
         console.print(f"  doctor: {finding.check.value} {finding.subject}: {finding.detail}")
     print(
-        f"RESULT chaos minutes={args.minutes:g} kills={len(kills)} answered={len(tally.answered)}"
+        f"RESULT chaos{' cluster' if cluster is not None else ''} minutes={args.minutes:g}"
+        f" kills={len(kills)} answered={len(tally.answered)}"
         f" failed={sum(tally.failed.values())} lost={len(lost)}"
         f" doubled={len(doubled) + tally.skipped_counts} leaked={len(leaked)}"
         f" doctor={len(findings)}"
