@@ -289,12 +289,13 @@ class Publisher:
         *,
         partition: int | None = None,
         wait: bool = False,
+        wait_s: float = 30.0,
         headers: Sequence[tuple[str, bytes]] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """Send one message (with its proof in ``headers``); with ``wait`` block until
-        the broker acknowledged it, else ``on_failure`` hears of a record the brokers
-        never took (as :meth:`flush` does)."""
+        """Send one message (with its proof in ``headers``); with ``wait`` block until the
+        broker acknowledged it (``wait_s`` at most), else ``on_failure`` hears of a record
+        the brokers never took (as :meth:`flush` does)."""
         value = message if isinstance(message, bytes) else encode(message)
         if self._fatal() or self._lost or self._stuck():
             log.warning("Kafka producer lost a record or failed for good: a new one takes over")
@@ -308,7 +309,7 @@ class Publisher:
                 headers=list(headers) if headers else None,
             )  # fmt: skip
             if wait:
-                future.get(timeout=30)
+                future.get(timeout=wait_s)
             else:
                 future.add_errback(self._failed)
                 if on_failure is not None:

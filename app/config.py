@@ -411,6 +411,11 @@ class Settings(BaseSettings):
     def topic_dead_letters(self) -> str:
         return f"{self.topic_prefix}.deadletters"
 
+    @property
+    def topic_probe(self) -> str:
+        """Written by schedulers to prove the log commits writes; read by nobody."""
+        return f"{self.topic_prefix}.probe"
+
     def replies_topic(self, tenant: str) -> str:
         """The topic a tenant reads its replies from (and no other tenant may)."""
         return f"{self.topic_prefix}.replies.{tenant}"

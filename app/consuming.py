@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import logging
 import threading
 import time
@@ -12,7 +11,7 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
 from app import bus, metrics
@@ -206,43 +205,69 @@ def dead_letter(
     publisher.publish(settings.topic_dead_letters, key or "", letter, partition=0)
 
 
-class BusWatch:
-    """Since when the broker has answered without a break, asked every ``period_s`` on
-    a connection of its own, from a thread of its own (a request on a consumer's
-    connection would queue behind its long-poll fetch, and the asking would block the
-    caller's loop)."""
+#: How often a :class:`BusWatch` writes its probe.
+PROBE_EVERY_S = 2.0
+#: A probe acknowledged later than this finds a log that was not taking writes.
+PROBE_ACK_S = 2.0
 
-    def __init__(self, settings: Settings, topic: str, period_s: float = 1.0) -> None:
+
+class BusWatch:
+    """Since when the log has committed writes without a break, proven by a probe
+    record written every :data:`PROBE_EVERY_S` (to a topic nobody reads) from a thread
+    and a producer of its own, so the caller's loop never waits on it.
+
+    Only a write proves it. A broker that answers is not enough: with two of three
+    combined brokers down, the last one answers every question from metadata it can
+    no longer change (every replica still "in sync"), while no heartbeat can be
+    stored; a scheduler that counted that time as a node's silence declared healthy
+    nodes lost and destroyed their sandboxes. A probe late or refused ends the run;
+    the next one acknowledged in time starts a new one."""
+
+    def __init__(self, settings: Settings, topic: str, period_s: float = PROBE_EVERY_S) -> None:
         self._settings = settings
         self._topic = topic
         self._period_s = period_s
-        #: Since when the broker answers (None: it did not, last time it was asked).
+        #: Since when the log commits writes (None: the last probe was not committed).
         self.since: datetime | None = utcnow()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dsec-bus-watch", daemon=True)
         self._thread.start()
 
+    def _probe(self, publisher: bus.Publisher) -> str | None:
+        """Why the probe was not committed in time (None: it was)."""
+        started = time.monotonic()
+        try:
+            publisher.publish(self._topic, "probe", b"", partition=0, wait=True, wait_s=10.0)
+        except Exception as exc:  # any failure to commit is the answer
+            return str(exc) or type(exc).__name__
+        took = time.monotonic() - started
+        return None if took <= PROBE_ACK_S else f"a write took {took:.1f}s"
+
     def _run(self) -> None:
-        probe: KafkaConsumer | None = None
+        publisher: bus.Publisher | None = None
+        committed = time.monotonic()
         while not self._stop.wait(self._period_s):
             try:
-                if probe is None:
-                    probe = bus.make_consumer(self._settings)
-                probe.end_offsets([TopicPartition(self._topic, 0)], timeout_ms=5000)
-            except Exception as exc:  # any failure to answer is the answer
+                if publisher is None:
+                    publisher = bus.Publisher(self._settings, delivery_timeout_s=10.0)
+                why = self._probe(publisher)
+            except Exception as exc:  # no producer: no broker
+                why = str(exc) or type(exc).__name__
+            now = time.monotonic()
+            if why is not None:
                 if self.since is not None:
-                    log.warning("the broker does not answer: %s", exc)
+                    log.warning("the log commits no writes: %s", why)
                 self.since = None
-                if probe is not None:
-                    with contextlib.suppress(Exception):
-                        probe.close()
-                probe = None
                 continue
-            if self.since is None:
-                log.warning("the broker answers again")
+            # A gap between commits (a stall in this thread, a probe refused in
+            # between) is time nobody proved the log worked: a new run starts.
+            if self.since is None or now - committed > self._period_s + 2 * PROBE_ACK_S + 5:
+                if self.since is None:
+                    log.warning("the log commits writes again")
                 self.since = utcnow()
-        if probe is not None:
-            probe.close()
+            committed = now
+        if publisher is not None:
+            publisher.close()
 
     def stop(self) -> None:
         """Stop asking."""

@@ -69,6 +69,7 @@ def topic_rules(settings: Settings) -> TopicRules:
             TopicRole.INBOX: log_ms,
             TopicRole.REPLIES: settings.replies_retention_hours * hour,
             TopicRole.DEAD_LETTERS: settings.dead_letters_retention_hours * hour,
+            TopicRole.PROBE: hour,
         },
         # Replies too: larger outputs and files travel as pieces (ReplyPiece).
         max_message_bytes=dict.fromkeys(TopicRole, largest),

@@ -132,10 +132,10 @@ class Scheduler:
         self.owner = OwnerSession(settings.database_url, NAME, settings.topic_requests)
         self.dispatcher.leases.keeps = self._keeps_lease
         self._rebalanced = 0.0
-        # A node's silence counts only from when the broker last came back (its
-        # heartbeats wait in transit while the broker is away), and from now on: they
-        # may not have reached a scheduler that was not running.
-        self.bus_watch = BusWatch(settings, settings.topic_events)
+        # A node's silence counts only from when the log last began committing writes
+        # again (its heartbeats wait in transit while it does not), and from now on:
+        # they may not have reached a scheduler that was not running.
+        self.bus_watch = BusWatch(settings, settings.topic_probe)
         until_available(self._rebalance, NAME, "postgres", self._stopping)
 
     def _stored_offsets(self) -> dict[int, StoredOffset]:

@@ -99,6 +99,7 @@ def service_grants(prefix: str) -> list[Grant]:
         _topic(SCHEDULER, dead, Operation.WRITE),
         _topic(SCHEDULER, replies, Operation.WRITE, prefixed=True),
         _topic(SCHEDULER, inbox, Operation.WRITE, prefixed=True),
+        _topic(SCHEDULER, f"{prefix}.probe", Operation.WRITE),
         _topic(PROJECTOR, events, Operation.READ),
         # The ends of lives left open on lost nodes, which the projector states under
         # the scheduler's key when no scheduler knows them (app/control/lost_lives.py).

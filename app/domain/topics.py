@@ -18,6 +18,8 @@ class TopicRole(StrEnum):
     DEAD_LETTERS = "dead_letters"
     REPLIES = "replies"
     INBOX = "inbox"
+    #: Records nobody reads: a scheduler's proof that the log commits writes now.
+    PROBE = "probe"
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ def plan(
             (f"{rules.prefix}.requests", TopicRole.REQUESTS, rules.partitions),
             (f"{rules.prefix}.events", TopicRole.EVENTS, rules.partitions),
             (f"{rules.prefix}.deadletters", TopicRole.DEAD_LETTERS, 1),
+            (f"{rules.prefix}.probe", TopicRole.PROBE, 1),
         ]
     wanted += [(f"{rules.prefix}.replies.{t}", TopicRole.REPLIES, rules.reply_partitions)
                for t in tenants]  # fmt: skip
@@ -80,6 +83,9 @@ def _spec(rules: TopicRules, name: str, role: TopicRole, partitions: int) -> Top
     return TopicSpec(name, role, partitions, rules.replication, configs)
 
 
+#: Roles whose records go to partition 0 by name: any partition count will do.
+_BY_NAME = frozenset({TopicRole.INBOX, TopicRole.DEAD_LETTERS, TopicRole.PROBE})
+
 #: Settings a pre-made topic may exceed, not fall short of.
 _AT_LEAST = frozenset({"max.message.bytes", "min.insync.replicas"})
 
@@ -91,7 +97,7 @@ def differences(
     partitions than planned is tolerated for the inbox and dead letters (written to
     partition 0 by name); more is fine everywhere."""
     found: list[str] = []
-    if partitions < spec.partitions and spec.role not in (TopicRole.INBOX, TopicRole.DEAD_LETTERS):
+    if partitions < spec.partitions and spec.role not in _BY_NAME:
         found.append(f"{spec.name}: {partitions} partitions, {spec.partitions} wanted")
     if replication < spec.replication:
         found.append(f"{spec.name}: replication factor {replication}, {spec.replication} wanted")

@@ -9,10 +9,11 @@ reply completes with it. Nothing here sends: :class:`app.sdk.Client` does.
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import threading
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
@@ -98,7 +99,10 @@ class ReplyReader:
                 continue
             for records in batches.values():
                 for record in records:
-                    self._take(record.value or b"", record.headers)
+                    try:
+                        self._take(record.value or b"", record.headers)
+                    except Exception:  # no record may stop the reader of every reply
+                        log.exception("replies: a record at offset %s", record.offset)
 
     def _take(self, value: bytes, headers: proof.Headers | None) -> None:
         try:
@@ -149,11 +153,15 @@ class ReplyReader:
 
 
 def _complete(future: Future[Reply], reply: Reply, pieces: list[ReplyPiece]) -> None:
-    """Hand ``reply`` over, with the data its pieces carried put back in."""
+    """Hand ``reply`` over, with the data its pieces carried put back in. A future
+    already settled stays as it is: a request the client gave up on as not stored
+    (the broker's acknowledgement lost) may still be answered."""
     if isinstance(reply, ExecOutput | FileContent) and reply.pieces:
         try:
             reply = join_pieces(reply, pieces)
         except IncompletePieces as exc:
-            future.set_exception(TransferFailed(str(exc), reason=TransferReason.INCOMPLETE))
+            with contextlib.suppress(InvalidStateError):
+                future.set_exception(TransferFailed(str(exc), reason=TransferReason.INCOMPLETE))
             return
-    future.set_result(reply)
+    with contextlib.suppress(InvalidStateError):
+        future.set_result(reply)

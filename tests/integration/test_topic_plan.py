@@ -48,6 +48,7 @@ def test_topics_are_made_as_planned_and_pre_made_ones_are_checked(kafka_like: Se
         f"{prefix}.requests": kafka_like.topic_partitions,
         f"{prefix}.events": kafka_like.topic_partitions,
         f"{prefix}.deadletters": 1,
+        f"{prefix}.probe": 1,
         f"{prefix}.replies.alice": 2,
         f"{prefix}.replies.bob": kafka_like.reply_partitions,
         f"{prefix}.node.node0": 1,

@@ -20,7 +20,8 @@ RULES = TopicRules(
 def test_apache_kafka_gets_replicated_topics_with_their_settings() -> None:
     topics = plan(RULES, ["alice"], ["node0"])
     assert set(topics) == {
-        "dsec.requests", "dsec.events", "dsec.deadletters", "dsec.replies.alice", "dsec.node.node0",
+        "dsec.requests", "dsec.events", "dsec.deadletters", "dsec.probe", "dsec.replies.alice",
+        "dsec.node.node0",
     }  # fmt: skip
     events, replies, inbox = (
         topics["dsec.events"],
