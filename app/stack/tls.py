@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -88,12 +89,14 @@ def _names(hosts: Sequence[str]) -> list[x509.GeneralName]:
     return out
 
 
-def _current(path: Path, hosts: Sequence[str]) -> bool:
-    """``path`` holds a certificate for exactly ``hosts`` that is not near its end."""
+def _current(path: Path, hosts: Sequence[str], ca_cert: x509.Certificate) -> bool:
+    """``path`` holds a certificate for exactly ``hosts``, signed by ``ca_cert`` (a CA
+    made again leaves every leaf of the old one unverifiable), not near its end."""
     try:
         cert = x509.load_pem_x509_certificate(path.read_bytes())
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except (OSError, ValueError, x509.ExtensionNotFound):
+        cert.verify_directly_issued_by(ca_cert)
+    except (OSError, ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
         return False
     fresh = cert.not_valid_after_utc - _now() > _RENEW_BEFORE
     return fresh and set(sans) == set(_names(hosts))
@@ -107,9 +110,9 @@ def ensure_leaf(ca_dir: Path, directory: Path, name: str, hosts: Sequence[str]) 
     ca_pem = ensure_ca(ca_dir).read_bytes()
     if not (directory / "ca.pem").exists() or (directory / "ca.pem").read_bytes() != ca_pem:
         secret_files.write(directory / "ca.pem", ca_pem)
-    if _current(path, hosts):
-        return path
     ca_cert = x509.load_pem_x509_certificate(ca_pem)
+    if _current(path, hosts, ca_cert):
+        return path
     ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     key = ec.generate_private_key(ec.SECP256R1())

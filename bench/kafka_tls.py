@@ -2,7 +2,7 @@
 CPU over SASL on loopback, and over SASL with TLS (what traffic that leaves the
 machine pays), in the same run.
 
-    .venv/bin/python bench/kafka.py [--n 2000] [--in-flight 40] [--hops 300]
+    .venv/bin/python bench/kafka_tls.py [--n 2000] [--in-flight 40] [--hops 300]
 
 For each listener: one hop (a record handed to the platform's Publisher, acknowledged
 with acks=all, until a consumer with the platform's settings that polls all the time
