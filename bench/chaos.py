@@ -37,6 +37,7 @@ import os
 import random
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -58,11 +59,14 @@ from app.errors import DsecError
 from app.sdk import Client
 from app.stack import local_cluster
 from app.stack import services as stack_mod
-from tests.conftest import declare_lost
-from tests.side_platform import side_platform
 from workers.host.mounts import remove_tree
 from workers.host.podman_service import service_pids
 from workers.host.user import find_node_user
+
+# --cluster runs a platform of its own on three brokers with the test suite's helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.conftest import declare_lost
+from tests.side_platform import side_platform
 
 console = Console()
 TARGETS = ("projector", "scheduler", "worker-node0", "redis", "flower", "broker", "podman-node0")
