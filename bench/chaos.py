@@ -126,9 +126,14 @@ def trainer(client: Client, commands: int, stop: threading.Event, tally: Tally) 
                 tally.failed[f"destroy: {type(exc).__name__}"] += 1
 
 
+def broker_named(cluster: local_cluster.Cluster, name: str) -> local_cluster.Member:
+    """The cluster's broker ``kafka-N``."""
+    return cluster.members[int(name.removeprefix("kafka-")) - 1]
+
+
 def kill_broker(cluster: local_cluster.Cluster, name: str) -> tuple[str, int] | None:
     """SIGKILL one of the cluster's brokers (``kafka-N``)."""
-    member = cluster.members[int(name.removeprefix("kafka-")) - 1]
+    member = broker_named(cluster, name)
     if not member.alive or member.process is None:
         return None
     pid = member.process.pid
@@ -235,7 +240,7 @@ def run(
             time.sleep(min(1.0, max(0.0, end - time.monotonic())))
             for due, name in [r for r in restarts if r[0] <= time.monotonic()]:
                 assert cluster is not None
-                cluster.members[int(name.removeprefix("kafka-")) - 1].start()
+                broker_named(cluster, name).start()
                 restarts.remove((due, name))
             if time.monotonic() >= next_kill:
                 next_kill += args.every
@@ -256,7 +261,7 @@ def run(
             thread.join(timeout=300)
         for _due, name in restarts:
             assert cluster is not None
-            cluster.members[int(name.removeprefix("kafka-")) - 1].start()
+            broker_named(cluster, name).start()
     console.print(f"settling {args.settle:.0f}s ...")
     time.sleep(args.settle)
 
