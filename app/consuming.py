@@ -209,6 +209,11 @@ def dead_letter(
 PROBE_EVERY_S = 2.0
 #: A probe acknowledged later than this finds a log that was not taking writes.
 PROBE_ACK_S = 2.0
+#: How long a probe is waited for (and its producer retries it) before it counts as refused.
+PROBE_WAIT_S = 10.0
+#: Slack beyond a probe's period and acknowledgement before a gap between two commits
+#: counts as a break (a stall of this thread, a probe refused in between).
+PROBE_GAP_SLACK_S = 5.0
 
 
 class BusWatch:
@@ -237,7 +242,9 @@ class BusWatch:
         """Why the probe was not committed in time (None: it was)."""
         started = time.monotonic()
         try:
-            publisher.publish(self._topic, "probe", b"", partition=0, wait=True, wait_s=10.0)
+            publisher.publish(
+                self._topic, "probe", b"", partition=0, wait=True, wait_s=PROBE_WAIT_S
+            )
         except Exception as exc:  # any failure to commit is the answer
             return str(exc) or type(exc).__name__
         took = time.monotonic() - started
@@ -249,7 +256,7 @@ class BusWatch:
         while not self._stop.wait(self._period_s):
             try:
                 if publisher is None:
-                    publisher = bus.Publisher(self._settings, delivery_timeout_s=10.0)
+                    publisher = bus.Publisher(self._settings, delivery_timeout_s=PROBE_WAIT_S)
                 why = self._probe(publisher)
             except Exception as exc:  # no producer: no broker
                 why = str(exc) or type(exc).__name__
@@ -259,9 +266,9 @@ class BusWatch:
                     log.warning("the log commits no writes: %s", why)
                 self.since = None
                 continue
-            # A gap between commits (a stall in this thread, a probe refused in
-            # between) is time nobody proved the log worked: a new run starts.
-            if self.since is None or now - committed > self._period_s + 2 * PROBE_ACK_S + 5:
+            # A gap between commits is time nobody proved the log worked: a new run starts.
+            gap = now - committed > self._period_s + 2 * PROBE_ACK_S + PROBE_GAP_SLACK_S
+            if self.since is None or gap:
                 if self.since is None:
                     log.warning("the log commits writes again")
                 self.since = utcnow()

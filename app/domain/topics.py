@@ -94,8 +94,8 @@ def differences(
     spec: TopicSpec, partitions: int, replication: int, configs: Mapping[str, str]
 ) -> list[str]:
     """How a topic that exists falls short of ``spec`` (empty: it does not). Fewer
-    partitions than planned is tolerated for the inbox and dead letters (written to
-    partition 0 by name); more is fine everywhere."""
+    partitions than planned is tolerated for the roles written to partition 0 by name
+    (inbox, dead letters, probe); more is fine everywhere."""
     found: list[str] = []
     if partitions < spec.partitions and spec.role not in _BY_NAME:
         found.append(f"{spec.name}: {partitions} partitions, {spec.partitions} wanted")
