@@ -9,7 +9,7 @@ from typing import NamedTuple, cast
 from sqlalchemy import Connection, select, text
 from sqlalchemy.dialects.postgresql import insert
 
-from app.db import staging
+from app.db import projections, staging
 from app.db.engine import transaction
 from app.db.projections import apply_batch, commands_from
 from app.db.tables import consumer_offsets
@@ -191,5 +191,7 @@ def append_and_project(
     """Append the events the log does not hold yet and fold them into the projections:
     what the projector does with a batch, so the projections always equal a rebuild."""
     appended = append(conn, items)
+    if appended:
+        projections.lock_for_writing(conn)
     apply_batch(conn, [(item.event, position) for item, position in appended])
     return appended

@@ -442,8 +442,23 @@ def _hashable(value: object) -> object:
 
 def lock(conn: Connection) -> None:
     """Hold the projections still until the transaction ends (the projector waits)."""
+    _lock_in_order(conn, "SHARE ROW EXCLUSIVE")
+
+
+def lock_for_writing(conn: Connection) -> None:
+    """Take the projector's write locks on every projection, in :func:`lock`'s order.
+
+    A batch touches the tables in the order of its events; a rebuild or `dsec doctor`
+    locking them all meanwhile, in its own order, deadlocked with it. Taken in one
+    order up front (the mode conflicts with no other writer), neither can hold a table
+    the other waits for while it waits for one the other holds.
+    """
+    _lock_in_order(conn, "ROW EXCLUSIVE")
+
+
+def _lock_in_order(conn: Connection, mode: str) -> None:
     names = ", ".join(t.name for t in PROJECTION_TABLES)
-    conn.execute(text(f"LOCK TABLE {names} IN SHARE ROW EXCLUSIVE MODE"))
+    conn.execute(text(f"LOCK TABLE {names} IN {mode} MODE"))
 
 
 def recorded_version(conn: Connection) -> int | None:

@@ -9,11 +9,12 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine, text
 
 from app.config import Settings
 from app.db import doctor
@@ -35,7 +36,7 @@ from app.domain.events import (
     StartedPayload,
     StoppedPayload,
 )
-from tests.conftest import scratch_database
+from tests.conftest import scratch_database, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -181,3 +182,36 @@ def _json(text: str) -> list[dict[str, Any]]:
     import json
 
     return list(json.loads(text))
+
+
+def test_a_doctor_run_beside_a_folding_projector_waits_and_neither_deadlocks(
+    scratch: Settings,
+) -> None:
+    now = utcnow()
+    payload = NodePayload(capacity_sandboxes=4, capacity_cpus=4, capacity_memory_mb=4096,
+                          queue="node.n-busy")  # fmt: skip
+    engine = engine_for(scratch.database_url)
+    with ThreadPoolExecutor(1) as pool, engine.connect() as conn, conn.begin():
+        log = Log(conn)
+        # Given a projector mid-batch that has written a late table of the lock order
+        # (a node's row) but not yet an early one (a sandbox's)
+        log.add(NodeRegistered(node_id="n-busy", occurred_at=now, payload=payload))
+        # When the doctor's rebuild check starts meanwhile and waits for its locks
+        checked = pool.submit(doctor.check_rebuild, scratch.database_url)
+        wait_for(lambda: _waiting_for_a_lock(engine), 10, "the doctor waiting for its locks")
+        # Then the projector finishes its batch (a deadlock would abort one of them)
+        log.placed("sb-busy", "n-busy", now)
+    # And the doctor, which waited, finds the projections equal to a rebuild
+    assert checked.result(timeout=30).differing == frozenset()
+
+
+def _waiting_for_a_lock(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND database ="
+                    " (SELECT oid FROM pg_database WHERE datname = current_database())"
+                )
+            ).scalar()
+        )
