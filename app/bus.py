@@ -292,10 +292,12 @@ class Publisher:
         wait_s: float = 30.0,
         headers: Sequence[tuple[str, bytes]] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        on_stored: Callable[[], None] | None = None,
     ) -> None:
         """Send one message (with its proof in ``headers``); with ``wait`` block until the
         broker acknowledged it (``wait_s`` at most), else ``on_failure`` hears of a record
-        the brokers never took (as :meth:`flush` does)."""
+        the brokers never took (as :meth:`flush` does) and ``on_stored`` of one they
+        acknowledged (both on the client's I/O thread)."""
         value = message if isinstance(message, bytes) else encode(message)
         if self._fatal() or self._lost or self._stuck():
             log.warning("Kafka producer lost a record or failed for good: a new one takes over")
@@ -314,6 +316,8 @@ class Publisher:
                 future.add_errback(self._failed)
                 if on_failure is not None:
                     future.add_errback(on_failure)
+                if on_stored is not None:
+                    future.add_callback(lambda _metadata: on_stored())
         except KafkaError as exc:
             raise ServiceUnavailable(f"publish to {topic}: {exc}") from exc
 

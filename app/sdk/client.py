@@ -75,8 +75,12 @@ from app.sdk.results import exec_request as exec_request
 from app.sdk.steps import Answer, Steps, Work, blocking
 
 #: A request the brokers cannot store within this long (fewer in-sync replicas than
-#: the topic needs, no broker at all) fails its wait with ServiceUnavailable.
-DELIVERY_TIMEOUT_S = 20.0
+#: the topic needs, no broker at all) fails its wait with ServiceUnavailable. Longer
+#: than a broker's restart (~20 s for the embedded one, more on a loaded host), which
+#: a trainer should sit out rather than hear as a failure.
+DELIVERY_TIMEOUT_S = 45.0
+#: Requests awaiting storage tracked before those past their delivery are dropped.
+STORING_KEPT = 10_000
 #: Destroys sent for one sandbox before its trainer hears RequestTimeout.
 DESTROY_ATTEMPTS = 2
 
@@ -112,6 +116,9 @@ class Client:
         self.credential = credential or credentials.for_client(self.settings, tenant)
         self.tenant, self.job_id = self.credential.subject, job_id
         self.timeout_s = timeout_s
+        #: Requests sent and not yet stored by the brokers -> when their delivery ends.
+        self._storing: dict[uuid.UUID, float] = {}
+        self._storing_lock = threading.Lock()
         login = self.credential.kafka
         self._publisher = bus.Publisher(
             self.settings, login=login, delivery_timeout_s=DELIVERY_TIMEOUT_S
@@ -178,8 +185,19 @@ class Client:
         :class:`ServiceUnavailable` saying why."""
         value = encode(request)
         cred = self.credential
+        rid = request.request_id
+        with self._storing_lock:
+            now = time.monotonic()
+            if len(self._storing) > STORING_KEPT:  # settled by a producer since replaced
+                self._storing = {k: end for k, end in self._storing.items() if end > now}
+            self._storing[rid] = now + DELIVERY_TIMEOUT_S
+
+        def stored() -> None:
+            with self._storing_lock:
+                self._storing.pop(rid, None)
 
         def undelivered(exc: BaseException) -> None:
+            stored()  # settled: the futures fail now
             failure = ServiceUnavailable(
                 f"{request.type} {request.sandbox_id} was not stored by Kafka at"
                 f" {self.settings.kafka_bootstrap}: {exc}"
@@ -192,8 +210,15 @@ class Client:
         signed = proof.headers(proof.Purpose.REQUEST, cred.key_id, cred.secret, value)
         self._publisher.publish(
             self.settings.topic_requests, request.sandbox_id, value, headers=signed,
-            on_failure=undelivered,
+            on_failure=undelivered, on_stored=stored,
         )  # fmt: skip
+
+    def storing_for(self, request_id: uuid.UUID) -> float:
+        """How much longer the brokers may take to store request ``request_id`` before
+        its wait fails with ServiceUnavailable; 0 once stored (or failed)."""
+        with self._storing_lock:
+            deadline = self._storing.get(request_id)
+        return 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
 
     def _keep_lease(self) -> None:
         # Three renewals per lease period: one lost message does not lapse it.
@@ -247,7 +272,10 @@ class Client:
         request's (a group member's); with ``keep``, a timeout leaves it awaited."""
         rid = request_id or request.request_id
         limit = timeout_s or self.timeout_s
-        return Answer(request, future, limit, lambda: self._replies.forget(rid), keep)
+        return Answer(
+            request, future, limit, lambda: self._replies.forget(rid), keep,
+            storing=lambda: self.storing_for(request.request_id),
+        )  # fmt: skip
 
     def ask(
         self,

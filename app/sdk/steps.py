@@ -84,24 +84,39 @@ class Answer:
     forget: Callable[[], None]
     #: A timeout leaves the reply awaited (a background command that may still end).
     keep: bool = False
+    #: How much longer the brokers may take to store the request (0 once stored).
+    storing: Callable[[], float] = lambda: 0.0
 
     def block(self) -> Reply:
         """The reply, waited for by blocking this thread."""
         try:
             reply = self.future.result(timeout=self.timeout_s)
-        except TimeoutError as exc:
-            raise self._timed_out() from exc
+        except TimeoutError:
+            try:
+                reply = self.future.result(timeout=self._unstored_grace())
+            except TimeoutError as exc:
+                raise self._timed_out() from exc
         return self._settled(reply)
 
     async def wait(self) -> Reply:
         """The reply, awaited. The future is shielded: a timeout or a cancelled task
         never cancels it under the reply reader, which may be completing it."""
-        future = asyncio.shield(asyncio.wrap_future(self.future))
+        future = asyncio.wrap_future(self.future)
         try:
-            reply = await asyncio.wait_for(future, self.timeout_s)
-        except TimeoutError as exc:
-            raise self._timed_out() from exc
+            reply = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except TimeoutError:
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(future), self._unstored_grace())
+            except TimeoutError as exc:
+                raise self._timed_out() from exc
         return self._settled(reply)
+
+    def _unstored_grace(self) -> float:
+        """More time for a request the brokers have not stored yet (one restarting):
+        the reply's clock starts once it is stored, and a request never stored fails
+        with ServiceUnavailable when its delivery ends, not with a timeout first."""
+        left = self.storing()
+        return left + self.timeout_s if left > 0 else 0.0
 
     def _timed_out(self) -> RequestTimeout:
         what = f"{self.request.type} {self.request.sandbox_id}"

@@ -162,6 +162,12 @@ def server_properties(plan: BrokerPlan) -> dict[str, str]:
             "unclean.leader.election.enable": "false",
             # Clients that join a group (kafkajs, kcat -G) are not held 3 s.
             "group.initial.rebalance.delay.ms": "0",
+            # A broker that died holds its registration until its session expires: its
+            # successor is refused (DUPLICATE_BROKER_REGISTRATION) until then, and a
+            # dead broker's partitions keep it as leader as long. Kafka's 9 s made a
+            # restart take ~20 s; heartbeats every second cost nothing measurable.
+            "broker.session.timeout.ms": "4000",
+            "broker.heartbeat.interval.ms": "1000",
             # Sized for small hosts; a dedicated broker host raises them.
             "num.network.threads": "2",
             "num.io.threads": "4",

@@ -5,6 +5,7 @@ a copy of the same bytes is a replay (no Kafka: the client's publisher is a fake
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from app.config import Settings
@@ -38,6 +39,7 @@ def _client() -> tuple[Client, Captured]:
     client._reply_to = reply_to()
     client._publisher = Captured()  # type: ignore[assignment]
     client.lease_id = "lease-1"
+    client._storing, client._storing_lock = {}, threading.Lock()
     client._lease_ttl_s, client._lease_grace_s = 30.0, 300.0
     return client, client._publisher  # type: ignore[return-value]
 

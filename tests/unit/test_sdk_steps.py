@@ -8,12 +8,19 @@ import asyncio
 import threading
 import uuid
 from concurrent.futures import Future
+from dataclasses import replace
 
 import pytest
 
 from app.domain.replies import Done, ErrorReply, Reply
 from app.domain.requests import DestroySandbox
-from app.errors import RequestTimeout, SandboxFailedError, SandboxRejectedError, TimeoutReason
+from app.errors import (
+    RequestTimeout,
+    SandboxFailedError,
+    SandboxRejectedError,
+    ServiceUnavailable,
+    TimeoutReason,
+)
 from app.sdk.steps import Answer, Steps, Work, awaited, blocking, run, run_async
 
 SANDBOX = "sbx-steps"
@@ -88,6 +95,41 @@ def test_an_awaited_timeout_leaves_the_future_for_the_reply_reader() -> None:
     # Then the future is not cancelled: the reader may still complete it
     assert not future.cancelled()
     future.set_result(done())
+
+
+def _later(
+    future: Future[Reply],
+    after_s: float,
+    reply: Reply | None = None,
+    error: BaseException | None = None,
+) -> None:
+    def settle() -> None:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(reply or done())
+
+    threading.Timer(after_s, settle).start()
+
+
+def test_a_request_the_brokers_have_not_stored_yet_waits_for_them() -> None:
+    for wait in (lambda a: a.block(), lambda a: asyncio.run(a.wait())):
+        # Given a request still being stored (a broker restarting) when the reply's
+        # 50 ms are up, whose reply comes once it is stored
+        future: Future[Reply] = Future()
+        reply = done()
+        _later(future, 0.3, reply)
+        step = replace(answer(future), storing=lambda: 30.0)
+        # Then the trainer gets the reply, not a timeout
+        assert wait(step) == reply
+
+
+def test_a_request_never_stored_fails_with_the_brokers_reason_not_a_timeout() -> None:
+    for wait in (lambda a: a.block(), lambda a: asyncio.run(a.wait())):
+        future: Future[Reply] = Future()
+        _later(future, 0.3, error=ServiceUnavailable("not stored by Kafka: timed out"))
+        with pytest.raises(ServiceUnavailable, match="not stored"):
+            wait(replace(answer(future), storing=lambda: 30.0))
 
 
 # --- operations: written once, run blocking or awaited ---------------------------
