@@ -21,7 +21,7 @@ from kafka.errors import KafkaError
 
 from app import metrics
 from app.config import Settings
-from app.consuming import PositionedConsumer, dead_letter
+from app.consuming import IDLE_POLL_MS, PositionedConsumer, dead_letter
 from app.domain.codec import DeadLetterReason
 from app.domain.node_tasks import read_inbox_record
 from app.domain.records import Record
@@ -89,7 +89,7 @@ class Inbox:
             metrics.WAITING.labels(self.name, "broker").set(0)
             log.info("%s: reading %s", self.name, self.topic)
             while not self._stopping.is_set():
-                records = consumer.poll(timeout_ms=200, max_records=BATCH)
+                records = consumer.poll(timeout_ms=IDLE_POLL_MS, max_records=BATCH)
                 if not records:
                     continue
                 offsets: dict[int, int] = {}

@@ -26,7 +26,7 @@ from sqlalchemy import Connection
 from app import metrics
 from app.bus import Publisher
 from app.config import Settings
-from app.consuming import PositionedConsumer, dead_letter
+from app.consuming import IDLE_POLL_MS, PositionedConsumer, dead_letter
 from app.control.keyring import Keyring
 from app.control.lost_lives import LostLives
 from app.control.waiting import Stopped, until_available
@@ -336,7 +336,9 @@ class Projector:
                         lane.check()
                     if self.lost_lives is not None and self.lost_lives.due():
                         self.lost_lives.sweep()
-                    records = self.consumer.poll(timeout_ms=200, max_records=BATCH_RECORDS)
+                    records = self.consumer.poll(
+                        timeout_ms=IDLE_POLL_MS, max_records=BATCH_RECORDS
+                    )
                     if records:
                         parts = split_lanes(self.prepare(records), len(lanes))
                         for lane, part in zip(lanes, parts, strict=True):

@@ -168,6 +168,9 @@ def server_properties(plan: BrokerPlan) -> dict[str, str]:
             # restart take ~20 s; heartbeats every second cost nothing measurable.
             "broker.session.timeout.ms": "4000",
             "broker.heartbeat.interval.ms": "1000",
+            # The controller writes a no-op record this often so brokers can tell
+            # fresh metadata from stale; Kafka's 500 ms kept an idle broker busy.
+            "metadata.max.idle.interval.ms": "5000",
             # Sized for small hosts; a dedicated broker host raises them.
             "num.network.threads": "2",
             "num.io.threads": "4",
