@@ -336,9 +336,7 @@ class Projector:
                         lane.check()
                     if self.lost_lives is not None and self.lost_lives.due():
                         self.lost_lives.sweep()
-                    records = self.consumer.poll(
-                        timeout_ms=IDLE_POLL_MS, max_records=BATCH_RECORDS
-                    )
+                    records = self.consumer.poll(timeout_ms=IDLE_POLL_MS, max_records=BATCH_RECORDS)
                     if records:
                         parts = split_lanes(self.prepare(records), len(lanes))
                         for lane, part in zip(lanes, parts, strict=True):
