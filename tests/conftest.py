@@ -54,7 +54,7 @@ def stack(settings: Settings) -> Iterator[Settings]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def side_nodes_stopped(settings: Settings) -> Iterator[None]:
+def side_nodes_stopped() -> Iterator[None]:
     """After each module, the processes of node users whose worker the stack does not
     run are killed: a side node's Podman service and containers, left running, cost
     every later test CPU (four of them took ~2 % of a core doing nothing)."""
@@ -65,7 +65,7 @@ def side_nodes_stopped(settings: Settings) -> Iterator[None]:
     from app.stack.services import known_node_ids
     from workers.host.user import USER_PREFIX, user_name
 
-    kept = {user_name(node) for node in known_node_ids(settings)}
+    kept = {user_name(node) for node in known_node_ids(get_settings())}
     for entry in pwd.getpwall():
         if entry.pw_name.startswith(USER_PREFIX) and entry.pw_name not in kept:
             subprocess.run(["pkill", "-KILL", "-u", entry.pw_name], capture_output=True)

@@ -104,6 +104,7 @@ class Client:
         lease: bool | str = False,
         lease_ttl_s: float = 30.0,
         lease_grace_s: float = 300.0,
+        delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
     ) -> None:
         """Connect as ``credential`` (else the local credential of ``tenant``, else the
         one :func:`app.sdk.credentials.for_client` finds: ``DSEC_CREDENTIALS`` first).
@@ -111,7 +112,11 @@ class Client:
         With ``lease``, every sandbox this client creates is tied to a lease it renews
         in the background (a string reattaches to an earlier lease by id): if this
         trainer dies, its sandboxes are frozen after ``lease_ttl_s`` and destroyed
-        ``lease_grace_s`` later unless a client reattaches."""
+        ``lease_grace_s`` later unless a client reattaches.
+
+        A request the brokers have not stored within ``delivery_timeout_s`` fails with
+        ServiceUnavailable (a trainer that would rather fail fast than sit out a
+        broker's restart lowers it)."""
         self.settings = settings or get_settings()
         self.credential = credential or credentials.for_client(self.settings, tenant)
         self.tenant, self.job_id = self.credential.subject, job_id
@@ -121,8 +126,9 @@ class Client:
         self._storing_lock = threading.Lock()
         login = self.credential.kafka
         self._publisher = bus.Publisher(
-            self.settings, login=login, delivery_timeout_s=DELIVERY_TIMEOUT_S
+            self.settings, login=login, delivery_timeout_s=delivery_timeout_s
         )
+        self._delivery_timeout_s = delivery_timeout_s
         self._consumer = bus.make_consumer(self.settings, login=login, auto_offset_reset="latest")
         topic = self.settings.replies_topic(self.tenant)
         try:
@@ -190,7 +196,7 @@ class Client:
             now = time.monotonic()
             if len(self._storing) > STORING_KEPT:  # settled by a producer since replaced
                 self._storing = {k: end for k, end in self._storing.items() if end > now}
-            self._storing[rid] = now + DELIVERY_TIMEOUT_S
+            self._storing[rid] = now + self._delivery_timeout_s
 
         def stored() -> None:
             with self._storing_lock:

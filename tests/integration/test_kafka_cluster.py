@@ -142,7 +142,8 @@ def test_two_of_three_down_refuses_clearly_and_resumes(
     cluster: tuple[local_cluster.Cluster, Settings],
 ) -> None:
     brokers, settings = cluster
-    with Client(settings, tenant="tests", job_id="two-down") as client:
+    # (a client that would rather fail fast than sit out a broker's restart)
+    with Client(settings, tenant="tests", job_id="two-down", delivery_timeout_s=15) as client:
         box = first_sandbox(client, NODE)
         assert box.exec("echo before").text == "before\n"
         # When two of the three brokers die, the trainer's request cannot be stored

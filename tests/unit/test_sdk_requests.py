@@ -40,6 +40,7 @@ def _client() -> tuple[Client, Captured]:
     client._publisher = Captured()  # type: ignore[assignment]
     client.lease_id = "lease-1"
     client._storing, client._storing_lock = {}, threading.Lock()
+    client._delivery_timeout_s = 45.0
     client._lease_ttl_s, client._lease_grace_s = 30.0, 300.0
     return client, client._publisher  # type: ignore[return-value]
 
