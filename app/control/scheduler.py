@@ -26,6 +26,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import TopicAuthorizationFailedError
 from sqlalchemy import Connection, text
 
 from app import bus, kafka_admin, metrics
@@ -46,6 +47,7 @@ from app.domain.base import utcnow
 from app.domain.partition_share import rebalance
 from app.domain.proof import SCHEDULER_KEY_ID, Purpose, headers
 from app.domain.records import StoredOffset
+from app.errors import ServiceUnavailable
 from app.taskqueue import CeleryTaskQueue
 
 log = logging.getLogger(__name__)
@@ -120,7 +122,7 @@ class Scheduler:
         self._tenants = self.keyring.tenants()
         #: Node inbox topics known to exist (see _ensure_inboxes).
         self._inboxes: set[str] = set()
-        kafka_admin.ensure_topics(settings, self._tenants, check=False)
+        self._ensure_replies(self._tenants, platform=True)
         self._topics_checked = time.monotonic()
         self._pruned = time.monotonic()
         self.tasks = CeleryTaskQueue(settings)
@@ -212,6 +214,22 @@ class Scheduler:
             # Acknowledged before the requests' offsets are saved: a crash in between
             # sends them again (the node's claim makes that harmless), never loses one.
             self.publisher.flush()
+
+    def _ensure_replies(self, tenants: set[str], *, platform: bool = False) -> None:
+        """Make the replies topics of ``tenants`` that are missing, where this
+        scheduler's principal may. One it may not make (deleted behind the platform's
+        back; an operator's `dsec up` or `dsec tenant create` makes it) is warned
+        about, never fatal: a scheduler that died of it at every start served nobody."""
+        try:
+            kafka_admin.ensure_topics(self.settings, tenants, platform=platform, check=False)
+        except ServiceUnavailable as exc:
+            if not isinstance(exc.__cause__, TopicAuthorizationFailedError):
+                raise
+            log.warning(
+                "%s: a topic is missing and only an operator may make it (`dsec up`): %s;"
+                " requests whose answers go there are not answered until it exists",
+                NAME, str(exc)[:300],
+            )  # fmt: skip
 
     @property
     def partition_count(self) -> int:
@@ -386,7 +404,7 @@ class Scheduler:
             self._topics_checked = now
             tenants = self.keyring.tenants()
             if tenants - self._tenants:
-                kafka_admin.ensure_topics(self.settings, tenants, platform=False, check=False)
+                self._ensure_replies(tenants)
                 self._tenants = tenants
 
     def _poll_events(self) -> list[ConsumerRecord]:

@@ -4,6 +4,7 @@ sandbox before the restart still thaws when its trainer comes back after it."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
@@ -81,3 +82,25 @@ def test_sandboxes_groups_and_leases_survive_a_scheduler_restart(
         again.sandbox(leased.id).close()
         again.close()
         box.close()
+
+
+def test_a_scheduler_starts_and_serves_with_a_tenants_replies_topic_gone(
+    stack: Settings, client: Any
+) -> None:
+    from app import kafka_admin
+    from app.control import tenants
+    from tests.conftest import ensure_tenant
+
+    # Given a tenant whose replies topic was deleted behind the platform's back (the
+    # scheduler's principal may not make it again)
+    name = f"topicless-{uuid.uuid4().hex[:6]}"
+    ensure_tenant(stack, name)
+    try:
+        kafka_admin.drop_topics(stack, [stack.replies_topic(name)])
+        # When the scheduler starts again
+        restart_scheduler(stack)
+        # Then it serves everyone else
+        with client.create(memory_mb=64, timeout_s=60) as box:
+            assert box.exec("echo served").stdout == b"served\n"
+    finally:
+        tenants.revoke(stack, name)
