@@ -31,7 +31,13 @@ from sqlalchemy import Connection, text
 
 from app import bus, kafka_admin, metrics
 from app.config import Settings
-from app.consuming import BusWatch, PositionedConsumer, dead_letter, key_partition
+from app.consuming import (
+    IDLE_POLL_MS,
+    BusWatch,
+    PositionedConsumer,
+    dead_letter,
+    key_partition,
+)
 from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox
 from app.control.keyring import Keyring
 from app.control.outbox import Outbox
@@ -57,10 +63,14 @@ PRUNE_S = 60.0
 #: How often a scheduler looks at who owns which partition (claims, gives back).
 REBALANCE_S = 1.0
 #: How long a round waits for requests. A request ends the wait at once; the wait
-#: sets how often an idle scheduler runs its timers (node silence, lives, leases,
-#: waiting creates), which count in seconds, and how late it sees an event that
-#: came meanwhile. 50 ms made the idle scheduler cost 5 % of a core.
+#: sets how often the scheduler runs its timers (node silence, lives, leases, waiting
+#: creates), which count in seconds, and how late it sees an event that came
+#: meanwhile. 50 ms made the idle scheduler cost 5 % of a core.
 REQUEST_WAIT_MS = 250
+#: The wait once nothing came for :data:`QUIET_AFTER_S`: an idle scheduler wakes
+#: once a second (each round's polls also wake its Kafka clients' threads).
+QUIET_WAIT_MS = IDLE_POLL_MS
+QUIET_AFTER_S = 2.0
 #: The projector whose offsets say where the recovered projections stand.
 PROJECTOR = "projector"
 
@@ -139,6 +149,8 @@ class Scheduler:
         self.owner = OwnerSession(settings.database_url, NAME, settings.topic_requests)
         self.dispatcher.leases.keeps = self._keeps_lease
         self._rebalanced = 0.0
+        #: When the last round had records to handle (events or requests).
+        self._busy_at = time.monotonic()
         # A node's silence counts only from when the log last began committing writes
         # again (its heartbeats wait in transit while it does not), and from now on:
         # they may not have reached a scheduler that was not running.
@@ -252,7 +264,8 @@ class Scheduler:
     def run_once(self) -> None:
         """Follow events, retry waiting creates, handle new requests, save offsets."""
         out = Outbox()
-        for record in self._poll_events():
+        events = self._poll_events()
+        for record in events:
             self.dispatcher.observe(out, record)
         bus_since = self.bus_watch.since
         if bus_since is not None:  # no node is silent while the bus itself is
@@ -261,7 +274,11 @@ class Scheduler:
         self.dispatcher.check_leases(out)
         self.dispatcher.retry_pending(out)
         self.dispatcher.log_samples(out)
-        records = self.requests.poll(timeout_ms=REQUEST_WAIT_MS, max_records=500)
+        quiet = time.monotonic() - self._busy_at > QUIET_AFTER_S
+        wait_ms = QUIET_WAIT_MS if quiet and not self.dispatcher.pending else REQUEST_WAIT_MS
+        records = self.requests.poll(timeout_ms=wait_ms, max_records=500)
+        if records or events:
+            self._busy_at = time.monotonic()
         try:
             self._learn_ended(records)
         except Exception:
