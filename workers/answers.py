@@ -15,7 +15,7 @@ from enum import Enum
 from typing import TypeVar
 
 from app import metrics
-from app.domain.base import FailReason, derived_id
+from app.domain.base import FailReason
 from app.domain.events import FailedPayload, SandboxFailed
 from app.domain.replies import ErrorReply
 from app.domain.requests import RequestBase
@@ -103,7 +103,7 @@ class Answers:
         metrics.REFUSALS.labels("node", reason.value).inc()
         self.outlet.event(
             SandboxFailed(
-                event_id=derived_id(request.request_id, "failed"),
+                event_id=request.event_of("failed"),
                 **envelope(request, self.node_id),
                 payload=FailedPayload(
                     request_id=request.request_id,

@@ -116,7 +116,8 @@ class Commands:
         self._per_tenant = min(per_tenant or limit, limit)
         self._pool = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="dsec-command")
         self._lock = threading.Lock()
-        self._known: dict[uuid.UUID, Running] = {}
+        # By sandbox and request id: another sender's equal id names another command.
+        self._known: dict[tuple[str, uuid.UUID], Running] = {}
         self._active = 0
         self._active_by_tenant: dict[str, int] = {}
         self._waiting: FairQueue[tuple[Running, bytes | None, Job]] = FairQueue()
@@ -125,7 +126,7 @@ class Commands:
         """Run ``job`` (a claimed command) now or in its tenant's turn, its replies
         proven with ``reply_key``."""
         with self._lock:
-            self._known[running.request_id] = running
+            self._known[running.sandbox_id, running.request_id] = running
             start = self._may_start(running.tenant)
             if start:
                 self._started(running.tenant)
@@ -135,10 +136,11 @@ class Commands:
         if start:
             self._spawn(running, reply_key, job)
 
-    def find(self, request_id: uuid.UUID) -> Running | None:
-        """The claimed command of ``request_id`` (waiting or running), if any."""
+    def find(self, sandbox_id: str, request_id: uuid.UUID) -> Running | None:
+        """The claimed command of ``request_id`` in ``sandbox_id`` (waiting or running),
+        if any."""
         with self._lock:
-            return self._known.get(request_id)
+            return self._known.get((sandbox_id, request_id))
 
     def in_flight(self) -> int:
         """Commands claimed and not yet answered (running or waiting their turn)."""
@@ -172,7 +174,7 @@ class Commands:
 
     def _ended(self, running: Running) -> None:
         with self._lock:
-            self._known.pop(running.request_id, None)
+            self._known.pop((running.sandbox_id, running.request_id), None)
             self._active -= 1
             left = self._active_by_tenant.get(running.tenant, 1) - 1
             if left:

@@ -159,7 +159,7 @@ class Creation:
             return
         node.outlet.event(
             SandboxStarted(
-                event_id=derived_id(request.request_id, "started"),
+                event_id=request.event_of("started"),
                 **envelope(request, node.node_id),
                 payload=StartedPayload(
                     request_id=request.request_id,

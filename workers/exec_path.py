@@ -24,7 +24,7 @@ from typing import Protocol
 
 from app import metrics
 from app.config import Settings
-from app.domain.base import StopReason, derived_id
+from app.domain.base import StopReason
 from app.domain.events import CommandCompleted, CommandPayload
 from app.domain.replies import Done, ExecOutput, OutputChunk
 from app.domain.requests import Exec, KillCommand
@@ -104,7 +104,7 @@ def command_completed(
         stdout_b64 = base64.b64encode(result.stdout[:cap]).decode()
         stderr_b64 = base64.b64encode(result.stderr[:cap]).decode()
     return CommandCompleted(
-        event_id=derived_id(request.request_id, "completed"),
+        event_id=request.event_of("completed"),
         **envelope(request, node_id),
         payload=CommandPayload(
             request_id=request.request_id,
@@ -186,7 +186,7 @@ class ExecPath:
                 else:
                     self._run_exec(request, running)
             finally:
-                claims.answered(request.request_id)
+                claims.answered(request.scope)
                 metrics.EXEC_SECONDS.observe(time.monotonic() - claimed_at)
 
         return answering
@@ -205,15 +205,15 @@ class ExecPath:
                         f" {request.request_id} ran or waited; the command was killed"
                     ),
                 )
-            self.node.claims.answered(request.request_id)
+            self.node.claims.answered(request.scope)
         return len(stranded)
 
     def kill_command(self, request: KillCommand) -> None:
         """Kill a command of this sandbox that was claimed here and has not ended; its
         own reply says ``killed``. A command of another sandbox is not found, whoever
         owns it: the scheduler checked the sandbox's owner, not the command's."""
-        running = self.node.commands.find(request.command_id)
-        found = running is not None and running.sandbox_id == request.sandbox_id
+        running = self.node.commands.find(request.sandbox_id, request.command_id)
+        found = running is not None
         if found:
             assert running is not None
             running.kill(request.actor or request.tenant)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 
-from app.domain.base import derived_id
 from app.domain.events import FilePayload, FileRead, FileWritten
 from app.domain.replies import Done, FileContent
 from app.domain.requests import ReadFile, WriteFile
@@ -67,7 +66,7 @@ class FileOps:
         kind: type[FileWritten] | type[FileRead] = FileWritten if written else FileRead
         self.outlet.event(
             kind(
-                event_id=derived_id(request.request_id, "written" if written else "read"),
+                event_id=request.event_of("written" if written else "read"),
                 **envelope(request, self.node_id),
                 payload=FilePayload(
                     request_id=request.request_id, actor=request.actor, path=request.path, size=size

@@ -105,30 +105,32 @@ class Claims:
 
     @_translated
     def claim(self, request: Exec, reply_key: bytes | None) -> bool:
-        """True the first time ``request``'s id is seen; it is then in flight here
+        """True the first time ``request`` is seen (its id, from its sender: see
+        :attr:`~app.domain.requests.RequestBase.scope`); it is then in flight here
         until :meth:`answered`."""
         sealed = seal_secret(self._secret, reply_key) if reply_key else ""
         record = {"request": request.model_dump_json(), "reply_key_sealed": sealed}
         claimed = self._claim(
-            keys=[f"dsec:done:{request.request_id}", self._in_flight],
-            args=[self._node_id, DEDUPE_TTL_S, str(request.request_id), json.dumps(record)],
+            keys=[f"dsec:done:{request.scope}", self._in_flight],
+            args=[self._node_id, DEDUPE_TTL_S, request.scope, json.dumps(record)],
         )
         return bool(claimed)
 
     @_translated
-    def answered(self, request_id: uuid.UUID) -> None:
-        """The command or task was answered (or will never need to be)."""
+    def answered(self, scope: str) -> None:
+        """The command or task of the request of ``scope`` was answered (or will never
+        need to be)."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hdel(self._in_flight, str(request_id))
-        pipe.hdel(self._tasks, str(request_id))
+        pipe.hdel(self._in_flight, scope)
+        pipe.hdel(self._tasks, scope)
         pipe.execute()
 
     @_translated
-    def hold(self, request_id: uuid.UUID, task: str, args: list[str]) -> None:
+    def hold(self, scope: str, task: str, args: list[str]) -> None:
         """A lifecycle or file task is being done here (sealed, as it came) until
         :meth:`answered`: a worker that dies meanwhile leaves it to the next one."""
         record = json.dumps({"task": task, "args": args})
-        self._redis.hset(self._tasks, str(request_id), record)
+        self._redis.hset(self._tasks, scope, record)
 
     def held(self) -> list[tuple[str, list[str]]]:
         """Lifecycle and file tasks a worker of this node took and never finished."""

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from app import metrics
-from app.domain.base import FailReason, derived_id
+from app.domain.base import FailReason, event_id
 from app.domain.codec import DeadLetterReason, encode, peek
 from app.domain.dead_letter import DeadLetter
 from app.domain.events import FailedPayload, SandboxFailed
@@ -64,7 +64,7 @@ def _refuse(task: NodeTask, body: str, exc: ValidationError, opened: Opened) -> 
     node = runtime.node()
     node.outlet.event(
         SandboxFailed(
-            event_id=derived_id(request_id, "failed"),
+            event_id=event_id(request_id, str(raw.get("actor") or ""), "failed"),
             sandbox_id=sandbox_id,
             node_id=node.node_id,
             tenant=str(raw.get("tenant") or "unknown")[:128],
@@ -136,6 +136,7 @@ def _run(
         _refuse(task, body, exc, opened)
         return
     request_id: uuid.UUID = request.request_id  # type: ignore[attr-defined]
+    scope: str = request.scope  # type: ignore[attr-defined]
     node = runtime.node()
     # Lifecycle and file tasks are idempotent: one cut short by the worker's death is
     # done again by the next worker (redo_interrupted), not left to Celery's
@@ -143,7 +144,7 @@ def _run(
     held = task not in VIA_INBOX
     try:
         if held:
-            node.claims.hold(request_id, task.value, list(args))
+            node.claims.hold(scope, task.value, list(args))
         with node.outlet.answering(request_id, opened.reply_key):
             handler(request, opened)
     except Exception:
@@ -152,7 +153,7 @@ def _run(
         raise
     finally:
         if held:
-            node.claims.answered(request_id)
+            node.claims.answered(scope)
     metrics.TASKS.labels(task.value, "ok").inc()
 
 

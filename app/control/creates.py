@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from app.domain.base import RejectReason, derived_id, utcnow
+from app.domain.base import RejectReason, utcnow
 from app.domain.events import (
     RequestedPayload,
     SandboxRequested,
@@ -48,7 +48,7 @@ def placement_events(
     the log must keep (its lease). A request stamped in the future is logged as of now."""
     common = {"sandbox_id": request.sandbox_id, "tenant": request.tenant, "job_id": request.job_id}
     requested = SandboxRequested(
-        event_id=derived_id(request.request_id, "requested"),
+        event_id=request.event_of("requested"),
         occurred_at=request.sent_at if request.sent_at <= utcnow() else utcnow(),
         payload=RequestedPayload(
             request_id=request.request_id,
@@ -64,7 +64,7 @@ def placement_events(
         **common,
     )
     scheduled = SandboxScheduled(
-        event_id=derived_id(request.request_id, "scheduled"),
+        event_id=request.event_of("scheduled"),
         node_id=node_id,
         payload=ScheduledPayload(request_id=request.request_id, node_id=node_id),
         **common,

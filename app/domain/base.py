@@ -34,6 +34,13 @@ def derived_id(parent: uuid.UUID, purpose: str) -> uuid.UUID:
     return uuid.uuid5(parent, purpose)
 
 
+def event_id(request_id: uuid.UUID, actor: str, purpose: str) -> uuid.UUID:
+    """The id of the event ``purpose`` of request ``request_id`` sent by ``actor``:
+    request ids are the sender's to choose, so two senders' equal ids must never
+    name one event (the log would keep one of them)."""
+    return derived_id(request_id, f"{purpose}:{actor}")
+
+
 def utcnow() -> datetime:
     """Timezone-aware now, UTC."""
     return datetime.now(UTC)

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.domain.base import SCHEMA_VERSION, Message, new_id, tags, utcnow
+from app.domain.base import SCHEMA_VERSION, Message, event_id, new_id, tags, utcnow
 
 SandboxId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{2,62}$")]
 Name = Annotated[str, Field(min_length=1, max_length=128)]
@@ -148,6 +148,17 @@ class RequestBase(Message):
         default_factory=utcnow, description="Client clock, with its time zone (UTC: Z)."
     )
     reply_to: ReplyTo | None = Field(None, description="Where to answer, if anyone waits.")
+
+    @property
+    def scope(self) -> str:
+        """The request as the platform keys what it does for it (claims, in-flight
+        records): its id with the sender that proved it, since ids are the sender's to
+        choose and two senders' equal ids are two requests."""
+        return f"{self.actor}/{self.request_id}"
+
+    def event_of(self, purpose: str) -> uuid.UUID:
+        """The id of this request's event ``purpose`` (see :func:`event_id`)."""
+        return event_id(self.request_id, self.actor, purpose)
 
     @model_validator(mode="before")
     @classmethod

@@ -12,7 +12,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from app.domain.base import derived_id
 from app.domain.events import CommandCompleted, CommandPayload, CommandReplayed, ReplayedPayload
 from app.domain.replies import ExecOutput
 from app.domain.requests import Exec
@@ -62,7 +61,7 @@ class RecordedStep:
         both streams say it."""
         assert request.trajectory_id is not None and request.step is not None
         event = CommandReplayed(
-            event_id=derived_id(request.request_id, "replayed"),
+            event_id=request.event_of("replayed"),
             sandbox_id=request.sandbox_id,
             node_id=node_id,
             tenant=request.tenant,

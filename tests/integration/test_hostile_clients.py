@@ -341,3 +341,30 @@ def test_a_taken_id_says_nothing_of_its_owner(mallory: Client, box: Sandbox) -> 
     with pytest.raises(SandboxIdInUse) as refused:
         mallory.call(CreateSandbox(**mallory._common(box.id), memory_mb=64), timeout_s=20)
     assert "carol" not in refused.value.detail and refused.value.reason == "id_in_use"
+
+
+def test_another_tenants_equal_request_id_runs_as_its_own_command(
+    stack: Settings, carol: Client, mallory: Client, box: Sandbox, db: Any
+) -> None:
+    # Given carol's command under a request id (ids are the sender's to choose)
+    chosen = uuid.uuid4()
+    theirs = exec_request(carol._common(box.id), "echo carol", timeout_s=30)
+    assert carol.call(theirs.model_copy(update={"request_id": chosen}), 60).stdout == b"carol\n"
+    # When mallory sends a command of its own on the same node under the same id
+    with mallory.create(memory_mb=64, timeout_s=60) as own:
+        mine = exec_request(mallory._common(own.id), "echo mallory", timeout_s=30)
+        answer = mallory.call(mine.model_copy(update={"request_id": chosen}), 60)
+        # Then it runs and is answered as mallory's (not skipped as carol's, already run)
+        assert answer.stdout == b"mallory\n"
+    # And the log keeps both commands, each its sender's
+    query = (
+        "SELECT tenant FROM events WHERE type = 'CommandCompleted'"
+        " AND payload->>'request_id' = :r ORDER BY tenant"
+    )
+
+    def logged() -> list[str]:
+        with db() as conn:
+            return [r[0] for r in conn.execute(text(query), {"r": str(chosen)})]
+
+    tenants = wait_for(lambda: len(found := logged()) == 2 and found, 30, "both commands")
+    assert tenants == sorted([carol.tenant, mallory.tenant])

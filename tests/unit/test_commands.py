@@ -110,14 +110,17 @@ def test_a_command_is_found_until_it_ends_and_a_kill_before_it_starts_sticks() -
     commands.submit(ran, None, hold)
     waiting = _running("t")
     commands.submit(waiting, None, lambda r: None)
-    assert commands.find(waiting.request_id) is waiting
+    assert commands.find(waiting.sandbox_id, waiting.request_id) is waiting
     waiting.kill("t:key")
     assert waiting.killed_by == "t:key"
     assert not waiting.attach(object())  # type: ignore[arg-type]
     done.set()
     for _ in range(100):
-        if commands.find(waiting.request_id) is None:
+        if commands.find(waiting.sandbox_id, waiting.request_id) is None:
             break
         threading.Event().wait(0.05)
-    assert commands.find(ran.request_id) is None and commands.find(waiting.request_id) is None
+    assert (
+        commands.find(ran.sandbox_id, ran.request_id) is None
+        and commands.find(waiting.sandbox_id, waiting.request_id) is None
+    )
     commands.close()
