@@ -196,7 +196,7 @@ class ExecPath:
         answered: its agent connections died with it, and the agents killed those
         commands. Each gets a failure (reason ``interrupted``), never a second run."""
         stranded = self.node.claims.unanswered()
-        for request, key in stranded:
+        for field, request, key in stranded:
             with self.node.outlet.answering(request.request_id, key):
                 self._exec_failed(
                     request,
@@ -205,7 +205,7 @@ class ExecPath:
                         f" {request.request_id} ran or waited; the command was killed"
                     ),
                 )
-            self.node.claims.answered(request.scope)
+            self.node.claims.answered(field)
         return len(stranded)
 
     def kill_command(self, request: KillCommand) -> None:

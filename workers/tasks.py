@@ -199,12 +199,14 @@ def perform(task: NodeTask, args: tuple[str, ...]) -> None:
 def redo_interrupted() -> int:
     """Do again the lifecycle and file tasks a previous worker of this node took and
     never finished (it died): all of them are idempotent, and their trainers wait."""
-    held = runtime.node().claims.held()
-    for task, args in held:
+    claims = runtime.node().claims
+    held = claims.held()
+    for field, task, args in held:
         try:
             _do(NodeTask(task), tuple(args))
         except Exception:  # logged by _run; the others must still be done
             continue
+        claims.answered(field)  # done (kept under another field by an older worker)
     return len(held)
 
 
