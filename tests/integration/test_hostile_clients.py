@@ -10,6 +10,7 @@ broker's real partition counts, the scheduler's loop, the log and the CLI.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import threading
@@ -343,19 +344,23 @@ def test_a_taken_id_says_nothing_of_its_owner(mallory: Client, box: Sandbox) -> 
     assert "carol" not in refused.value.detail and refused.value.reason == "id_in_use"
 
 
+def _stdout(reply: Any) -> str:
+    return base64.b64decode(reply.stdout_b64).decode()
+
+
 def test_another_tenants_equal_request_id_runs_as_its_own_command(
     stack: Settings, carol: Client, mallory: Client, box: Sandbox, db: Any
 ) -> None:
     # Given carol's command under a request id (ids are the sender's to choose)
     chosen = uuid.uuid4()
     theirs = exec_request(carol._common(box.id), "echo carol", timeout_s=30)
-    assert carol.call(theirs.model_copy(update={"request_id": chosen}), 60).stdout == b"carol\n"
+    assert _stdout(carol.call(theirs.model_copy(update={"request_id": chosen}), 60)) == "carol\n"
     # When mallory sends a command of its own on the same node under the same id
     with mallory.create(memory_mb=64, timeout_s=60) as own:
         mine = exec_request(mallory._common(own.id), "echo mallory", timeout_s=30)
         answer = mallory.call(mine.model_copy(update={"request_id": chosen}), 60)
         # Then it runs and is answered as mallory's (not skipped as carol's, already run)
-        assert answer.stdout == b"mallory\n"
+        assert _stdout(answer) == "mallory\n"
     # And the log keeps both commands, each its sender's
     query = (
         "SELECT tenant FROM events WHERE type = 'CommandCompleted'"
