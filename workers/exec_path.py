@@ -196,7 +196,7 @@ class ExecPath:
         answered: its agent connections died with it, and the agents killed those
         commands. Each gets a failure (reason ``interrupted``), never a second run."""
         stranded = self.node.claims.unanswered()
-        for field, request, key in stranded:
+        for field, (request, key) in stranded:
             with self.node.outlet.answering(request.request_id, key):
                 self._exec_failed(
                     request,
@@ -213,16 +213,14 @@ class ExecPath:
         own reply says ``killed``. A command of another sandbox is not found, whoever
         owns it: the scheduler checked the sandbox's owner, not the command's."""
         running = self.node.commands.find(request.sandbox_id, request.command_id)
-        found = running is not None
-        if found:
-            assert running is not None
+        if running is not None:
             running.kill(request.actor or request.tenant)
         self.node.outlet.reply(
             request.reply_to,
             Done(
                 request_id=request.request_id,
                 sandbox_id=request.sandbox_id,
-                detail="killed" if found else "not running",
+                detail="killed" if running is not None else "not running",
             ),
         )
 

@@ -132,14 +132,14 @@ class Claims:
         record = json.dumps({"task": task, "args": args})
         self._redis.hset(self._tasks, scope, record)
 
-    def held(self) -> list[tuple[str, str, list[str]]]:
+    def held(self) -> list[tuple[str, tuple[str, list[str]]]]:
         """Lifecycle and file tasks a worker of this node took and never finished:
         each with the field it is kept under (for :meth:`answered`)."""
         return self._read(
             self._tasks, lambda r: (str(r["task"]), [str(a) for a in r["args"]]), "held task"
         )
 
-    def unanswered(self) -> list[tuple[str, Exec, bytes | None]]:
+    def unanswered(self) -> list[tuple[str, tuple[Exec, bytes | None]]]:
         """Commands claimed here and never answered (their worker died): each with
         the field it is kept under (for :meth:`answered`; a worker before request ids
         were scoped kept it under the bare id)."""
@@ -154,15 +154,15 @@ class Claims:
 
     @_translated
     def _read(
-        self, key: str, parse: Callable[[dict[str, Any]], tuple[Any, ...]], what: str
-    ) -> list[Any]:
-        """Every record of the hash ``key``, parsed, after its field; one that cannot
-        be is dropped."""
-        found: list[Any] = []
+        self, key: str, parse: Callable[[dict[str, Any]], T], what: str
+    ) -> list[tuple[str, T]]:
+        """Every record of the hash ``key``, parsed, with its field; one that cannot be
+        is dropped."""
+        found: list[tuple[str, T]] = []
         entries: dict[bytes, bytes] = self._redis.hgetall(key)  # type: ignore[assignment]
         for field, value in entries.items():
             try:
-                found.append((field.decode(), *parse(json.loads(value))))
+                found.append((field.decode(), parse(json.loads(value))))
             except (ValueError, KeyError, TypeError, ValidationError) as exc:
                 log.error("%s %s unreadable, dropped: %s", what, field, exc)
                 self._redis.hdel(key, field)

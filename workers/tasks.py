@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from app import metrics
 from app.domain.base import FailReason, event_id
@@ -33,6 +33,7 @@ from app.domain.requests import (
     KillCommand,
     ReadFile,
     ReplyTo,
+    RequestBase,
     ThawSandbox,
     WriteFile,
 )
@@ -41,7 +42,7 @@ from workers.celery_app import celery
 from workers.commands import Running
 
 log = logging.getLogger(__name__)
-R = TypeVar("R", bound=BaseModel)
+R = TypeVar("R", bound=RequestBase)
 
 
 def _refuse(task: NodeTask, body: str, exc: ValidationError, opened: Opened) -> None:
@@ -135,8 +136,7 @@ def _run(
     except ValidationError as exc:
         _refuse(task, body, exc, opened)
         return
-    request_id: uuid.UUID = request.request_id  # type: ignore[attr-defined]
-    scope: str = request.scope  # type: ignore[attr-defined]
+    request_id, scope = request.request_id, request.scope
     node = runtime.node()
     # Lifecycle and file tasks are idempotent: one cut short by the worker's death is
     # done again by the next worker (redo_interrupted), not left to Celery's
@@ -168,7 +168,7 @@ def _start_command(request: Exec, opened: Opened) -> None:
 
 
 #: Each task: what its request validates as, and what the node does with it.
-_WORK: dict[NodeTask, tuple[type[BaseModel], Callable[[Any, Opened], None]]] = {
+_WORK: dict[NodeTask, tuple[type[RequestBase], Callable[[Any, Opened], None]]] = {
     NodeTask.CREATE: (
         CreateSandbox,
         lambda r, o: runtime.node().create(r, o.envelope.restore or []),
@@ -201,7 +201,7 @@ def redo_interrupted() -> int:
     never finished (it died): all of them are idempotent, and their trainers wait."""
     claims = runtime.node().claims
     held = claims.held()
-    for field, task, args in held:
+    for field, (task, args) in held:
         try:
             _do(NodeTask(task), tuple(args))
         except Exception:  # logged by _run; the others must still be done
