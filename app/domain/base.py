@@ -9,8 +9,11 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
-#: Version of the message schemas this code writes and reads.
+#: Version of the message schemas this code writes.
 SCHEMA_VERSION: Literal[1] = 1
+#: The versions it reads: the wire protocol a platform serves and an SDK speaks. A
+#: platform refuses a request of another version with ``unsupported_version``.
+PROTOCOL_VERSIONS: tuple[int, ...] = (SCHEMA_VERSION,)
 
 
 class Message(BaseModel):
@@ -89,6 +92,8 @@ class RejectReason(StrEnum):
     ID_IN_USE = "id_in_use"
     UNAUTHENTICATED = "unauthenticated"
     FORBIDDEN = "forbidden"
+    #: The request's protocol version is not one this platform serves.
+    UNSUPPORTED_VERSION = "unsupported_version"
 
 
 class FailReason(StrEnum):

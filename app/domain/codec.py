@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import from_json
 
-from app.domain.base import SCHEMA_VERSION
+from app.domain.base import PROTOCOL_VERSIONS, SCHEMA_VERSION
 from app.domain.events import EVENT_ADAPTER, EVENT_TYPES, Event
 from app.domain.replies import REPLY_ADAPTER, REPLY_FIELDS, REPLY_KINDS, Reply
 from app.domain.requests import REQUEST_ADAPTER, REQUEST_TYPES, WIRE, Request
@@ -116,10 +116,11 @@ def _load(raw: bytes, max_bytes: int, discriminator: str, known: frozenset[str])
     if not isinstance(kind, str) or kind not in known:
         raise DecodeError(DeadLetterReason.UNKNOWN_TYPE, f"{discriminator}={_short(kind)}")
     version = obj.get("version", SCHEMA_VERSION)
-    if version != SCHEMA_VERSION:
+    if version not in PROTOCOL_VERSIONS:
+        served = ", ".join(map(str, PROTOCOL_VERSIONS))
         raise DecodeError(
             DeadLetterReason.UNSUPPORTED_VERSION,
-            f"version={_short(version)}, supported {SCHEMA_VERSION}",
+            f"version={_short(version)}, supported {served}",
         )
     return obj
 

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from app.domain.base import RejectReason
-from app.domain.codec import DecodeError, decode_request, peek
+from app.domain.codec import DeadLetterReason, DecodeError, decode_request, peek
 from app.domain.partition_counts import PartitionCounts
 from app.domain.partitioner import key_partition
 from app.domain.proof import (
@@ -159,10 +159,15 @@ class Gate:
             request = decode_request(raw, self.rules.max_message_bytes)
         except DecodeError as exc:
             seen = peek(raw)
+            reason = (
+                RejectReason.UNSUPPORTED_VERSION
+                if exc.reason == DeadLetterReason.UNSUPPORTED_VERSION
+                else RejectReason.INVALID
+            )
             # Answered: the sender signed these very bytes, so no request of its own
             # that decoded can be waiting under this id.
             return Refusal(
-                RejectReason.INVALID, str(exc), sender, None, seen,
+                reason, str(exc), sender, None, seen,
                 self._reply_to(sender, seen.get("reply_to")), exc,
             )  # fmt: skip
         return self._check(record, request, sender, now)

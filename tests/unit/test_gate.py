@@ -64,6 +64,18 @@ def test_a_revoked_key_is_refused() -> None:
     assert isinstance(verdict, Refusal) and "revoked" in verdict.detail
 
 
+def test_a_request_of_a_protocol_version_not_served_is_refused_with_its_reason() -> None:
+    # Given an SDK that speaks a version this platform does not serve, signing as usual
+    exec_ = Exec(sandbox_id="sb-a", command="true", reply_to=reply_to())
+    body = json.loads(encode(exec_))
+    body["version"] = 2
+    verdict = _gate().admit(record(exec_, value=json.dumps(body).encode()), utcnow())
+    # Then it is refused with a reason of its own, answered to its proven sender
+    assert isinstance(verdict, Refusal) and verdict.reason == RejectReason.UNSUPPORTED_VERSION
+    assert "version=2, supported 1" in verdict.detail
+    assert verdict.sender is not None and verdict.reply_to is not None
+
+
 def test_a_node_key_cannot_send_requests() -> None:
     signed = record(Exec(sandbox_id="sb-a", command="x"), key_id="k-node-n0")
     verdict = _gate().admit(signed, utcnow())
