@@ -5,11 +5,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit lint fmt bench bootstrap venv up down status clean
+.PHONY: demo test unit lint fmt bench bootstrap venv up down status clean dist
 
-$(STAMP): pyproject.toml
+# The SDK's distribution first: the server's depends on that very version of it. Both
+# editable, so the checkout's files are what runs (sdk/app only links to them).
+$(STAMP): pyproject.toml sdk/pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ./sdk
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -37,14 +40,21 @@ unit: venv
 	$(BIN)/pytest -q -m "not integration"
 
 lint: venv
-	$(BIN)/ruff check app workers tests bench migrations scripts
-	$(BIN)/ruff format --check app workers tests bench scripts
+	$(BIN)/ruff check app workers tests bench migrations scripts setup.py
+	$(BIN)/ruff format --check app workers tests bench scripts setup.py
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
 fmt: venv
 	$(BIN)/ruff format app workers tests bench
 	$(BIN)/ruff check --fix app workers tests bench
+
+# Both distributions, sdist and wheel each, in dist/: the server (dsec) and the
+# trainer's SDK (dsec-sdk). docs/deploy.md installs them.
+dist: venv
+	rm -rf dist
+	$(BIN)/python -m build sdk --outdir dist
+	$(BIN)/python -m build . --outdir dist
 
 bench: up
 	$(BIN)/python bench/exec.py

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import app
 
-#: The checkout's benchmark scripts (dsec is installed editable, from the checkout).
+#: The checkout's benchmark scripts (an installed wheel carries none).
 BENCH_DIR = Path(app.__file__).resolve().parent.parent / "bench"
 
 
@@ -31,6 +31,12 @@ def available(directory: Path = BENCH_DIR) -> dict[str, str]:
 def run(name: str, args: Sequence[str], directory: Path = BENCH_DIR) -> int:
     """Run ``bench/NAME.py ARGS`` with the interpreter running dsec; its exit code."""
     script = directory / f"{name.removesuffix('.py')}.py"
+    if not directory.is_dir():
+        print(
+            f"dsec: the benchmarks come with the source checkout ({directory} is not one)",
+            file=sys.stderr,
+        )
+        return 2
     if not script.is_file():
         known = ", ".join(available(directory)) or "none"
         print(f"dsec: no benchmark {name!r} in {directory} (known: {known})", file=sys.stderr)

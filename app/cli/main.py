@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from datetime import UTC, date, datetime
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -70,6 +71,21 @@ def down(
     from app.stack import services as stack
 
     stack.down(get_settings(), log=lambda m: console.print(f"[yellow]■[/] {m}"), keep=keep or ())
+
+
+@cli.command()
+def migrate(
+    revision: Annotated[str, typer.Option(help="Alembic revision to bring it to.")] = "head",
+) -> None:
+    """Create the database if missing and bring its schema to a revision, as the owner
+    role (DSEC_ADMIN_DATABASE_URL); `dsec up` and `dsec control up` do it too."""
+    from app.db.setup import ensure_database, migrations_dir
+    from app.db.setup import migrate as apply
+
+    settings = get_settings()
+    ensure_database(settings)
+    apply(settings, revision)
+    console.print(f"schema at {revision} (migrations from {migrations_dir()})")
 
 
 @cli.command()
@@ -230,11 +246,16 @@ def _summary(payload: dict[str, Any], width: int = 240) -> str:
 
 
 @cli.command()
-def schemas() -> None:
-    """Write the JSON Schemas of every bus message to docs/schemas."""
+def schemas(
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Directory to write to (default: the checkout's docs/schemas)."),
+    ] = None,
+) -> None:
+    """Write the JSON Schemas of every bus message (generated from the models)."""
     from app.cli import schemas as schemas_mod
 
-    for path in schemas_mod.write():
+    for path in schemas_mod.write(out or schemas_mod.default_dir()):
         console.print(f"wrote {path}")
 
 
@@ -555,9 +576,11 @@ def bench(
 
 def _version(show: bool) -> None:
     if show:
-        from importlib.metadata import version
+        import app
+        from app.domain.base import PROTOCOL_VERSIONS
 
-        print(f"dsec {version('dsec')}")
+        speaks = ", ".join(map(str, PROTOCOL_VERSIONS))
+        print(f"dsec {app.__version__} (wire protocol {speaks})")
         raise typer.Exit()
 
 

@@ -24,6 +24,11 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
 SCHEMA_DIR = Path(__file__).resolve().parents[2] / "docs" / "schemas"
 
 
+def default_dir() -> Path:
+    """The checkout's docs/schemas; ./schemas where dsec runs from an installed wheel."""
+    return SCHEMA_DIR if SCHEMA_DIR.parent.is_dir() else Path("schemas")
+
+
 def render() -> dict[str, str]:
     """Each family's JSON Schema, as the text written to docs/schemas."""
     return {

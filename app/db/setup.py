@@ -15,7 +15,15 @@ from sqlalchemy.exc import OperationalError
 from app.config import Settings
 from app.errors import ServiceUnavailable
 
+#: The checkout these modules run from, if they do (an installed wheel has none).
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def migrations_dir() -> Path:
+    """Alembic's scripts: beside this module in an installed wheel, which carries them
+    as app/db/migrations, else at the top of the checkout."""
+    installed = Path(__file__).with_name("migrations")
+    return installed if installed.is_dir() else REPO_ROOT / "migrations"
 
 
 @contextmanager
@@ -51,7 +59,10 @@ def drop_database(settings: Settings) -> None:
 
 def migrate(settings: Settings, revision: str = "head") -> None:
     """Apply Alembic migrations up to ``revision`` as the owner role."""
-    config = Config(str(REPO_ROOT / "alembic.ini"))
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
+    # No alembic.ini: its only setting that counts here is where the scripts are (the
+    # checkout's alembic.ini serves Alembic's own command line).
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.set_main_option("path_separator", "os")
     config.attributes["url"] = settings.admin_database_url
     command.upgrade(config, revision)

@@ -1,6 +1,6 @@
-"""The platform's own images build from this checkout, with nothing pulled: the
-control image runs the CLI as a user without privileges, and the node image carries
-rootless Podman's tools and a static agent but no compiler."""
+"""The platform's own images build from this checkout's wheels, with nothing pulled:
+the control image runs the installed CLI as a user without privileges, and the node
+image carries rootless Podman's tools and a static agent but no compiler."""
 
 from __future__ import annotations
 
@@ -63,6 +63,11 @@ def test_the_platform_images_build_and_hold_what_each_role_needs(stack: Settings
     assert took[control] is not None and took[node] is not None
 
     assert _run(stack, control, "--version").startswith("dsec ")
+    # The wheels are installed, no checkout: the migrations are the package's own
+    where = _run(stack, control, "-c", "test ! -e /opt/dsec/src && python -c "
+                 "'from app.db.setup import migrations_dir; print(migrations_dir())'",
+                 entrypoint="sh").strip()  # fmt: skip
+    assert where.startswith("/opt/dsec/venv/lib/") and where.endswith("app/db/migrations"), where
     who = _run(stack, control, "-c", "id -un", entrypoint="sh").strip()
     assert who == "dsec"
     probe = (

@@ -7,7 +7,7 @@
    configured with, cached at ``state_dir/cache/debootstrap/<key>.tar`` (the key
    covers suite, packages and mirror);
 2. that tarball imported into the shared store as ``dsec/debootstrap:bookworm``;
-3. ``docker/sandbox-debian-python.Containerfile`` built FROM it (one thin layer:
+3. ``sandbox-debian-python.Containerfile`` (beside this module) built FROM it (one thin layer:
    /workspace, git defaults, a non-root user, ENV).
 
 The image already in the store costs nothing; a cached tarball saves the download and
@@ -38,10 +38,8 @@ DEBIAN_IMAGE = "dsec/debian-python:12"
 DEBOOTSTRAP_IMAGE = "dsec/debootstrap:bookworm"
 SUITE = "bookworm"
 PACKAGES: tuple[str, ...] = ("python3", "git", "ca-certificates")
-#: The Containerfile, shipped in the repository's docker/ directory.
-CONTAINERFILE = (
-    Path(__file__).resolve().parents[2] / "docker" / "sandbox-debian-python.Containerfile"
-)
+#: The Containerfile, package data beside this module (an installed wheel carries it).
+CONTAINERFILE = Path(__file__).with_name("sandbox-debian-python.Containerfile")
 _SOURCES = (Path("/etc/apt/sources.list"), Path("/etc/apt/sources.list.d"))
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

@@ -4,10 +4,11 @@ schedulers, Flower, the CLI) and ``dsec/node`` (a node host in a container).
 Both come FROM the debootstrap import of bookworm (:mod:`workers.images.debian`), so no
 registry is involved. Their RUN steps take Debian packages from the mirror apt is
 configured with (the host's network); Python packages come from a wheelhouse that
-this host's pip fills first (``build/wheels``), with the host's package index and
-certificates, so that the build itself installs offline. The build context is the
-repository, narrowed by its ``.containerignore`` to the package, its migrations and
-the wheelhouse. They go into the shared store like any image, from where
+this host's pip fills first (``build/wheels``: the platform's two wheels, dsec and
+dsec-sdk, and every dependency's), with the host's package index and certificates, so
+that the build itself installs offline. The build context is the repository, narrowed
+by its ``.containerignore`` to the wheelhouse: the images hold the installed wheels,
+no checkout. They go into the shared store like any image, from where
 ``podman save`` ships them to other hosts (docs/deploy.md).
 """
 
@@ -18,9 +19,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 
+import app
 from app.config import Settings
 from workers.errors import NodeError
 from workers.host.layer_store import image_exists
@@ -54,7 +55,7 @@ NODE = PlatformImage("dsec/node", DOCKER / "node.Containerfile")
 
 def default_tag() -> str:
     """The package's version: what a release's images are tagged with."""
-    return version("dsec")
+    return app.__version__
 
 
 def build_platform_images(
@@ -95,13 +96,14 @@ def build_platform_images(
 
 
 def fill_wheelhouse(log: Callable[[str], None] = lambda _m: None) -> Path:
-    """Wheels of the package, its dependencies and its build backend in
-    :data:`WHEELHOUSE` (pip skips what is there)."""
+    """Wheels of both distributions (built from this checkout each time) and of their
+    dependencies (pip skips what is there) in :data:`WHEELHOUSE`."""
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    # The SDK's source beside the server's: the server pins that very version of it.
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(WHEELHOUSE),
-         str(REPO), "setuptools>=68", "wheel", *IMAGE_PYTHON_EXTRAS],
+         str(REPO / "sdk"), str(REPO), *IMAGE_PYTHON_EXTRAS],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:

@@ -1,0 +1,1 @@
+../../../app/domain/__init__.py

@@ -1,0 +1,1 @@
+../../../app/domain/base.py
