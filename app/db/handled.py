@@ -14,6 +14,9 @@ from sqlalchemy.dialects.postgresql import insert
 from app.db.tables import handled_requests
 from app.domain.gate import Handled
 
+#: Compiled once, executed with the rows (see app.db.log's _SAVE_OFFSETS for why).
+_SAVE = insert(handled_requests).on_conflict_do_nothing()
+
 
 def save(conn: Connection, rows: Sequence[Handled]) -> None:
     """Record handled ids, in the transaction that saves the offsets past them."""
@@ -24,7 +27,7 @@ def save(conn: Connection, rows: Sequence[Handled]) -> None:
          "offset": h.offset, "handled_at": h.at}
         for h in rows
     ]  # fmt: skip
-    conn.execute(insert(handled_requests).values(values).on_conflict_do_nothing())
+    conn.execute(_SAVE, values)
 
 
 def load(conn: Connection, since: datetime) -> list[Handled]:

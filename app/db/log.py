@@ -156,33 +156,34 @@ def read_offsets(url: str, consumer: str, topic: str) -> dict[int, StoredOffset]
         return load_offsets(conn, consumer, topic)
 
 
+#: Compiled once and cached: executed with a list of rows (executemany, which
+#: SQLAlchemy sends as one INSERT), never rebuilt per call with the rows in it (a
+#: statement holding its VALUES is compiled again for each shape: ~1 ms per batch).
+_offsets_insert = insert(consumer_offsets)
+_SAVE_OFFSETS = _offsets_insert.on_conflict_do_update(
+    index_elements=["consumer", "topic", "partition"],
+    set_={
+        "next_offset": _offsets_insert.excluded.next_offset,
+        "topic_id": _offsets_insert.excluded.topic_id,
+        "updated_at": _offsets_insert.excluded.updated_at,
+    },
+)
+
+
 def save_offsets(
     conn: Connection, consumer: str, topic: str, topic_id: uuid.UUID, offsets: dict[int, int]
 ) -> None:
     """Record the next offset per partition, in the caller's transaction."""
     if not offsets:
         return
-    stmt = insert(consumer_offsets).values(
+    conn.execute(
+        _SAVE_OFFSETS,
         [
-            {
-                "consumer": consumer,
-                "topic": topic,
-                "topic_id": topic_id,
-                "partition": p,
-                "next_offset": o,
-            }
+            {"consumer": consumer, "topic": topic, "topic_id": topic_id, "partition": p,
+             "next_offset": o}
             for p, o in offsets.items()
-        ]
-    )
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["consumer", "topic", "partition"],
-        set_={
-            "next_offset": stmt.excluded.next_offset,
-            "topic_id": stmt.excluded.topic_id,
-            "updated_at": stmt.excluded.updated_at,
-        },
-    )
-    conn.execute(stmt)
+        ],
+    )  # fmt: skip
 
 
 def append_and_project(
