@@ -67,8 +67,9 @@ REBALANCE_S = 1.0
 #: creates), which count in seconds, and how late it sees an event that came
 #: meanwhile. 50 ms made the idle scheduler cost 5 % of a core.
 REQUEST_WAIT_MS = 250
-#: The wait once nothing came for :data:`QUIET_AFTER_S`: an idle scheduler wakes
-#: once a second (each round's polls also wake its Kafka clients' threads).
+#: The wait once no request came for :data:`QUIET_AFTER_S`: an idle scheduler wakes
+#: once a second (each round's polls also wake its Kafka clients' threads). Events
+#: alone do not count: a node's heartbeat every few seconds would keep it busy.
 QUIET_WAIT_MS = IDLE_POLL_MS
 QUIET_AFTER_S = 2.0
 #: The projector whose offsets say where the recovered projections stand.
@@ -277,7 +278,7 @@ class Scheduler:
         quiet = time.monotonic() - self._busy_at > QUIET_AFTER_S
         wait_ms = QUIET_WAIT_MS if quiet and not self.dispatcher.pending else REQUEST_WAIT_MS
         records = self.requests.poll(timeout_ms=wait_ms, max_records=500)
-        if records or events:
+        if records:
             self._busy_at = time.monotonic()
         try:
             self._learn_ended(records)
