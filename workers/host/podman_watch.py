@@ -3,9 +3,9 @@
 The worker starts the node's ``podman system service`` once; if it dies (killed, out
 of memory, a crash), nothing the sandboxes need goes with it (conmon keeps them, and
 their agents talk to the worker directly), but every create, removal and listing
-fails until a service answers again. The watch looks every second and starts a new
-one; a create, removal, listing or inspect that meets the gap first revives it itself
-and tries again (:meth:`workers.containers.podman_driver.PodmanDriver._reviving`).
+fails until a service answers again. The watch looks every few seconds and starts a
+new one; a create, removal, listing or inspect that meets the gap first revives it
+itself and tries again (:meth:`workers.containers.podman_driver.PodmanDriver._reviving`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from workers.host.user import NodeUser
 
 log = logging.getLogger(__name__)
 
-#: How often the service is looked at.
-CHECK_S = 1.0
+#: How often the service is looked at. Every look wakes the service and this worker;
+#: once a second cost an idle node ~0.3 % of a core, and whatever needs the service
+#: does not wait for the look (it revives the service itself).
+CHECK_S = 5.0
 
 
 class PodmanWatch:
