@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -88,9 +89,28 @@ class Harness:
 
 
 @pytest.fixture(scope="module")
+def node_at_rest(stack: Settings) -> Iterator[None]:
+    """The node's worker stopped while this module runs on its Podman service: its
+    reconcile rounds (every 5 s) remove a warm container its pool does not know and
+    look at every sandbox container in the store, which these tests' own are."""
+    from app.stack import services as stack_mod
+    from tests.conftest import wait_for
+
+    worker = next(s for s in stack_mod.services(stack) if s.name == f"worker-{stack.node_id}")
+    worker.stop(stack)  # its pid file goes: the supervisor leaves it down
+    try:
+        yield
+    finally:
+        since = time.time()
+        worker.start(stack)
+        wait_for(lambda: stack_mod.node_alive(stack, stack.node_id, since), 60, "the node back")
+
+
+@pytest.fixture(scope="module")
 def podman_node(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Path]]:
     """The running node's user and a directory of it the node can read."""
     stack: Settings = request.getfixturevalue("stack")
+    request.getfixturevalue("node_at_rest")
     from workers.host.user import find_node_user
 
     user = find_node_user(stack.node_id)
