@@ -16,7 +16,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 
 from app import bus, metrics
 from app.config import Settings
-from app.domain.base import utcnow
+from app.domain.base import MAX_DETAIL, utcnow
 from app.domain.codec import DeadLetterReason
 from app.domain.dead_letter import DeadLetter
 from app.domain.partitioner import key_partition
@@ -195,7 +195,7 @@ def dead_letter(
         partition=record.partition,
         offset=record.offset,
         reason=reason.value,
-        detail=detail[:2000],
+        detail=detail[:MAX_DETAIL],
         original_b64=base64.b64encode(kept).decode(),
         original_size=len(original),
         original_truncated=len(kept) < len(original),

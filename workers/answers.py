@@ -15,7 +15,7 @@ from enum import Enum
 from typing import TypeVar
 
 from app import metrics
-from app.domain.base import FailReason
+from app.domain.base import MAX_DETAIL, FailReason
 from app.domain.events import FailedPayload, SandboxFailed
 from app.domain.replies import ErrorReply
 from app.domain.requests import RequestBase
@@ -92,7 +92,7 @@ class Answers:
     def fail(self, request: RequestBase, exc: Exception) -> None:
         """Record and answer ``request`` as failed with ``exc``."""
         reason = reason_for(exc)
-        detail = str(exc)[:1000] or type(exc).__name__
+        detail = str(exc)[:MAX_DETAIL] or type(exc).__name__
         if reason == FailReason.AGENT_UNAVAILABLE and request.type != "CreateSandbox":
             # No agent: most often the sandbox itself is gone (its memory limit killed
             # PID 1); say that, and why, rather than blame the agent.

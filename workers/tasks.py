@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from app import metrics
-from app.domain.base import FailReason, event_id
+from app.domain.base import MAX_DETAIL, FailReason, event_id
 from app.domain.codec import DeadLetterReason, encode, peek
 from app.domain.dead_letter import DeadLetter
 from app.domain.events import FailedPayload, SandboxFailed
@@ -74,7 +74,7 @@ def _refuse(task: NodeTask, body: str, exc: ValidationError, opened: Opened) -> 
                 request_id=request_id,
                 request_type=str(raw.get("type", "unknown")),
                 reason=FailReason.INCOMPATIBLE,
-                detail=detail[:1000],
+                detail=detail[:MAX_DETAIL],
             ),
         )
     )
@@ -86,7 +86,7 @@ def _refuse(task: NodeTask, body: str, exc: ValidationError, opened: Opened) -> 
         request_id=request_id,
         sandbox_id=sandbox_id,
         reason=FailReason.INCOMPATIBLE.value,
-        detail=detail[:1000],
+        detail=detail[:MAX_DETAIL],
     )
     with node.outlet.answering(request_id, opened.reply_key):
         node.outlet.reply(reply_to, reply)
@@ -111,7 +111,7 @@ def _unsealed(task: NodeTask, args: tuple[str, ...]) -> Opened | None:
         partition=0,
         offset=-1,
         reason=DeadLetterReason.UNAUTHENTICATED.value,
-        detail=f"{task.value}: {opened}"[:2000],
+        detail=f"{task.value}: {opened}"[:MAX_DETAIL],
         original_b64=base64.b64encode(kept).decode(),
         original_size=len(raw),
         original_truncated=len(kept) < len(raw),

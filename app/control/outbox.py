@@ -15,7 +15,7 @@ from typing import Protocol
 from app.config import Settings
 from app.control.node_health import NodeHealth
 from app.control.samples import RefusalSamples
-from app.domain.base import RejectReason, derived_id
+from app.domain.base import MAX_DETAIL, RejectReason, derived_id
 from app.domain.codec import DecodeError, encode
 from app.domain.events import EventBase, RejectedPayload, SandboxRejected
 from app.domain.gate import Admitted, Refusal, Sender
@@ -178,7 +178,7 @@ class Courier:
                 request_id=request_id,
                 request_type=request_type[:128],
                 reason=refusal.reason,
-                detail=refusal.detail[:2000],
+                detail=refusal.detail[:MAX_DETAIL],
                 actor=sender.principal.actor if sender else None,
             ),
         )
@@ -198,7 +198,7 @@ class Courier:
                 request_id=request_id,
                 sandbox_id=sandbox_id or "",
                 reason=reason.value,
-                detail=detail[:2000],
+                detail=detail[:MAX_DETAIL],
             )
             self.reply(out, refusal.sender, refusal.reply_to, reply)
 

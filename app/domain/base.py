@@ -9,6 +9,9 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
+#: Longest detail a refusal, a failure or a dead letter carries: it is stored and sent
+#: on, and a sender must not make it as large as it likes.
+MAX_DETAIL = 2000
 #: Version of the message schemas this code writes.
 SCHEMA_VERSION: Literal[1] = 1
 #: The versions it reads: the wire protocol a platform serves and an SDK speaks. A

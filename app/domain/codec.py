@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import from_json
 
-from app.domain.base import PROTOCOL_VERSIONS, SCHEMA_VERSION
+from app.domain.base import MAX_DETAIL, PROTOCOL_VERSIONS, SCHEMA_VERSION
 from app.domain.events import EVENT_ADAPTER, EVENT_TYPES, Event
 from app.domain.replies import REPLY_ADAPTER, REPLY_FIELDS, REPLY_KINDS, Reply
 from app.domain.requests import REQUEST_ADAPTER, REQUEST_TYPES, WIRE, Request
@@ -26,8 +26,6 @@ from app.errors import DsecError
 
 #: Deepest nesting of arrays and objects a message may have (the schemas need 4).
 MAX_DEPTH = 64
-#: Longest detail a refusal carries (it travels in dead letters and Rejected events).
-MAX_DETAIL = 2000
 
 
 class DeadLetterReason(StrEnum):
