@@ -280,6 +280,10 @@ class Scheduler:
         records = self.requests.poll(timeout_ms=wait_ms, max_records=500)
         if records:
             self._busy_at = time.monotonic()
+            # Events that came during the wait first: the requests meet the view as of
+            # their arrival (a node registered meanwhile takes its share of creates).
+            for record in self._poll_events():
+                self.dispatcher.observe(out, record)
         try:
             self._learn_ended(records)
         except Exception:
