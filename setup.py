@@ -61,15 +61,6 @@ class BuildPy(build_py):
 
     def run(self) -> None:
         super().run()
-        # The SDK's files also reach here as package data (every file of a package's
-        # directory that the source distribution lists): out with them too.
-        build_lib = Path(self.build_lib)
-        for owned in SDK_OWNS:
-            path = build_lib / owned
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
         target = Path(self.build_lib) / "app" / "db" / "migrations"
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(
