@@ -52,11 +52,26 @@ def sdk_owned(path: str) -> bool:
 
 
 class BuildPy(build_py):
-    """Leaves out the SDK's modules and adds the migrations under app/db/migrations
-    (a checkout keeps them at the top, where Alembic's command line expects them)."""
+    """Leaves the SDK's modules out of the wheel and adds the migrations under
+    app/db/migrations (a checkout keeps them at the top, where Alembic's command line
+    expects them)."""
+
+    #: True while the sdist asks for the sources: it keeps the SDK's files, since the
+    #: wheel is built from it and needs ``app/__init__.py`` (the version) and the
+    #: packages' ``__init__`` files (to find ``app`` and ``app.domain`` at all).
+    listing_sources = False
+
+    def get_source_files(self) -> list[str]:
+        self.listing_sources = True
+        try:
+            return super().get_source_files()
+        finally:
+            self.listing_sources = False
 
     def find_package_modules(self, package: str, package_dir: str) -> list[tuple[str, str, str]]:
         found = super().find_package_modules(package, package_dir)
+        if self.listing_sources:
+            return found
         return [m for m in found if not sdk_owned(Path(m[2]).as_posix())]
 
     def run(self) -> None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import uuid
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,14 +56,36 @@ def _run(argv: list[str], cwd: Path, **extra: str) -> str:
     return done.stdout
 
 
+def _clean_copy(where: Path) -> Path:
+    """The checkout's tracked files (as they are now) copied to ``where``: what a clean
+    clone builds from. setuptools also lists what an earlier build's egg-info named, so
+    a build from the working tree can pass on a file its own manifest leaves out."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        source, target = REPO / name, where / name
+        if not source.is_symlink() and not source.exists():
+            continue  # deleted in the working tree, not yet committed
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            target.symlink_to(os.readlink(source))
+        else:
+            shutil.copy2(source, target)
+    return where
+
+
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The two wheels, each built from its sdist."""
+    """The two wheels, each built from its sdist, from a clean copy of the checkout."""
     out = tmp_path_factory.mktemp("dist")
-    for source in (REPO / "sdk", REPO):
+    tree = _clean_copy(tmp_path_factory.mktemp("checkout"))
+    for source in (tree / "sdk", tree):
         _run([sys.executable, "-m", "build", "--outdir", str(out), str(source)], cwd=out)
     found = {p.name.split("-")[0]: p for p in out.glob("*.whl")}
     assert set(found) == {"dsec", "dsec_sdk"}, sorted(out.iterdir())
+    # Both install into one ``app`` package: neither wheel may hold a file of the other
+    held = {name: set(zipfile.ZipFile(path).namelist()) for name, path in found.items()}
+    both = {f for f in held["dsec"] & held["dsec_sdk"] if not f.startswith("dsec")}
+    assert both == set()
     assert {p.name for p in out.glob("*.tar.gz")} == {
         f"dsec-{app.__version__}.tar.gz",
         f"dsec_sdk-{app.__version__}.tar.gz",
