@@ -108,7 +108,7 @@ def format_storage(settings: Settings, data_dir: str, props: Path, cluster_id: s
     command = [
         kafka_dist.java(), *jvm_logging(), "-cp", kafka_dist.classpath(libs),
         kafka_dist.STORAGE_CLASS, "format", "--ignore-formatted",
-        "--cluster-id", cluster_id, "--config", str(props),
+        f"--cluster-id={cluster_id}", "--config", str(props),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -145,9 +145,17 @@ def prepare(settings: Settings) -> list[str]:
 
 
 def cluster_id(seed: str) -> str:
-    """A KRaft cluster id (a UUID in Kafka's URL-safe base64) from a seed."""
-    raw = uuid.uuid5(uuid.NAMESPACE_URL, f"dsec-kafka:{seed}").bytes
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    """A KRaft cluster id (a UUID in Kafka's URL-safe base64) from a seed.
+
+    Never one that starts with ``-``, as Kafka's own ids never do: one in 64 would,
+    and kafka-storage's command line takes it for an option and refuses to format."""
+    name = f"dsec-kafka:{seed}"
+    while True:
+        raw = uuid.uuid5(uuid.NAMESPACE_URL, name).bytes
+        found = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+        if not found.startswith("-"):
+            return found
+        name += "+"
 
 
 def command(libs: Path, props: Path) -> list[str]:

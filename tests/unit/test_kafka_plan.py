@@ -3,6 +3,8 @@ broker's properties say."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from app.domain.kafka_access import (
@@ -95,3 +97,14 @@ def test_a_proxy_can_stand_in_front_of_the_client_listener() -> None:
     props = server_properties(_plan(client_port=19092, client_advertised="127.0.0.1:5555"))
     assert "CLIENT://127.0.0.1:5555" in props["advertised.listeners"]
     assert "CLIENT://0.0.0.0:19092" in props["listeners"]
+
+
+def test_a_cluster_id_never_reads_as_an_option() -> None:
+    # Given seeds among which the plain encoding starts with "-" one time in 64
+    from app.stack.broker import cluster_id
+
+    ids = [cluster_id(str(seed)) for seed in range(1000)]
+    # Then none does, each is a UUID in Kafka's base64, and a seed always gives its own
+    assert not [found for found in ids if found.startswith("-")]
+    assert all(len(base64.urlsafe_b64decode(found + "==")) == 16 for found in ids)
+    assert cluster_id("137") == cluster_id("137") != cluster_id("138")
