@@ -26,6 +26,7 @@ SDK_OWNS = (
     "app/__init__.py",
     "app/bus.py",
     "app/config.py",
+    "app/credentials.py",
     "app/errors.py",
     "app/domain/__init__.py",
     "app/domain/base.py",
@@ -94,7 +95,7 @@ if __name__ == "__main__":
         packages=find_packages(include=["app*", "workers*"], exclude=["app.sdk", "app.sdk.*"]),
         package_data={
             "workers.agent": ["*.c"],
-            "workers.images": ["*.Containerfile"],
+            "app.images": ["*.Containerfile"],
             # The embedded broker's Maven project, pinned checksums, logging settings.
             "app.stack": ["kafka/*"],
         },

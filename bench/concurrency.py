@@ -74,7 +74,7 @@ def main() -> None:
         probe = client.create(**SHAPE)
         idle_execs, idle_creates = probes(client, probe, args.probes)
         requests = [
-            Exec(**client._common(b.id), command=f"sleep {args.sleep:g}", timeout_s=600)
+            Exec(**client.request_fields(b.id), command=f"sleep {args.sleep:g}", timeout_s=600)
             for b in boxes
         ]
         started = time.perf_counter()

@@ -75,7 +75,7 @@ def create_at_once(client: Client, n: int) -> tuple[list[str], list[float], floa
     """Send ``n`` creates at once; sandbox ids, each one's latency, time to the last."""
     image = client.settings.default_image
     requests = [
-        CreateSandbox(image=image, **client._common(f"sb-{uuid.uuid4().hex[:20]}"), **SHAPE)
+        CreateSandbox(image=image, **client.request_fields(f"sb-{uuid.uuid4().hex[:20]}"), **SHAPE)
         for _ in range(n)
     ]
     done: dict[str, float] = {}
@@ -101,7 +101,7 @@ def create_at_once(client: Client, n: int) -> tuple[list[str], list[float], floa
 
 
 def destroy_all(client: Client, ids: list[str]) -> None:
-    requests = [DestroySandbox(**client._common(s)) for s in ids]
+    requests = [DestroySandbox(**client.request_fields(s)) for s in ids]
     futures = [client.send(r) for r in requests]
     for request, future in zip(requests, futures, strict=True):
         client.wait(request, future, 300)

@@ -188,7 +188,7 @@ def report(n: int, base: dict[str, float], now: dict[str, float], created_s: flo
 
 def cleanup(client: Client, boxes: list[Sandbox]) -> None:
     started = time.perf_counter()
-    requests = [DestroySandbox(**client._common(b.id)) for b in boxes]
+    requests = [DestroySandbox(**client.request_fields(b.id)) for b in boxes]
     futures = [client.send(r) for r in requests]
     failed = 0
     for request, future in zip(requests, futures, strict=True):

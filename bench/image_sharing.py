@@ -37,11 +37,11 @@ from pathlib import Path
 
 from app.config import Settings, get_settings
 from app.control import tenants
+from app.images.debian import DEBIAN_IMAGE, build_debian_image
+from app.images.store import refresh_nodes, remove_image
 from app.sdk import Client, Sandbox
 from workers.host.layer_store import find_image, store_podman
 from workers.host.user import set_up_node_user
-from workers.images.debian import DEBIAN_IMAGE, build_debian_image
-from workers.images.store import refresh_nodes, remove_image
 
 MB = 1e6
 #: Small sandboxes: the node's declared capacity (8 CPUs per core) must hold N of them.

@@ -29,7 +29,7 @@ from app.control.outbox import Outbox
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload
 from app.domain.partition_counts import FixedPartitions
-from app.domain.proof import KeyInfo, Purpose, Role, StaticKeys, headers
+from app.domain.proof import InMemoryKeys, KeyInfo, Purpose, Role, headers
 from app.domain.records import Inbound
 from app.domain.requests import CreateSandbox, Exec, ReplyTo
 
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=160)
     parser.add_argument("--execs", type=int, default=50_000)
     args = parser.parse_args()
-    keys = StaticKeys(os.urandom(32))
+    keys = InMemoryKeys(os.urandom(32))
     tenants = [keys.add(f"k-tenant-{i}", Role.TENANT, f"t{i}") for i in range(50)]
     settings = get_settings()
     partitions = FixedPartitions(settings.topic_partitions, settings.reply_partitions)

@@ -86,7 +86,9 @@ def main() -> None:
 
         def trainer() -> None:
             while not stop.is_set():
-                request = CreateSandbox(queue_s=0, **client._common(f"sb-{uuid.uuid4().hex[:12]}"))
+                request = CreateSandbox(
+                    queue_s=0, **client.request_fields(f"sb-{uuid.uuid4().hex[:12]}")
+                )
                 sent = time.monotonic()
                 try:
                     client.call(request, timeout_s=120)

@@ -130,10 +130,10 @@ class PlatformPublisher:
         self, topic: str, key: str, message: Any, *, wait: bool = False,
         partition: int | None = None,
     ) -> None:  # fmt: skip
+        from app import credentials
         from app.domain.codec import encode
         from app.domain.proof import Purpose, headers
         from app.domain.trust import NODE_ONLY_EVENTS
-        from app.sdk import credentials
 
         value = message if isinstance(message, bytes) else encode(message)
         proof = None

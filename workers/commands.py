@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from app import metrics
-from workers.agent.client import AgentConnection
+from workers.agent.connection import AgentConnection
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ Job = Callable[[Running], None]
 
 
 class Answering(Protocol):
-    """Where a command's replies go (the node's outlet): proven with its reply key
+    """Where a command's replies go (the node's courier): proven with its reply key
     while it runs."""
 
     def answering(
@@ -110,8 +110,8 @@ class Answering(Protocol):
 class Commands:
     """Runs claimed commands, each on its own thread, with their replies' keys."""
 
-    def __init__(self, outlet: Answering, limit: int, per_tenant: int | None = None) -> None:
-        self._outlet = outlet
+    def __init__(self, courier: Answering, limit: int, per_tenant: int | None = None) -> None:
+        self._courier = courier
         self._limit = limit
         self._per_tenant = min(per_tenant or limit, limit)
         self._pool = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="dsec-command")
@@ -165,7 +165,7 @@ class Commands:
 
     def _run(self, running: Running, reply_key: bytes | None, job: Job) -> None:
         try:
-            with self._outlet.answering(running.request_id, reply_key):
+            with self._courier.answering(running.request_id, reply_key):
                 job(running)
         except Exception:
             log.exception("command %s failed", running.request_id)

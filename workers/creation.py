@@ -22,15 +22,15 @@ from app.domain.base import StopReason, derived_id, utcnow
 from app.domain.events import SandboxStarted, StartedPayload
 from app.domain.replies import SandboxReady
 from app.domain.requests import CreateSandbox, Exec
-from workers.agent.client import AgentPool
-from workers.answers import AGENT_WAIT_S, Answers, envelope
+from workers.agent.pool import AgentPool
 from workers.containers import label
 from workers.containers.port import ContainerDriver
 from workers.containers.spec import SandboxSpec
+from workers.courier import Courier
 from workers.deadlines import Deadlines, Due
 from workers.errors import EgressDisabled, NoSpace, StaleCreate
-from workers.events_out import Outlet
 from workers.exec_path import command_completed
+from workers.failures import AGENT_WAIT_S, Failures, envelope
 from workers.lifecycle import Lifecycle
 
 if TYPE_CHECKING:
@@ -49,8 +49,8 @@ class CreateHost(Protocol):
     settings: Settings
     driver: ContainerDriver
     agents: AgentPool
-    outlet: Outlet
-    answers: Answers
+    courier: Courier
+    failures: Failures
     deadlines: Deadlines
     #: Warm containers a create claims; None: always cold.
     warm: WarmPool | None
@@ -154,10 +154,10 @@ class Creation:
                 container_id = claimed
             node.agents.connection(request.sandbox_id, AGENT_CONNECT_S).ping()
         except Exception as exc:
-            node.answers.fail(request, exc)
+            node.failures.fail(request, exc)
             self.ends.discard(request.sandbox_id)
             return
-        node.outlet.event(
+        node.courier.event(
             SandboxStarted(
                 event_id=request.event_of("started"),
                 **envelope(request, node.node_id),
@@ -174,7 +174,7 @@ class Creation:
         )  # fmt: skip
         if restore and not self._restore(request, restore):
             return
-        node.outlet.reply(
+        node.courier.reply(
             request.reply_to,
             SandboxReady(
                 request_id=request.request_id, sandbox_id=request.sandbox_id, node_id=node.node_id
@@ -202,13 +202,13 @@ class Creation:
                 with node.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
                     result = conn.exec(argv, timeout_s=RESTORE_COMMAND_TIMEOUT_S)
             except Exception as exc:
-                node.answers.fail(request, exc)
+                node.failures.fail(request, exc)
                 self.ends.stop(
                     request.sandbox_id, request.tenant, request.job_id, StopReason.FAILED,
                     f"restore of {request.restore_trajectory} broke at command {i}: {exc}",
                 )  # fmt: skip
                 return False
-            node.outlet.event(
+            node.courier.event(
                 command_completed(replay, result, node.node_id, node.settings.step_output_bytes)
             )
         return True

@@ -29,15 +29,15 @@ from app.domain.events import CommandCompleted, CommandPayload
 from app.domain.replies import Done, ExecOutput, OutputChunk
 from app.domain.requests import Exec, KillCommand
 from app.domain.trajectory import RecordedStep
-from workers.agent.client import AgentPool
 from workers.agent.errors import AgentError, AgentTimeout
-from workers.agent.protocol import AgentExecResult
-from workers.agent.protocol import Output as AgentOutput
-from workers.answers import AGENT_WAIT_S, Answers, envelope
+from workers.agent.messages import AgentExecResult
+from workers.agent.messages import Output as AgentOutput
+from workers.agent.pool import AgentPool
 from workers.commands import Commands, Job, Running
 from workers.containers.port import ContainerDriver
+from workers.courier import Courier
 from workers.errors import CommandInterrupted, NodeError
-from workers.events_out import Outlet
+from workers.failures import AGENT_WAIT_S, Failures, envelope
 from workers.redis_state import Claims, StepGuard
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,11 @@ class ExecHost(Protocol):
     settings: Settings
     driver: ContainerDriver
     agents: AgentPool
-    outlet: Outlet
+    courier: Courier
     claims: Claims
     steps: StepGuard
     commands: Commands
-    answers: Answers
+    failures: Failures
     #: What the node saw happen in each sandbox, for the last state its Stopped records.
     activity: dict[str, Activity]
 
@@ -197,7 +197,7 @@ class ExecPath:
         commands. Each gets a failure (reason ``interrupted``), never a second run."""
         stranded = self.node.claims.unanswered()
         for field, (request, key) in stranded:
-            with self.node.outlet.answering(request.request_id, key):
+            with self.node.courier.answering(request.request_id, key):
                 self._exec_failed(
                     request,
                     CommandInterrupted(
@@ -215,7 +215,7 @@ class ExecPath:
         running = self.node.commands.find(request.sandbox_id, request.command_id)
         if running is not None:
             running.kill(request.actor or request.tenant)
-        self.node.outlet.reply(
+        self.node.courier.reply(
             request.reply_to,
             Done(
                 request_id=request.request_id,
@@ -259,7 +259,7 @@ class ExecPath:
         traj, step = request.trajectory_id, request.step
         if traj is not None and step is not None:
             self.node.steps.release(request.tenant, traj, step)
-        self.node.answers.fail(request, exc)
+        self.node.failures.fail(request, exc)
 
     def _exec_done(
         self, request: Exec, result: AgentExecResult, killed_by: str | None = None
@@ -273,7 +273,7 @@ class ExecPath:
         recorded = RecordedStep.of(completed.payload)
         if recorded is not None and request.trajectory_id is not None:
             node.steps.record(request.tenant, request.trajectory_id, recorded)
-        node.outlet.event(completed)
+        node.courier.event(completed)
         seen = node.activity.setdefault(request.sandbox_id, Activity())
         seen.commands += 1
         command = (
@@ -282,7 +282,7 @@ class ExecPath:
         seen.last_command, seen.last_exit_code = command[:200], result.exit_code
         if result.exit_code == -signal.SIGKILL and not result.timed_out and killed_by is None:
             self._end_if_oom(request)
-        node.outlet.reply_with_data(
+        node.courier.reply_with_data(
             request.reply_to,
             ExecOutput(
                 request_id=request.request_id,
@@ -306,7 +306,7 @@ class ExecPath:
 
         def send(output: AgentOutput) -> None:
             (running.stdout if output.stream == 1 else running.stderr).extend(output.data)
-            self.node.outlet.reply(
+            self.node.courier.reply(
                 request.reply_to,
                 OutputChunk(
                     request_id=request.request_id,
@@ -324,14 +324,14 @@ class ExecPath:
         node = self.node
         recorded = node.steps.wait(request.tenant, traj, step, request.timeout_s + AGENT_WAIT_S)
         if recorded is None:
-            node.answers.fail(
+            node.failures.fail(
                 request,
                 AgentTimeout(f"trajectory {traj} step {step} is claimed but has no result yet"),
             )
             return
         event, reply = recorded.answer(request, node_id=node.node_id)
-        node.outlet.event(event)
-        node.outlet.reply(request.reply_to, reply)
+        node.courier.event(event)
+        node.courier.reply(request.reply_to, reply)
 
     def _end_if_oom(self, request: Exec) -> None:
         """End the sandbox (reason oom) once the kernel's OOM killer has hit it.

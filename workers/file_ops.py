@@ -12,28 +12,28 @@ import base64
 from app.domain.events import FilePayload, FileRead, FileWritten
 from app.domain.replies import Done, FileContent
 from app.domain.requests import ReadFile, WriteFile
-from workers.answers import Answers, Failed, envelope
-from workers.events_out import Outlet
+from workers.courier import Courier
+from workers.failures import Failed, Failures, envelope
 
 
 class FileOps:
     """One node's file transfers."""
 
-    def __init__(self, node_id: str, outlet: Outlet, answers: Answers) -> None:
+    def __init__(self, node_id: str, courier: Courier, failures: Failures) -> None:
         self.node_id = node_id
-        self.outlet = outlet
-        self.answers = answers
+        self.courier = courier
+        self.failures = failures
 
     def write_file(self, request: WriteFile) -> None:
         """Write a file through the agent (which refuses links and traversal)."""
         data = base64.b64decode(request.data_b64)
-        size = self.answers.by_agent(
+        size = self.failures.by_agent(
             request, lambda c: c.write_file(request.path, data, request.mode)
         )
         if isinstance(size, Failed):
             return
         self._file_moved(request, size)
-        self.outlet.reply(
+        self.courier.reply(
             request.reply_to,
             Done(
                 request_id=request.request_id, sandbox_id=request.sandbox_id, detail=f"{size} bytes"
@@ -42,14 +42,14 @@ class FileOps:
 
     def read_file(self, request: ReadFile) -> None:
         """Read a file through the agent."""
-        read = self.answers.by_agent(
+        read = self.failures.by_agent(
             request, lambda c: c.read_file(request.path, request.max_bytes)
         )
         if isinstance(read, Failed):
             return
         data, truncated = read
         self._file_moved(request, len(data))
-        self.outlet.reply_with_data(
+        self.courier.reply_with_data(
             request.reply_to,
             FileContent(
                 request_id=request.request_id,
@@ -64,7 +64,7 @@ class FileOps:
         """Record that a file crossed the sandbox's boundary."""
         written = isinstance(request, WriteFile)
         kind: type[FileWritten] | type[FileRead] = FileWritten if written else FileRead
-        self.outlet.event(
+        self.courier.event(
             kind(
                 event_id=request.event_of("written" if written else "read"),
                 **envelope(request, self.node_id),

@@ -2,7 +2,7 @@
 
 Celery tasks (workers/tasks.py), the inbox (workers/inbox.py), the upkeep thread and
 the warm pool call :class:`Node`; it holds what every handler shares (the driver, the
-agents, the outlet, the Redis claims, the sandboxes in a transition) and hands each
+agents, the courier, the Redis claims, the sandboxes in a transition) and hands each
 request to the collaborator that does the work, each seeing the node through a
 protocol of what it needs:
 
@@ -10,7 +10,7 @@ protocol of what it needs:
 - :mod:`workers.lifecycle`: freezes, thaws, deadlines, destroys and every Stopped;
 - :mod:`workers.exec_path`: commands, from their claim to their answer;
 - :mod:`workers.file_ops`: files into and out of a sandbox;
-- :mod:`workers.answers`: a request's failure, told to the log and its trainer.
+- :mod:`workers.failures`: a request's failure, told to the log and its trainer.
 
 Every handler is idempotent: the sandbox id names the container, events carry ids
 derived from the request id, and an exec's request id is claimed in Redis before it
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.config import Settings
+from app.credentials import Credential
 from app.domain.requests import (
     CreateSandbox,
     DestroySandbox,
@@ -39,16 +40,15 @@ from app.domain.requests import (
     ThawSandbox,
     WriteFile,
 )
-from app.sdk.credentials import Credential
-from workers.agent.client import AgentPool
-from workers.answers import Answers
+from workers.agent.pool import AgentPool
 from workers.commands import Commands, Job
 from workers.containers.port import ContainerDriver
 from workers.containers.spec import AGENT_SOCKET_NAME
+from workers.courier import Courier
 from workers.creation import Creation
 from workers.deadlines import Deadlines, Due
-from workers.events_out import Outlet
 from workers.exec_path import Activity, ExecPath
+from workers.failures import Failures
 from workers.file_ops import FileOps
 from workers.lifecycle import Lifecycle
 from workers.redis_state import Claims, StepGuard, connect
@@ -74,7 +74,7 @@ class Node:
         self.agents = agents
         #: What this node proves its events with, and checks its tasks against.
         self.credential = credential
-        self.outlet = Outlet(settings, credential)
+        self.courier = Courier(settings, credential)
         store = connect(settings.celery_broker_url)
         self.steps = StepGuard(store)
         self.claims = Claims(store, node_id, credential.secret)
@@ -92,17 +92,17 @@ class Node:
         #: records (kept in memory: a restarted worker knows less, and says so).
         self.activity: dict[str, Activity] = {}
         #: A request's failure, told to the log and its trainer.
-        self.answers = Answers(node_id, self.outlet, driver, agents)
+        self.failures = Failures(node_id, self.courier, driver, agents)
         #: Commands in flight, off the Celery pool (workers/commands.py).
         self.commands = Commands(
-            self.outlet, settings.node_max_commands, settings.node_max_commands_per_tenant
+            self.courier, settings.node_max_commands, settings.node_max_commands_per_tenant
         )
         #: Ends each sandbox at its TTL deadline (started by the worker's main).
         self.deadlines = Deadlines(self.expire)
         self.lifecycle = Lifecycle(self)
         self.creation = Creation(self, self.lifecycle)
         self.execs = ExecPath(self, self.lifecycle)
-        self.files = FileOps(node_id, self.outlet, self.answers)
+        self.files = FileOps(node_id, self.courier, self.failures)
 
     @contextmanager
     def busy(self, sandbox_id: str) -> Iterator[None]:

@@ -27,8 +27,8 @@ from app.domain.node_tasks import read_inbox_record
 from app.domain.records import Record
 from app.errors import ServiceUnavailable
 from workers import tasks
+from workers.courier import Courier
 from workers.errors import RedisFailed
-from workers.events_out import Outlet
 from workers.redis_state import InboxPosition, connect
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,12 @@ READY_WAIT_S = 60.0
 class Inbox:
     """Reads a node's inbox topic on a thread of its own and carries out its tasks."""
 
-    def __init__(self, settings: Settings, node_id: str, outlet: Outlet) -> None:
+    def __init__(self, settings: Settings, node_id: str, courier: Courier) -> None:
         self.settings = settings
         self.node_id = node_id
         self.topic = settings.node_topic(node_id)
         self.name = f"inbox {node_id}"
-        self._outlet = outlet
+        self._courier = courier
         self._position = InboxPosition(connect(settings.celery_broker_url), node_id)
         self._stopping = threading.Event()
         self._ready: threading.Event | None = None
@@ -82,7 +82,7 @@ class Inbox:
 
     def _serve(self) -> None:
         consumer = PositionedConsumer(
-            self.settings, self.topic, self.name, login=self._outlet.credential.kafka
+            self.settings, self.topic, self.name, login=self._courier.credential.kafka
         )
         try:
             consumer.seek(self._position.stored())
@@ -106,7 +106,7 @@ class Inbox:
             log.error("%s: refused a record: %s", self.name, opened)
             metrics.DEAD_LETTERS.labels(self.name, DeadLetterReason.INVALID.value).inc()
             dead_letter(
-                self._outlet.publisher, self.settings, self.name, record,
+                self._courier.publisher, self.settings, self.name, record,
                 DeadLetterReason.INVALID, opened,
             )  # fmt: skip
             return

@@ -31,14 +31,15 @@ from app.domain.events import (
 from app.domain.lives import RECONCILER
 from app.domain.replies import Done
 from app.domain.requests import DestroySandbox, FreezeSandbox, RequestBase, ThawSandbox
-from workers.agent.client import AgentConnection, AgentPool
-from workers.answers import Answers, Failed, envelope
+from workers.agent.connection import AgentConnection
+from workers.agent.pool import AgentPool
 from workers.containers.port import ContainerDriver
 from workers.containers.spec import AGENT_BIN_MOUNT
+from workers.courier import Courier
 from workers.deadlines import Deadlines, Due
 from workers.errors import NodeError
-from workers.events_out import Outlet
 from workers.exec_path import Activity
+from workers.failures import Failed, Failures, envelope
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ class LifeHost(Protocol):
     node_id: str
     driver: ContainerDriver
     agents: AgentPool
-    outlet: Outlet
-    answers: Answers
+    courier: Courier
+    failures: Failures
     deadlines: Deadlines
     #: What the node saw happen in each sandbox, for the last state its Stopped records.
     activity: dict[str, Activity]
@@ -104,11 +105,11 @@ class Lifecycle:
                 conn.exec(argv, timeout_s=10)
 
         node = self.node
-        if isinstance(node.answers.by_agent(request, send), Failed):
+        if isinstance(node.failures.by_agent(request, send), Failed):
             return
         seen = node.activity.setdefault(request.sandbox_id, Activity())
         seen.frozen = event_type is SandboxFrozen
-        node.outlet.event(
+        node.courier.event(
             event_type(
                 **envelope(request, node.node_id),
                 payload=FreezePayload(
@@ -116,7 +117,7 @@ class Lifecycle:
                 ),
             )
         )
-        node.outlet.reply(
+        node.courier.reply(
             request.reply_to,
             Done(request_id=request.request_id, sandbox_id=request.sandbox_id, detail=reason),
         )
@@ -149,7 +150,7 @@ class Lifecycle:
         self.node.deadlines.cancel(sandbox_id)
         last_state = self._last_state(sandbox_id)  # before its cgroups go
         self.discard(sandbox_id)
-        self.node.outlet.event(
+        self.node.courier.event(
             SandboxStopped(
                 event_id=derived_id(
                     request.request_id if request else _NS, f"{sandbox_id}:stopped"
@@ -239,7 +240,7 @@ class Lifecycle:
                     f"destroyed by {request.actor}",
                     request,
                 )
-        node.outlet.reply(
+        node.courier.reply(
             request.reply_to,
             Done(
                 request_id=request.request_id,

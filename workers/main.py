@@ -6,11 +6,11 @@ import logging
 import resource
 import threading
 
-from app import metrics
+from app import credentials, metrics
 from app.config import get_settings
-from app.sdk import credentials
 from workers import runtime, tasks
-from workers.agent.client import AgentPool, peer_is_sandbox_init
+from workers.agent.connection import peer_is_sandbox_init
+from workers.agent.pool import AgentPool
 from workers.celery_app import celery, restore_unacked
 from workers.containers.limits import CgroupLimiter
 from workers.containers.podman_driver import PodmanDriver
@@ -72,7 +72,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
     # Its topic before the first heartbeat (the scheduler sends commands once it hears
     # of the node); read once the first round listens again for the agents.
     upkeep = Upkeep(node)
-    inbox = Inbox(settings, node_id, node.outlet)
+    inbox = Inbox(settings, node_id, node.courier)
     inbox.start(ready=upkeep.rounds)
     upkeep.start()
     threading.Thread(

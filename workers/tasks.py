@@ -63,7 +63,7 @@ def _refuse(task: NodeTask, body: str, exc: ValidationError, opened: Opened) -> 
     if not isinstance(sandbox_id, str):
         return
     node = runtime.node()
-    node.outlet.event(
+    node.courier.event(
         SandboxFailed(
             event_id=event_id(request_id, str(raw.get("actor") or ""), "failed"),
             sandbox_id=sandbox_id,
@@ -88,8 +88,8 @@ def _refuse(task: NodeTask, body: str, exc: ValidationError, opened: Opened) -> 
         reason=FailReason.INCOMPATIBLE.value,
         detail=detail[:MAX_DETAIL],
     )
-    with node.outlet.answering(request_id, opened.reply_key):
-        node.outlet.reply(reply_to, reply)
+    with node.courier.answering(request_id, opened.reply_key):
+        node.courier.reply(reply_to, reply)
 
 
 def _unsealed(task: NodeTask, args: tuple[str, ...]) -> Opened | None:
@@ -117,7 +117,9 @@ def _unsealed(task: NodeTask, args: tuple[str, ...]) -> Opened | None:
         original_truncated=len(kept) < len(raw),
         key=None,
     )
-    node.outlet.publisher.publish(node.settings.topic_dead_letters, "", encode(letter), partition=0)
+    node.courier.publisher.publish(
+        node.settings.topic_dead_letters, "", encode(letter), partition=0
+    )
     return None
 
 
@@ -145,7 +147,7 @@ def _run(
     try:
         if held:
             node.claims.hold(scope, task.value, list(args))
-        with node.outlet.answering(request_id, opened.reply_key):
+        with node.courier.answering(request_id, opened.reply_key):
             handler(request, opened)
     except Exception:
         log.exception("%s failed", task)

@@ -217,13 +217,13 @@ class Upkeep(threading.Thread):
         while not self.stopping.is_set():
             sandboxes = held(self.node) if self.rounds.is_set() else None
             try:
-                self.node.outlet.event(
+                self.node.courier.event(
                     cls(
                         node_id=self.node.node_id,
                         payload=payload(self.node, sandboxes, self.images),
                     )
                 )
-                self.node.outlet.flush()
+                self.node.courier.flush()
                 cls = NodeHeartbeat
             except Exception:
                 log.exception("heartbeat failed")

@@ -89,7 +89,7 @@ class AgentLine(Protocol):
 
 
 class PoolAgents(Protocol):
-    """What a warm pool does with its node's agents (:class:`workers.agent.client.AgentPool`
+    """What a warm pool does with its node's agents (:class:`workers.agent.pool.AgentPool`
     is one): listen for a new container's agent, move a claimed one's slot, let go."""
 
     def register(

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from app.cli import render as cli_render
+from app.cli.arguments import JsonOpt
 from app.config import get_settings
 
 
@@ -28,7 +29,7 @@ def doctor(
             help="Do not compare the projections with a rebuild (it locks them meanwhile).",
         ),
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Lives open past their deadlines, lives ended twice, lost nodes with open lives,
     projections that differ from a rebuild. Exit 1 if any."""

@@ -13,14 +13,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from app.cli.arguments import JsonOpt
 from app.config import get_settings
 
 image_cli = typer.Typer(
     no_args_is_help=True, help="The shared image-layer store: import, build, list, remove."
 )
 console = Console(soft_wrap=True)  # messages carry paths and names: never break them
-# Defined here too: app.cli imports this module, so importing it back would be a cycle.
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
 def _fail(message: str) -> typer.Exit:
@@ -40,8 +39,8 @@ def import_(
     ] = None,
 ) -> None:
     """Import a root filesystem tarball (podman import) or an image archive (podman load)."""
+    from app.images.build import import_image, spooled
     from workers.errors import NodeError
-    from workers.images.build import import_image, spooled
 
     settings = get_settings()
     try:
@@ -78,8 +77,8 @@ def build(
     ] = False,
 ) -> None:
     """Build a Containerfile into the store with root's Podman (--pull=never)."""
+    from app.images.build import build_image
     from workers.errors import NodeError
-    from workers.images.build import build_image
 
     if debian:
         build_debian(image=name)
@@ -113,8 +112,8 @@ def build_debian(
     ] = False,
 ) -> None:
     """Debian 12 with python3 and git from Debian packages (debootstrap, cached)."""
+    from app.images.debian import build_debian_image
     from workers.errors import NodeError
-    from workers.images.debian import build_debian_image
 
     try:
         done = build_debian_image(
@@ -137,8 +136,8 @@ def build_platform(
     ] = False,
 ) -> None:
     """The platform's own images from this checkout: dsec/control and dsec/node."""
+    from app.images.platform import build_platform_images
     from workers.errors import NodeError
-    from workers.images.platform import build_platform_images
 
     try:
         build_platform_images(
@@ -182,9 +181,9 @@ def rm(
     ] = False,
 ) -> None:
     """Remove images from the store (refused while a sandbox runs one, unless --force)."""
+    from app.images.store import image_users, remove_image
     from workers.errors import NodeError
     from workers.host.layer_store import image_exists
-    from workers.images.store import image_users, remove_image
 
     settings = get_settings()
     failed = False

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from app.cli import render as cli_render
+from app.cli.arguments import JsonOpt
 from app.config import get_settings
 from app.db.credentials import CredentialRow
 from app.domain.proof import SUBJECT, Role
@@ -34,7 +35,6 @@ OutOpt = Annotated[
     Path | None,
     typer.Option("--out", help="Write the credential here (default: the local secrets dir)."),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
 def _row(row: CredentialRow) -> dict[str, Any]:

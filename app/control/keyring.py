@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from app import secret_files
 from app.bus import KafkaLogin
 from app.config import Settings
+from app.credentials import Credential
 from app.db import credentials as stored
 from app.db.credentials import CredentialRow
 from app.db.engine import transaction
@@ -31,7 +32,6 @@ from app.domain.proof import (
     kafka_password,
 )
 from app.errors import ConfigError
-from app.sdk.credentials import Credential
 
 log = logging.getLogger(__name__)
 

@@ -14,17 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from app import kafka_admin
+from app import credentials, kafka_admin
 from app.config import Settings
 from app.control.keyring import credential_for, kafka_login_for
+from app.credentials import Credential
 from app.db import credentials as stored
 from app.db.credentials import CredentialRow
 from app.db.engine import transaction
 from app.domain.kafka_access import Grant, key_grants
 from app.domain.proof import SUBJECT, Role
 from app.errors import ConfigError
-from app.sdk import credentials
-from app.sdk.credentials import Credential
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ def check_mac(secret: bytes, purpose: Purpose, value: bytes, found: str | None) 
 
 
 class KeyLookup:
-    """Where a verifier finds keys by id (the platform's keyring, or :class:`StaticKeys`)."""
+    """Where a verifier finds keys by id (the platform's keyring, or :class:`InMemoryKeys`)."""
 
     def lookup(self, key_id: str) -> KeyInfo | None:  # pragma: no cover - interface
         """The key named ``key_id``, or None if there is no such credential."""
@@ -189,7 +189,7 @@ class KeyLookup:
         raise NotImplementedError
 
 
-class StaticKeys(KeyLookup):
+class InMemoryKeys(KeyLookup):
     """Keys held in a dict, all derived from one master key (tests, benchmarks)."""
 
     def __init__(self, master: bytes) -> None:

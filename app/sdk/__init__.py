@@ -10,7 +10,8 @@ it speaks; a platform that serves none of them refuses its requests with
 
 from app.domain.base import PROTOCOL_VERSIONS
 from app.sdk.aio import AsyncClient, AsyncCommand, AsyncExecStream, AsyncGroup, AsyncSandbox
-from app.sdk.client import Chunk, Client, Command, ExecResult, ExecStream, Group, Sandbox
+from app.sdk.client import Chunk, Client, ExecResult
+from app.sdk.handles import Command, ExecStream, Group, Sandbox
 
 __all__ = [
     "PROTOCOL_VERSIONS",

@@ -27,7 +27,8 @@ from typing import Any, Self
 from app.config import Settings
 from app.domain.replies import Reply
 from app.domain.requests import RequestBase
-from app.sdk.client import Chunk, Client, Command, ExecResult, Group, OutputHandler, Sandbox
+from app.sdk.client import Chunk, Client, ExecResult, OutputHandler
+from app.sdk.handles import Command, Group, Sandbox
 from app.sdk.steps import awaited, run_async
 
 

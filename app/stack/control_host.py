@@ -22,6 +22,7 @@ from app.config import Settings
 from app.errors import ServiceUnavailable, first_line
 from app.stack import broker
 from app.stack import services as stack
+from app.stack.process import Service
 
 #: The services of the embedded stack that are not a control host's: an operator's.
 NOT_OURS = ("broker", "redis")
@@ -45,7 +46,7 @@ def check(settings: Settings) -> None:
     taskqueue.check_broker(settings)
 
 
-def services(settings: Settings, schedulers: int | None = None) -> list[stack.Service]:
+def services(settings: Settings, schedulers: int | None = None) -> list[Service]:
     """A control host's services, in start order."""
     every = stack.services(settings, [], schedulers)
     return [s for s in every if s.name not in NOT_OURS]
@@ -64,11 +65,10 @@ def prepare(
     one ``<id>.json`` each, where given). With ``kafka_internal`` (a broker's internal
     listener, ``host:port``), the stack's administrator principal is made first, as the
     brokers' own principal (the brokers' secrets are this host's: `dsec kafka secrets`)."""
-    from app import secret_files
+    from app import credentials, secret_files
     from app.control import tenants
     from app.db.setup import migrate
     from app.domain.proof import Role
-    from app.sdk import credentials
 
     check(settings)
     secret_files.ensure(settings.master_key_path)

@@ -15,10 +15,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from app import bus, taskqueue
+from app import bus, credentials, taskqueue
 from app.config import Settings
 from app.errors import ConfigError
-from app.sdk import credentials
 
 
 def check(settings: Settings, node_id: str) -> Path:
@@ -51,9 +50,9 @@ def up(
 ) -> None:
     """Set the node host up and start its worker (and the supervisor); with
     ``foreground``, become the worker instead (a container's or a unit's process)."""
+    from app.images.store import import_busybox_image
     from app.stack import services as stack
     from workers.agent.build import ensure_agent_dir
-    from workers.images.store import import_busybox_image
 
     path = check(settings, node_id)
     log(f"node {node_id}: credential {path}; Kafka at {settings.kafka_bootstrap} and Redis answer")

@@ -27,7 +27,7 @@ import pytest
 
 from app.config import Settings
 from workers.containers import label
-from workers.containers.memory_driver import MemoryDriver
+from workers.containers.memory_driver import InMemoryDriver
 from workers.containers.port import ContainerDriver, SandboxContainer
 from workers.containers.spec import SandboxSpec
 from workers.errors import ImageNotFound, NodeError
@@ -149,7 +149,7 @@ def _podman(request: pytest.FixtureRequest) -> Iterator[Harness]:
 
 
 def _memory(tmp_path: Path) -> Iterator[Harness]:
-    driver = MemoryDriver(images=[IMAGE])
+    driver = InMemoryDriver(images=[IMAGE])
 
     def make_foreign(sandbox_id: str, labels: dict[str, str]) -> None:
         driver.add(f"dsec-{sandbox_id}", IMAGE, labels)

@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 
 from workers.agent.build import ensure_agent_dir, is_static_elf
-from workers.agent.client import IDLE_KEPT, AgentConnection, AgentListener, AgentPool
+from workers.agent.connection import AgentConnection, AgentListener
 from workers.agent.errors import AgentBuildError, AgentRefused, AgentUnavailable
-from workers.agent.protocol import Output
+from workers.agent.messages import Output
+from workers.agent.pool import IDLE_KEPT, AgentPool
 
 pytestmark = pytest.mark.integration
 

@@ -104,11 +104,11 @@ def test_another_tenant_cannot_kill_a_command(box: Sandbox, dave: Client, db: An
     wait_for(lambda: b"sleep 3" in box.exec("ps -o args").stdout, what="the command to run")
     # Through the owner's sandbox: refused by the scheduler, as if it did not exist.
     with pytest.raises(SandboxRejectedError) as refused:
-        dave.call(KillCommand(command_id=victim.id, **dave._common(box.id)))
+        dave.call(KillCommand(command_id=victim.id, **dave.request_fields(box.id)))
     assert refused.value.reason == "unknown_sandbox"
     # Naming the command from a sandbox of one's own: the node finds no such command.
     with dave.create(memory_mb=64, ttl_s=600) as own:
-        reply = dave.call(KillCommand(command_id=victim.id, **dave._common(own.id)))
+        reply = dave.call(KillCommand(command_id=victim.id, **dave.request_fields(own.id)))
         assert reply.detail == "not running"  # type: ignore[union-attr]
     result = victim.wait(timeout_s=30)
     assert result.ok and result.stdout == b"finished\n" and not result.killed

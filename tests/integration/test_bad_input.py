@@ -137,7 +137,7 @@ def test_an_impossible_request_is_answered_and_logged_never_dropped(
 ) -> None:
     # Given a sandbox, and a request the models would refuse, signed and sent as is
     with client.create() as box:
-        bad = kind.model_construct(**client._common(box.id), **fields)
+        bad = kind.model_construct(**client.request_fields(box.id), **fields)
         # Then its sender hears why, at once (not after a 60 s timeout)
         with pytest.raises(SandboxRejectedError) as refused:
             client.wait(bad, client.send(bad), 30)
@@ -162,10 +162,10 @@ def test_a_sandbox_id_lives_once(client: Any, db: Any) -> None:
     box = client.create()
     # When its id is asked for again while it runs, then after it ended
     with pytest.raises(SandboxRejectedError) as in_use:
-        client.call(CreateSandbox(**client._common(box.id)), timeout_s=30)
+        client.call(CreateSandbox(**client.request_fields(box.id)), timeout_s=30)
     box.close()
     with pytest.raises(SandboxRejectedError) as ended:
-        client.call(CreateSandbox(**client._common(box.id)), timeout_s=30)
+        client.call(CreateSandbox(**client.request_fields(box.id)), timeout_s=30)
     # Then both are refused at once with the reason (the same words: ids are never
     # reused, and nothing says how it ended), and the log holds one life
     assert in_use.value.reason == ended.value.reason == "id_in_use"
@@ -211,7 +211,7 @@ def test_bad_requests_in_a_batch_cost_the_good_ones_nothing(client: Any) -> None
     # Given a batch where every other request is hostile: nested JSON, a reply
     # partition beyond the topic, a NUL in a trajectory id (all from a real tenant)
     sandbox_ids = [f"sb-batch-{uuid.uuid4().hex[:10]}" for _ in range(3)]
-    good = [CreateSandbox(**client._common(s), memory_mb=32) for s in sandbox_ids]
+    good = [CreateSandbox(**client.request_fields(s), memory_mb=32) for s in sandbox_ids]
     futures = []
     hostile = [
         b"[" * 50_000 + b"]" * 50_000,

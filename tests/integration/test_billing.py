@@ -597,7 +597,7 @@ def test_audit_limit_keeps_the_latest_rows_and_since_filters(conn: Connection) -
 
 def test_cli_prints_bill_and_audit(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given the CLI reading through this test's (rolled back) transaction
-    from app.cli import main as cli_mod
+    from app.cli import records as cli_mod
     from app.db import engine
 
     @contextmanager

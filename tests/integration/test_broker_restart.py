@@ -21,12 +21,13 @@ from sqlalchemy import text
 from app.config import Settings
 from app.sdk import Client
 from app.stack import services as stack_mod
+from app.stack.process import Service
 from tests.conftest import logged, wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def _broker(settings: Settings) -> stack_mod.Service:
+def _broker(settings: Settings) -> Service:
     every = stack_mod.services(settings, stack_mod.known_node_ids(settings))
     return next(s for s in every if s.name == "broker")
 

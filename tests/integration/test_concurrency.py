@@ -29,7 +29,7 @@ def boxes(client: Any) -> Iterator[list[Any]]:
 
 
 def _send(client: Any, box: Any, command: str) -> tuple[Exec, Any]:
-    request = Exec(**client._common(box.id), command=command, timeout_s=60)
+    request = Exec(**client.request_fields(box.id), command=command, timeout_s=60)
     return request, client.send(request)
 
 

@@ -22,7 +22,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from app import metrics
 from app.config import Settings
-from workers.images.platform import CONTROL, NODE, default_tag
+from app.images.platform import CONTROL, NODE, default_tag
 
 pytestmark = pytest.mark.integration
 

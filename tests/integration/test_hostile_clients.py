@@ -147,7 +147,7 @@ def test_a_naive_sent_at_is_refused_and_the_batch_goes_on(
     stack: Settings, mallory: Client, carol: Client, box: Sandbox, db: Any
 ) -> None:
     with mallory.create(memory_mb=64, ttl_s=120) as own:
-        body = json.loads(encode(exec_request(mallory._common(own.id), "true", timeout_s=5)))
+        body = json.loads(encode(exec_request(mallory.request_fields(own.id), "true", timeout_s=5)))
         body["sent_at"] = utcnow().replace(tzinfo=None).isoformat()
         raw = json.dumps(body).encode()
         # carol's command and mallory's naive one in the same moment
@@ -172,7 +172,7 @@ def test_the_same_bytes_without_id_and_time_never_run(
 
 def test_an_upper_case_request_id_is_refused(stack: Settings, mallory: Client, db: Any) -> None:
     with mallory.create(memory_mb=64, ttl_s=120) as own:
-        body = json.loads(encode(exec_request(mallory._common(own.id), "true", timeout_s=5)))
+        body = json.loads(encode(exec_request(mallory.request_fields(own.id), "true", timeout_s=5)))
         body["request_id"] = body["request_id"].upper()
         raw = json.dumps(body).encode()
         _send(stack, own.id, raw, _signed(mallory, raw))
@@ -219,7 +219,7 @@ def test_a_forbidden_attempt_is_attributed_whatever_came_first(
     stack: Settings, mallory: Client, box: Sandbox, db: Any
 ) -> None:
     # Given an unauthenticated record with the request id mallory will use, sent first
-    attempt = DestroySandbox(**mallory._common(box.id))
+    attempt = DestroySandbox(**mallory.request_fields(box.id))
     _send(stack, box.id, encode(attempt), [])
     # When mallory tries to destroy carol's sandbox under that id
     with pytest.raises(SandboxNotFound):
@@ -248,7 +248,7 @@ def test_a_renewal_copied_onto_another_partition_is_not_acted_on(
     # Given carol's renewal of a new lease, answered
     since = utcnow()
     lease = f"lease-{uuid.uuid4().hex[:8]}"
-    renew = RenewLease(**carol._common(lease))
+    renew = RenewLease(**carol.request_fields(lease))
     carol.call(renew, timeout_s=20)
     # When its signed bytes are written again onto another partition than its key's
     # (another scheduler's, with several)
@@ -283,7 +283,7 @@ def test_leases_past_the_quota_are_refused_and_the_cli_sets_it(
         time.sleep(6)  # every scheduler reads them within 5 s
         refused = []
         for i in range(6):
-            renew = RenewLease(**mallory._common(f"lease-q{i}-{uuid.uuid4().hex[:6]}"))
+            renew = RenewLease(**mallory.request_fields(f"lease-q{i}-{uuid.uuid4().hex[:6]}"))
             try:
                 mallory.call(renew, timeout_s=20)
             except SandboxRejectedError as exc:
@@ -340,7 +340,7 @@ def test_not_found_and_not_yours_are_one_answer(
 
 def test_a_taken_id_says_nothing_of_its_owner(mallory: Client, box: Sandbox) -> None:
     with pytest.raises(SandboxIdInUse) as refused:
-        mallory.call(CreateSandbox(**mallory._common(box.id), memory_mb=64), timeout_s=20)
+        mallory.call(CreateSandbox(**mallory.request_fields(box.id), memory_mb=64), timeout_s=20)
     assert "carol" not in refused.value.detail and refused.value.reason == "id_in_use"
 
 
@@ -353,11 +353,11 @@ def test_another_tenants_equal_request_id_runs_as_its_own_command(
 ) -> None:
     # Given carol's command under a request id (ids are the sender's to choose)
     chosen = uuid.uuid4()
-    theirs = exec_request(carol._common(box.id), "echo carol", timeout_s=30)
+    theirs = exec_request(carol.request_fields(box.id), "echo carol", timeout_s=30)
     assert _stdout(carol.call(theirs.model_copy(update={"request_id": chosen}), 60)) == "carol\n"
     # When mallory sends a command of its own on the same node under the same id
     with mallory.create(memory_mb=64, timeout_s=60) as own:
-        mine = exec_request(mallory._common(own.id), "echo mallory", timeout_s=30)
+        mine = exec_request(mallory.request_fields(own.id), "echo mallory", timeout_s=30)
         answer = mallory.call(mine.model_copy(update={"request_id": chosen}), 60)
         # Then it runs and is answered as mallory's (not skipped as carol's, already run)
         assert _stdout(answer) == "mallory\n"

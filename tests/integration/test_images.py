@@ -23,11 +23,11 @@ from typer.testing import CliRunner, Result
 
 from app.cli.main import cli
 from app.config import Settings
+from app.images import store as image_store
+from app.images.build import tarball_kind
+from app.images.debian import DEBIAN_IMAGE, build_debian_image, debian_mirror
 from tests.conftest import wait_for
 from workers.host import layer_store
-from workers.images import store as image_store
-from workers.images.build import tarball_kind
-from workers.images.debian import DEBIAN_IMAGE, build_debian_image, debian_mirror
 
 pytestmark = pytest.mark.integration
 

@@ -26,10 +26,10 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 import app
+from app import credentials
 from app.config import Settings
 from app.db.engine import engine_for, transaction
 from app.db.setup import drop_database
-from app.sdk import credentials
 from tests.conftest import ensure_tenant
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -16,12 +16,13 @@ from app.config import Settings
 from app.errors import SandboxFailedError
 from app.sdk import Client
 from app.stack import services as stack_mod
+from app.stack.process import Service
 from tests.conftest import logged, wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def _worker(stack: Settings) -> stack_mod.Service:
+def _worker(stack: Settings) -> Service:
     """The stack's service of the configured node's worker."""
     every = stack_mod.services(stack, stack_mod.known_node_ids(stack))
     return next(s for s in every if s.name == f"worker-{stack.node_id}")
@@ -77,18 +78,18 @@ def test_a_lifecycle_task_cut_by_a_worker_crash_is_done_again(
 
     import redis
 
+    from app import credentials
     from app.domain.node_tasks import NodeTask, TaskEnvelope, seal, seal_secret
     from app.domain.proof import reply_key
     from app.domain.replies import Done
     from app.domain.requests import DestroySandbox
-    from app.sdk import credentials
 
     worker = _worker(stack)
     box = client.create(memory_mb=64, ttl_s=600)
     # Given a destroy the node's worker had taken, sealed as the scheduler sends it,
     # and died doing (what a worker records while it does one)
     destroy = DestroySandbox(
-        **client._common(box.id), tenant=client.tenant, actor=f"{client.tenant}:test"
+        **client.request_fields(box.id), tenant=client.tenant, actor=f"{client.tenant}:test"
     )
     node_cred = credentials.load(credentials.node_file(stack, stack.node_id))
     envelope = TaskEnvelope(
@@ -124,19 +125,19 @@ def test_a_create_given_back_after_its_trainer_gave_up_is_refused_not_made(
     import uuid
     from datetime import timedelta
 
+    from app import credentials
     from app.domain.base import utcnow
     from app.domain.node_tasks import NodeTask, TaskEnvelope, seal, seal_secret
     from app.domain.proof import reply_key
     from app.domain.replies import ErrorReply
     from app.domain.requests import CreateSandbox
-    from app.sdk import credentials
     from app.taskqueue import make_celery
 
     # Given a create the scheduler sealed for the node long ago, which a dead worker
     # held until its node's next worker gave it back (restore_unacked)
     sandbox_id = f"sb-stale-{uuid.uuid4().hex[:8]}"
     common = {
-        **client._common(sandbox_id),
+        **client.request_fields(sandbox_id),
         "sent_at": utcnow() - timedelta(seconds=stack.request_max_age_s + 60),
     }
     create = CreateSandbox(**common, tenant=client.tenant, actor=f"{client.tenant}:test")

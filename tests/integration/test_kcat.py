@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from app import credentials
 from app.config import Settings
-from app.sdk import credentials
 from tests.conftest import ensure_tenant
 
 pytestmark = [pytest.mark.integration]

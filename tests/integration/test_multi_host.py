@@ -31,7 +31,7 @@ from sqlalchemy.engine import Engine
 
 from app import secret_files
 from app.config import Settings
-from app.stack.services import port_open
+from app.stack.process import port_open
 from tests.conftest import flower_workers, wait_for
 from tests.pg_cluster import own_cluster
 from workers.host.mounts import remove_tree

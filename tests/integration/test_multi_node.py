@@ -13,6 +13,7 @@ import pytest
 from app.config import Settings
 from app.errors import SandboxRejectedError
 from app.stack import services as stack_mod
+from app.stack.process import Service
 from tests.conftest import declare_lost, scalar, wait_for, wait_for_node
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -42,7 +43,7 @@ def _retire_extra_nodes(stack: Settings) -> None:
     declare_lost(stack, extra)
 
 
-def _worker(settings: Settings, node: str) -> stack_mod.Service:
+def _worker(settings: Settings, node: str) -> Service:
     return next(s for s in stack_mod.services(settings, NODES) if s.name == f"worker-{node}")
 
 

@@ -20,6 +20,7 @@ import pytest
 from app import bus
 from app.config import Settings
 from app.control import dead_letters, tenants
+from app.credentials import Credential
 from app.domain.base import StopReason, utcnow
 from app.domain.codec import encode
 from app.domain.events import (
@@ -33,7 +34,6 @@ from app.domain.events import (
 )
 from app.domain.proof import Purpose, Role, headers
 from app.sdk import Client, Sandbox, credentials
-from app.sdk.credentials import Credential
 from tests.conftest import scalar, tenant_client, wait_for
 
 pytestmark = pytest.mark.integration

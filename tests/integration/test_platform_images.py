@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 
 from app.config import Settings
+from app.images.platform import CONTROL, NODE, build_platform_images
+from app.images.store import remove_image
 from tests.conftest import wait_for
 from workers.host.layer_store import image_exists, store_podman
-from workers.images.platform import CONTROL, NODE, build_platform_images
-from workers.images.store import remove_image
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from app.config import Settings, get_settings
+from app.images import store as image_store
 from workers.containers.podman_driver import PodmanDriver
 from workers.containers.spec import AGENT_BIN_MOUNT, SandboxSpec
 from workers.errors import ImageNotFound, PodmanUnavailable
@@ -27,7 +28,6 @@ from workers.host.ops import live_processes_of
 from workers.host.podman_service import ensure_podman_service
 from workers.host.setup import ensure_node_user
 from workers.host.user import NodeUser
-from workers.images import store as image_store
 
 pytestmark = pytest.mark.integration
 

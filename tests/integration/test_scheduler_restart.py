@@ -61,7 +61,7 @@ def test_sandboxes_groups_and_leases_survive_a_scheduler_restart(
     # Then the id of the sandbox that ended is not given a second life (or a second bill
     # row under the same id): the new scheduler learns it from the log
     with pytest.raises(SandboxRejectedError) as refused:
-        client.call(CreateSandbox(**client._common(ended.id)), timeout_s=30)
+        client.call(CreateSandbox(**client.request_fields(ended.id)), timeout_s=30)
     assert refused.value.reason == "id_in_use", refused.value
 
     # Then requests for what it placed before still reach the right node

@@ -130,7 +130,7 @@ def test_sigkill_of_one_scheduler_hands_its_partitions_to_the_other(
         mine = key_partition(sandbox_id, _partitions(stack)) in victim_parts
         if (on_victim if mine else len(boxes) - on_victim) >= SANDBOXES:
             continue
-        client.call(CreateSandbox(**client._common(sandbox_id)), timeout_s=60)
+        client.call(CreateSandbox(**client.request_fields(sandbox_id)), timeout_s=60)
         boxes.append(sandbox_id)
         on_victim += mine
 
@@ -145,7 +145,7 @@ def test_sigkill_of_one_scheduler_hands_its_partitions_to_the_other(
         try:
             while not stop.is_set():
                 i += 1
-                request = exec_request(client._common(sandbox_id),
+                request = exec_request(client.request_fields(sandbox_id),
                                        f"echo {i} >> /tmp/ran; echo {i}", timeout_s=30)  # fmt: skip
                 sent[sandbox_id].append((request.request_id, i))
                 reply = client.call(request, timeout_s=120)

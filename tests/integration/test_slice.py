@@ -131,7 +131,7 @@ def test_ttl_reaps_a_forgotten_sandbox(client: Any, db: Any) -> None:
 def test_the_longest_sandbox_id_the_protocol_allows_works(client: Any) -> None:
     # 63 characters: its agent socket's path would pass AF_UNIX's limit, named as is
     long_id = ("sb-long-" + uuid.uuid4().hex * 2)[:63]
-    client.call(CreateSandbox(**client._common(long_id)), timeout_s=60)
+    client.call(CreateSandbox(**client.request_fields(long_id)), timeout_s=60)
     box = client.sandbox(long_id)
     try:
         assert box.exec("echo hi").stdout == b"hi\n"

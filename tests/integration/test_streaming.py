@@ -93,7 +93,7 @@ def test_output_larger_than_a_record_comes_back_whole_in_pieces(client: Any) -> 
         box.exec("head -c 3000000 /dev/urandom > /tmp/out")
         digest = box.exec("sha256sum /tmp/out").stdout.split()[0].decode()
         request = exec_request(
-            client._common(box.id), "cat /tmp/out", timeout_s=60, max_output_bytes=4 << 20
+            client.request_fields(box.id), "cat /tmp/out", timeout_s=60, max_output_bytes=4 << 20
         )
         reply = client.call(request, 90)
         # and a file of two MiB read back

@@ -13,12 +13,13 @@ from typer.testing import CliRunner
 from app.cli.main import cli
 from app.config import Settings
 from app.stack import services as stack_mod
+from app.stack.process import Service
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def _service(settings: Settings, name: str) -> stack_mod.Service:
+def _service(settings: Settings, name: str) -> Service:
     every = stack_mod.services(settings, stack_mod.known_node_ids(settings))
     return next(s for s in every if s.name == name)
 

@@ -23,6 +23,7 @@ from sqlalchemy import text
 
 from app import bus
 from app.config import Settings
+from app.credentials import Credential
 from app.domain.base import utcnow
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload, SandboxStopped, StoppedPayload
@@ -39,7 +40,6 @@ from app.domain.requests import (
 from app.errors import RequestTimeout, SandboxNotFound, SandboxRejectedError, ServiceUnavailable
 from app.sdk import Client, Sandbox
 from app.sdk.client import exec_request
-from app.sdk.credentials import Credential
 from tests.conftest import ensure_tenant, scalar, tenant_client, wait_for
 
 pytestmark = pytest.mark.integration
@@ -435,7 +435,7 @@ def test_forged_platform_events_change_nothing(stack: Settings, box: Sandbox, db
     send(ghost)
     # And node0's real key is used for two heartbeats of another node, and node0 is
     # said (unsigned) to run nothing, twice
-    from app.sdk import credentials
+    from app import credentials
 
     node_cred = credentials.load(credentials.node_file(stack, stack.node_id))
     send(ghost.model_copy(update={"event_id": uuid.uuid4()}), node_cred)
@@ -468,7 +468,7 @@ def test_a_forged_node_task_is_refused(stack: Settings, db: Any) -> None:
     sandbox_id = f"sb-forged-{uuid.uuid4().hex[:8]}"
     create = CreateSandbox(sandbox_id=sandbox_id, tenant="alice", actor="forger")
     envelope = TaskEnvelope(request=create.model_dump_json())
-    from app.sdk import credentials
+    from app import credentials
 
     node_key = credentials.load(credentials.node_file(stack, stack.node_id)).key_id
     celery = make_celery(stack)
@@ -483,9 +483,9 @@ def test_a_forged_node_task_is_refused(stack: Settings, db: Any) -> None:
 
 
 def test_a_forged_or_malformed_inbox_record_runs_nothing(stack: Settings, box: Sandbox) -> None:
+    from app import credentials
     from app.control import dead_letters
     from app.domain.node_tasks import NodeTask, TaskEnvelope, inbox_record, seal
-    from app.sdk import credentials
 
     # Given someone who can write to a node's inbox topic, but has no key of the node's
     node_key = credentials.load(credentials.node_file(stack, stack.node_id)).key_id
@@ -525,7 +525,7 @@ def test_a_revoked_credential_stops_working(stack: Settings, db: Any) -> None:
         tenants.revoke(stack, name)
         time.sleep(6)  # the keyring's refresh
         since = utcnow()
-        request = exec_request(client._common(box.id), "echo still?", timeout_s=5)
+        request = exec_request(client.request_fields(box.id), "echo still?", timeout_s=5)
         # The broker refuses its principal at once: the request is not even stored
         with pytest.raises(ServiceUnavailable, match="Authorization"):
             client.call(request, 5)

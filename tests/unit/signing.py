@@ -12,16 +12,16 @@ from app.domain.codec import encode
 from app.domain.node_tasks import read_inbox_record
 from app.domain.partition_counts import FixedPartitions
 from app.domain.partitioner import key_partition
-from app.domain.proof import SCHEDULER_KEY_ID, KeyInfo, Purpose, Role, StaticKeys, headers
+from app.domain.proof import SCHEDULER_KEY_ID, InMemoryKeys, KeyInfo, Purpose, Role, headers
 from app.domain.records import Inbound
 from app.domain.requests import ReplyTo
 
 MASTER = bytes(range(32))
 
 
-def keys() -> StaticKeys:
+def keys() -> InMemoryKeys:
     """Tenants t and u, an operator ops, nodes n0 and n1."""
-    found = StaticKeys(MASTER)
+    found = InMemoryKeys(MASTER)
     found.add("k-tenant-t", Role.TENANT, "t")
     found.add("k-tenant-u", Role.TENANT, "u")
     found.add("k-operator", Role.OPERATOR, "ops")

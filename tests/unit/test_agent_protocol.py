@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.agent.client import AgentConnection, peer_is_sandbox_init
+from workers.agent.connection import AgentConnection, peer_is_sandbox_init
 from workers.agent.errors import AgentProtocolError
-from workers.agent.protocol import (
+from workers.agent.messages import (
     HEADER_LEN,
     MAX_REQUEST_FRAME,
     AgentErrorReply,
@@ -30,6 +30,8 @@ from workers.agent.protocol import (
     SignalAllRequest,
     WriteFileRequest,
     WriteFileResult,
+)
+from workers.agent.protocol import (
     decode_hello,
     decode_request,
     decode_response,

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from workers.commands import Commands, FairQueue, Running
 
 
-class _Outlet:
+class _Courier:
     @contextmanager
     def answering(self, request_id: uuid.UUID, reply_key: bytes | None) -> Iterator[None]:
         yield
@@ -67,7 +67,7 @@ def _running(tenant: str) -> Running:
 
 def test_a_flooding_tenant_leaves_room_for_another() -> None:
     gate = _Gate()
-    commands = Commands(_Outlet(), limit=4, per_tenant=2)
+    commands = Commands(_Courier(), limit=4, per_tenant=2)
     for i in range(6):
         commands.submit(_running("flood"), None, gate.job(f"flood{i}"))
     assert gate.wait_began(2) == ["flood0", "flood1"]
@@ -82,7 +82,7 @@ def test_a_flooding_tenant_leaves_room_for_another() -> None:
 
 def test_waiting_commands_start_one_tenant_after_the_other() -> None:
     gate = _Gate()
-    commands = Commands(_Outlet(), limit=1)
+    commands = Commands(_Courier(), limit=1)
     first = threading.Event()
 
     def hold(_running: Running) -> None:
@@ -100,7 +100,7 @@ def test_waiting_commands_start_one_tenant_after_the_other() -> None:
 
 
 def test_a_command_is_found_until_it_ends_and_a_kill_before_it_starts_sticks() -> None:
-    commands = Commands(_Outlet(), limit=1)
+    commands = Commands(_Courier(), limit=1)
     done = threading.Event()
     ran = _running("t")
 

@@ -13,7 +13,7 @@ from app.domain.events import SandboxStopped
 from app.domain.lives import RECONCILER
 from app.domain.requests import DestroySandbox
 from workers.containers import label
-from workers.containers.memory_driver import MemoryDriver
+from workers.containers.memory_driver import InMemoryDriver
 from workers.containers.port import container_name
 from workers.lifecycle import Lifecycle
 
@@ -29,7 +29,7 @@ class _Deadlines:
 
 
 @dataclass
-class _Outlet:
+class _Courier:
     events: list[Any] = field(default_factory=list)
     replies: list[Any] = field(default_factory=list)
 
@@ -46,9 +46,9 @@ class _Node:
 
     tmp: Path
     node_id: str = "n0"
-    driver: MemoryDriver = field(default_factory=lambda: MemoryDriver(["img"]))
+    driver: InMemoryDriver = field(default_factory=lambda: InMemoryDriver(["img"]))
     agents: _Agents = field(default_factory=_Agents)
-    outlet: _Outlet = field(default_factory=_Outlet)
+    courier: _Courier = field(default_factory=_Courier)
     answers: Any = None
     deadlines: _Deadlines = field(default_factory=_Deadlines)
     activity: dict[str, Any] = field(default_factory=dict)
@@ -79,7 +79,7 @@ def test_a_destroy_ends_the_sandbox_once(tmp_path: Path) -> None:
     destroy = DestroySandbox(sandbox_id="sb-1", tenant="t", actor="t/k")
     ends.destroy(destroy)
     ends.destroy(destroy)  # redelivered: the container is gone
-    stops = [e for e in node.outlet.events if isinstance(e, SandboxStopped)]
+    stops = [e for e in node.courier.events if isinstance(e, SandboxStopped)]
     assert [s.payload.detail for s in stops] == ["destroyed by t/k"]
 
 
@@ -91,4 +91,4 @@ def test_an_orphan_is_removed_without_stating_an_end(tmp_path: Path) -> None:
     Lifecycle(node).destroy(destroy)  # type: ignore[arg-type]
     # Then the container is gone and no second end is stated
     assert node.driver.get("sb-orphan") is None
-    assert node.outlet.events == []
+    assert node.courier.events == []

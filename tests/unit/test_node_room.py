@@ -6,9 +6,9 @@ import shutil
 from pathlib import Path
 
 from app.domain.base import FailReason
-from workers.answers import reason_for
 from workers.creation import room_shortage
 from workers.errors import NoSpace, SandboxCreateFailed, StaleCreate
+from workers.failures import reason_for
 
 
 def test_a_disk_with_room_is_no_shortage(tmp_path: Path) -> None:

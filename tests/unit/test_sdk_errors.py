@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from app import credentials
 from app.domain.base import FailReason, RejectReason
 from app.domain.replies import ErrorReply
 from app.errors import (
@@ -27,7 +28,7 @@ from app.errors import (
     TransferFailed,
     TransferReason,
 )
-from app.sdk import credentials, transfer
+from app.sdk import transfer
 from app.sdk.steps import error_for
 
 SANDBOX = "sbx-errors"

@@ -9,11 +9,11 @@ import threading
 from typing import Any
 
 from app.config import Settings
+from app.credentials import Credential
 from app.domain.codec import decode_request
 from app.domain.proof import Purpose, Role, check_mac
 from app.domain.requests import CANONICAL_UUID, DestroySandbox, KillCommand, ReadFile
 from app.sdk.client import Client, exec_request
-from app.sdk.credentials import Credential
 from tests.unit.signing import KEYS, reply_to
 
 _KEY = KEYS.lookup("k-tenant-t")
@@ -47,7 +47,7 @@ def _client() -> tuple[Client, Captured]:
 
 def test_every_request_the_sdk_makes_carries_its_own_id_and_zoned_time() -> None:
     client, publisher = _client()
-    common = client._common
+    common = client.request_fields
     for request in (
         DestroySandbox(**common("sb-1")),
         exec_request(common("sb-1"), "true", timeout_s=5),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from app.config import Settings
-from app.stack.services import Service, code_fingerprint
+from app.stack.process import Service, code_fingerprint
 
 
 @pytest.fixture

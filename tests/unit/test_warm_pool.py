@@ -15,7 +15,7 @@ import pytest
 from workers.containers import label
 from workers.containers import limits as limits_mod
 from workers.containers.limits import CgroupLayout, CgroupLimiter, Hierarchy, Limits
-from workers.containers.memory_driver import MemoryDriver
+from workers.containers.memory_driver import InMemoryDriver
 from workers.containers.podman_driver import _from_list
 from workers.containers.port import ContainerDriver, SandboxContainer
 from workers.containers.spec import SandboxSpec
@@ -123,7 +123,7 @@ class FakeAgents:
 class FakeNode:
     def __init__(self, root: Path) -> None:
         self.node_id = "n"
-        self.driver: ContainerDriver = MemoryDriver(images=[IMAGE])
+        self.driver: ContainerDriver = InMemoryDriver(images=[IMAGE])
         self.agents = FakeAgents()
         self.sandbox_root = root
         self.agent_dir = root / "agent"

@@ -64,7 +64,7 @@ def _short(image: str) -> str:
     return image.removeprefix("localhost/")
 
 
-class MemoryDriver(ContainerDriver):
+class InMemoryDriver(ContainerDriver):
     """One node's containers and cgroups, in memory. Thread-safe (one lock, no I/O)."""
 
     can_rename_cgroups = True

@@ -89,7 +89,7 @@ class PodmanDriver:
         self.limiter = limiter
         # Held shared around calls that read the shared layer store, so root's
         # imports (holding it exclusive) never interleave with them: see
-        # workers.images.store.store_lock. None: the caller coordinates.
+        # app.images.store.store_lock. None: the caller coordinates.
         self.store_lock = store_lock
         # Starts the node's Podman service again when it does not answer (an idempotent
         # call that meets a dead service revives it and tries once more: _reviving).

@@ -1,7 +1,7 @@
 """The container driver port: what the node and its warm pool ask of a container driver.
 
 :class:`~workers.containers.podman_driver.PodmanDriver` is the real adapter (rootless Podman);
-:class:`~workers.containers.memory_driver.MemoryDriver` keeps containers in a dict, for tests of
+:class:`~workers.containers.memory_driver.InMemoryDriver` keeps containers in a dict, for tests of
 the logic above it. One contract suite, ``tests/contracts/test_container_driver.py``,
 states the behaviour both must have.
 

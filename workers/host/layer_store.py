@@ -1,6 +1,6 @@
 """The shared, read-only image-layer store as root's Podman keeps it: where it is and
 how it is laid out, the Podman that reads and writes it, its writer lock, and what it
-holds. Nothing here knows about nodes (:mod:`workers.images.store` adds images and
+holds. Nothing here knows about nodes (:mod:`app.images.store` adds images and
 tells the running nodes; :mod:`workers.host.store_view` gives each node its view).
 """
 

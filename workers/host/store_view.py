@@ -1,7 +1,7 @@
 """A node user's view of the shared layer store: the store bind-mounted read-only at
 ``~/store``, idmapped through the user's own rootless id mapping.
 
-Why a view and not the store itself: see :mod:`workers.images.store`. In short, the
+Why a view and not the store itself: see :mod:`app.images.store`. In short, the
 store on disk is owned by real root (uid 0 inside the images), and the view shows it
 to each node user through that user's mapping, so files are owned by uid 0 *inside*
 every sandbox, on every node, with one copy on disk.

@@ -1,9 +1,9 @@
-"""How the node's handlers answer a request they could not carry out.
+"""How the node's handlers report a request they could not carry out.
 
 A failure is filed under the reason its exception names (:func:`reason_for`) and
 answered twice: a SandboxFailed event for the log and an ErrorReply for the trainer
-(:meth:`Answers.fail`). Work done with a sandbox's agent answers its own failure that
-way (:meth:`Answers.by_agent`). Also here: the envelope every event the node records
+(:meth:`Failures.fail`). Work done with a sandbox's agent answers its own failure that
+way (:meth:`Failures.by_agent`). Also here: the envelope every event the node records
 about a request's sandbox carries.
 """
 
@@ -19,9 +19,11 @@ from app.domain.base import MAX_DETAIL, FailReason
 from app.domain.events import FailedPayload, SandboxFailed
 from app.domain.replies import ErrorReply
 from app.domain.requests import RequestBase
-from workers.agent.client import AgentConnection, AgentPool
+from workers.agent.connection import AgentConnection
 from workers.agent.errors import AgentError, AgentRefused, AgentTimeout, AgentUnavailable
+from workers.agent.pool import AgentPool
 from workers.containers.port import ContainerDriver
+from workers.courier import Courier
 from workers.errors import (
     CommandInterrupted,
     EgressDisabled,
@@ -30,7 +32,6 @@ from workers.errors import (
     NoSpace,
     StaleCreate,
 )
-from workers.events_out import Outlet
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +73,20 @@ def envelope(request: RequestBase, node_id: str) -> dict[str, str]:
 
 
 class Failed(Enum):
-    """What :meth:`Answers.by_agent` returns once it has answered its request with the
+    """What :meth:`Failures.by_agent` returns once it has answered its request with the
     failure."""
 
     ANSWERED = "answered"
 
 
-class Answers:
+class Failures:
     """Failures of one node's requests, told to the log and to their trainers."""
 
     def __init__(
-        self, node_id: str, outlet: Outlet, driver: ContainerDriver, agents: AgentPool
+        self, node_id: str, courier: Courier, driver: ContainerDriver, agents: AgentPool
     ) -> None:
         self.node_id = node_id
-        self.outlet = outlet
+        self.courier = courier
         self.driver = driver
         self.agents = agents
 
@@ -101,7 +102,7 @@ class Answers:
                 reason, detail = FailReason.SANDBOX_NOT_RUNNING, ended
         log.warning("%s %s failed: %s: %s", request.type, request.sandbox_id, reason, detail)
         metrics.REFUSALS.labels("node", reason.value).inc()
-        self.outlet.event(
+        self.courier.event(
             SandboxFailed(
                 event_id=request.event_of("failed"),
                 **envelope(request, self.node_id),
@@ -113,7 +114,7 @@ class Answers:
                 ),
             )
         )
-        self.outlet.reply(
+        self.courier.reply(
             request.reply_to,
             ErrorReply(
                 request_id=request.request_id,

@@ -12,13 +12,13 @@ from rich.console import Console
 from app.config import get_settings
 from app.errors import DsecError
 
-log_cli = typer.Typer(
+archive_cli = typer.Typer(
     no_args_is_help=True, help="The event log's days: archive old ones, restore, list."
 )
 console = Console()
 
 
-@log_cli.command("archive")
+@archive_cli.command("archive")
 def log_archive(
     older_than: Annotated[
         int, typer.Option("--older-than", help="Archive whole UTC days older than this (days).")
@@ -44,7 +44,7 @@ def log_archive(
     console.print(f"archived {len(done)} day(s)")
 
 
-@log_cli.command("restore")
+@archive_cli.command("restore")
 def log_restore(path: Path) -> None:
     """Put an archived day back into the log (the file must match its record)."""
     from app.db import archive
@@ -57,7 +57,7 @@ def log_restore(path: Path) -> None:
     console.print(f"{day.day}: {day.events} events back in the log as {day.partition}")
 
 
-@log_cli.command("ls")
+@archive_cli.command("ls")
 def log_ls() -> None:
     """The archived days: events, file, checksum, when and by whom, restored or not."""
     from app.cli import render

@@ -1,7 +1,7 @@
 """The platform's own images, built from this checkout: ``dsec/control`` (projector,
 schedulers, Flower, the CLI) and ``dsec/node`` (a node host in a container).
 
-Both come FROM the debootstrap import of bookworm (:mod:`workers.images.debian`), so no
+Both come FROM the debootstrap import of bookworm (:mod:`app.images.debian`), so no
 registry is involved. Their RUN steps take Debian packages from the mirror apt is
 configured with (the host's network); Python packages come from a wheelhouse that
 this host's pip fills first (``build/wheels``: the platform's two wheels, dsec and
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import app
 from app.config import Settings
+from app.images.build import build_image
+from app.images.debian import DEBOOTSTRAP_IMAGE, ensure_debootstrap_image
+from app.images.store import remove_image
 from workers.errors import NodeError
 from workers.host.layer_store import image_exists
-from workers.images.build import build_image
-from workers.images.debian import DEBOOTSTRAP_IMAGE, ensure_debootstrap_image
-from workers.images.store import remove_image
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"

@@ -1,5 +1,6 @@
-"""How the services log: text for a person at a terminal, or one JSON object per line
-for a log pipeline (``DSEC_LOG_FORMAT=json``; journald and container logs take either).
+"""Diagnostics: what the services tell their operator, as text for a person at a
+terminal or as one JSON object per line for a log pipeline (``DSEC_LOG_FORMAT=json``;
+journald and container logs take either). "The log" elsewhere is the event log.
 """
 
 from __future__ import annotations

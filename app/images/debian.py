@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.config import Settings, get_settings
+from app.images.build import build_image, import_image
+from app.images.store import remove_image
 from workers.errors import NodeError
 from workers.host.file_lock import file_lock
 from workers.host.layer_store import image_exists
 from workers.host.mounts import remove_tree
-from workers.images.build import build_image, import_image
-from workers.images.store import remove_image
 
 #: The image trainers ask for.
 DEBIAN_IMAGE = "dsec/debian-python:12"

@@ -1,6 +1,6 @@
 """Adding images to the shared layer store: tarball imports and Containerfile builds.
 
-Both run as root's Podman against the store (:func:`workers.images.store.store_podman`)
+Both run as root's Podman against the store (:func:`app.images.store.store_podman`)
 and nothing ever reaches a registry:
 
 - :func:`import_image` takes a root filesystem tarball (``podman import``) or an image
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal
 
 from app.config import Settings, get_settings
+from app.images.store import refresh_nodes
 from workers.errors import NodeError
 from workers.host.layer_store import (
     image_exists,
@@ -35,7 +36,6 @@ from workers.host.layer_store import (
     store_lock,
     store_podman,
 )
-from workers.images.store import refresh_nodes
 
 TarballKind = Literal["rootfs", "archive"]
 

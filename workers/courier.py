@@ -18,18 +18,20 @@ from contextlib import contextmanager
 
 from app.bus import Publisher
 from app.config import Settings
+from app.credentials import Credential
 from app.domain.codec import encode
 from app.domain.events import CommandCompleted, EventBase
 from app.domain.proof import Purpose, headers
 from app.domain.replies import ExecOutput, FileContent, ReplyBase, ReplyPiece
 from app.domain.requests import ReplyTo
-from app.sdk.credentials import Credential
 
 log = logging.getLogger(__name__)
 
 
-class Outlet:
-    """The node's one Kafka producer (thread-safe, created on first use)."""
+class Courier:
+    """The node's courier: proves and sends its events and replies through its one
+    Kafka producer (thread-safe, created on first use). The control plane's courier,
+    :class:`app.control.outbox.Courier`, plays the same role into an outbox."""
 
     def __init__(self, settings: Settings, credential: Credential) -> None:
         self.settings = settings

@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 
-from app.logs import JsonFormatter
+from app.diagnostics import JsonFormatter
 
 
 def test_a_record_is_one_json_object_with_its_traceback() -> None:

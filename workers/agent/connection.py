@@ -1,0 +1,403 @@
+"""Host side of the in-sandbox agent, one connection: listen for it and talk to it.
+
+The host listens on ``<run_dir>/agent.sock`` (``run_dir`` is host-owned and mounted
+read-only at ``/.dsec/run``); the agent connects out. So the host only ever opens paths
+in its own directories and never follows a symlink the sandbox made. Anything that
+arrives on the socket is still untrusted: frames are size-checked before allocation
+and a HELLO must arrive within a deadline. The code in a sandbox is hostile to its
+agent: the node accepts only the container's init (:func:`peer_is_sandbox_init`,
+from the socket's peer credentials), and never reads more than a request asked for.
+:mod:`workers.agent.pool` keeps the connections of every sandbox of a node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from workers.agent.errors import (
+    AgentError,
+    AgentProtocolError,
+    AgentRefused,
+    AgentTimeout,
+    AgentUnavailable,
+)
+from workers.agent.messages import (
+    HEADER_LEN,
+    HELLO_PAYLOAD_LEN,
+    SUPPORTED_VERSIONS,
+    AgentErrorReply,
+    AgentExecResult,
+    ExecRequest,
+    Hello,
+    Output,
+    PingRequest,
+    ReadFileRequest,
+    ReadFileResult,
+    Request,
+    Response,
+    SignalAllRequest,
+    WriteFileRequest,
+    WriteFileResult,
+)
+from workers.agent.protocol import (
+    CapCheck,
+    decode_hello,
+    decode_response,
+    encode_request,
+    frame_length,
+    op_of,
+    response_limit,
+)
+from workers.containers.spec import AGENT_SOCKET_NAME
+
+log = logging.getLogger(__name__)
+
+#: Added to a command's timeout for the socket wait: the agent needs up to ~2.1 s after
+#: the deadline (kill, wait for the process, linger for the pipes) plus transfer time.
+EXEC_MARGIN_S = 5.0
+#: Socket timeout for PING and file transfers (at most 64 MiB each).
+IO_TIMEOUT_S = 30.0
+HELLO_FRAME_LEN = HEADER_LEN + HELLO_PAYLOAD_LEN
+_UCRED = struct.Struct("3i")
+_DEAD_EVENTS = select.POLLHUP | select.POLLERR | select.POLLRDHUP | select.POLLNVAL
+
+
+def _nspid(pid: int | str) -> list[int]:
+    """The pid of ``pid`` in each pid namespace it is in, outermost first."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    return [int(part) for part in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def peer_is_sandbox_init(sandbox_id: str, conn: AgentConnection) -> bool:
+    """True if the peer of ``conn`` is a container's init: PID 1 of a pid namespace
+    right below this process's. The sandbox's own processes cannot pass: they are
+    deeper than that, and any namespace they make is deeper still. Only the socket's
+    own sandbox can reach it, so this is that sandbox's agent."""
+    own, peer = _nspid("self"), _nspid(conn.peer_pid) if conn.peer_pid > 0 else []
+    if len(peer) == len(own) + 1 and peer[-1] == 1:
+        return True
+    log.warning(
+        "sandbox %s: refused an agent connection from pid %d (namespaced pids %s): "
+        "not the sandbox's init, a process inside it tried to take its channel",
+        sandbox_id, conn.peer_pid, peer or "unknown",
+    )  # fmt: skip
+    return False
+
+
+def check_hello(raw: bytes | bytearray) -> Hello:
+    frame_length(raw[:HEADER_LEN], HELLO_PAYLOAD_LEN)
+    hello = decode_hello(raw[HEADER_LEN:])
+    if hello.version not in SUPPORTED_VERSIONS:
+        raise AgentProtocolError(
+            f"agent speaks protocol {hello.version}, host speaks {sorted(SUPPORTED_VERSIONS)}"
+        )
+    return hello
+
+
+class AgentConnection:
+    """One connection to an agent. Thread-safe: a lock keeps one request in flight,
+    which is all a connection carries (an agent of protocol 3 holds several, one
+    request each). Any socket failure closes the connection (the agent then
+    reconnects); an agent-side refusal (:class:`AgentRefused`) leaves it usable."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        hello: Hello,
+        *,
+        io_timeout_s: float = IO_TIMEOUT_S,
+        exec_margin_s: float = EXEC_MARGIN_S,
+    ) -> None:
+        self._sock = sock
+        self._sock.setblocking(True)
+        self.hello = hello
+        self.io_timeout_s = io_timeout_s
+        self.exec_margin_s = exec_margin_s
+        # RLock: a failing request closes the connection while holding it.
+        self._lock = threading.RLock()
+        self._closed = False
+        try:
+            pid, uid, _gid = _UCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
+        except OSError:
+            pid, uid = 0, -1
+        #: The agent's pid as the host sees it (SO_PEERCRED), to check against the
+        #: container's init pid; ``hello.pid`` is the pid inside the sandbox.
+        self.peer_pid: int = pid
+        #: The agent's uid as the host sees it (the sandbox's mapped uid).
+        self.peer_uid: int = uid
+        #: Environment every command gets under its own ``env``: a claimed warm sandbox's
+        #: environment from its create request (its container's is fixed at create).
+        self.default_env: Mapping[str, str] = {}
+        #: Callers holding it through :meth:`AgentPool.using` (guarded by the pool).
+        self.users = 0
+
+    @property
+    def concurrent(self) -> bool:
+        """The agent serves requests on several connections at once (protocol 3)."""
+        return self.hello.version >= 3
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection was closed (by us or after a failure)."""
+        return self._closed
+
+    def is_alive(self) -> bool:
+        """Cheap check that the peer has not hung up (no data is consumed)."""
+        if self._closed:
+            return False
+        poller = select.poll()
+        try:
+            poller.register(self._sock.fileno(), select.POLLRDHUP)
+            events = poller.poll(0)
+        except (OSError, ValueError):
+            return False
+        return not any(mask & _DEAD_EVENTS for _, mask in events)
+
+    def ping(self) -> None:
+        """Round-trip an empty request."""
+        self.request(PingRequest(), self.io_timeout_s)
+
+    def exec(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        max_output: int = 1 << 20,
+        stdin: bytes = b"",
+        on_output: Callable[[Output], None] | None = None,
+    ) -> AgentExecResult:
+        """Run ``argv`` in the sandbox and wait for it.
+
+        With ``on_output``, output is handed over while the command runs, in pieces
+        that add up to the result's stdout and stderr (an agent older than protocol 2
+        hands it over in one piece per stream at the end).
+
+        ``env`` overrides entries of :attr:`default_env`, which override the sandbox's
+        environment; ``cwd`` defaults to
+        /workspace. After ``timeout_s`` the command's process group is killed and the
+        result has ``timed_out``; ``None`` waits without limit (the host too).
+        ``max_output`` caps stdout and stderr separately. A program that cannot be
+        started exits 127 (not found) or 126, with the reason on stderr.
+        """
+        if isinstance(argv, str | bytes):
+            raise TypeError("argv must be a sequence of strings, not a string")
+        timeout_ms = 0
+        if timeout_s is not None:
+            timeout_ms = max(1, math.ceil(timeout_s * 1000))
+        merged = {**self.default_env, **(env or {})}
+        request = ExecRequest(
+            argv=tuple(argv),
+            env=tuple(f"{key}={value}" for key, value in merged.items()),
+            cwd=cwd or "",
+            timeout_ms=timeout_ms,
+            max_output=max_output,
+            stdin=stdin,
+            stream=on_output is not None and self.hello.version >= 2,
+        )
+        wait = None if timeout_s is None else timeout_s + self.exec_margin_s
+        result = self.request(request, wait, on_output)
+        assert isinstance(result, AgentExecResult)
+        if on_output is not None and not request.stream:
+            for stream, data in ((1, result.stdout), (2, result.stderr)):
+                if data:
+                    on_output(Output(stream, data))
+        return result
+
+    def signal_all(self, signo: int) -> None:
+        """Send ``signo`` (SIGSTOP, SIGCONT or SIGKILL) to every process of the sandbox
+        but the agent's own (protocol 3)."""
+        self.request(SignalAllRequest(signo), self.io_timeout_s)
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        """Create or truncate ``path`` (absolute, no ``..``, no symlinks; parents are
+        created) with ``data``; returns the bytes written."""
+        result = self.request(WriteFileRequest(path, data, mode), self.io_timeout_s)
+        assert isinstance(result, WriteFileResult)
+        return result.bytes_written
+
+    def read_file(self, path: str, max_bytes: int) -> tuple[bytes, bool]:
+        """Read at most ``max_bytes`` of the regular file ``path``; returns the data
+        and whether the file holds more. A missing file raises :class:`AgentRefused`
+        with ``errno == errno.ENOENT``."""
+        result = self.request(ReadFileRequest(path, max_bytes), self.io_timeout_s)
+        assert isinstance(result, ReadFileResult)
+        return result.data, result.truncated
+
+    def request(
+        self,
+        request: Request,
+        timeout_s: float | None,
+        on_output: Callable[[Output], None] | None = None,
+    ) -> Response:
+        """Send one request and return its response; the lower-level form of the
+        methods above. ``timeout_s`` bounds the whole round trip; ``on_output`` gets
+        the :class:`Output` frames of a streaming EXEC as they come."""
+        data = encode_request(request)  # bad arguments fail here, connection untouched
+        with self._lock:
+            if self._closed:
+                raise AgentUnavailable("agent connection is closed")
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            try:
+                self._sock.settimeout(timeout_s)
+                self._sock.sendall(data)
+                op = op_of(request)
+                limit, caps = response_limit(request), CapCheck(request)
+                while True:
+                    header = self._recv_exact(HEADER_LEN, deadline)
+                    length = frame_length(header, limit)
+                    response = decode_response(op, self._recv_exact(length, deadline))
+                    caps.check(response)
+                    if not isinstance(response, Output):
+                        break
+                    if on_output is not None:
+                        try:
+                            on_output(response)
+                        except Exception:  # the command's result must still be read
+                            log.exception("output handler failed: no more output passed on")
+                            on_output = None
+            except TimeoutError as exc:
+                # A late answer would desynchronise the stream; closing also makes the
+                # agent kill the command.
+                self._close_locked()
+                raise AgentTimeout(f"agent did not answer within {timeout_s} s") from exc
+            except AgentError:
+                self._close_locked()
+                raise
+            except OSError as exc:
+                self._close_locked()
+                raise AgentUnavailable(f"agent connection broke: {exc}") from exc
+        if isinstance(response, AgentErrorReply):
+            raise AgentRefused(response.message, response.errno)
+        return response
+
+    def _recv_exact(self, n: int, deadline: float | None) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        pos = 0
+        while pos < n:
+            if pos and deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                self._sock.settimeout(remaining)
+            got = self._sock.recv_into(view[pos:])
+            if got == 0:
+                raise AgentUnavailable("agent closed the connection")
+            pos += got
+        return buf
+
+    def _close_locked(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def close(self) -> None:
+        """Close the connection; a request in flight in another thread fails at once."""
+        self._closed = True
+        # shutdown() wakes a thread blocked in recv on this socket; close() would not.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:
+            self._close_locked()
+
+
+class AgentListener:
+    """The listening socket of one sandbox: ``<run_dir>/agent.sock``, mode 0666 so the
+    sandbox's unprivileged mapped uid can connect (``run_dir`` is created if missing;
+    it must be host-owned and is mounted read-only into the sandbox)."""
+
+    def __init__(self, run_dir: Path, *, socket_name: str = AGENT_SOCKET_NAME) -> None:
+        run_dir = Path(run_dir)
+        # 0755: the sandbox's mapped uid must traverse it to reach the socket.
+        run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self.path = run_dir / socket_name
+        if len(os.fsencode(self.path)) >= 108:
+            raise AgentError(f"socket path too long for AF_UNIX (max 107 bytes): {self.path}")
+        with contextlib.suppress(FileNotFoundError):
+            # The run dir is host-owned: whatever is here is a stale socket of ours.
+            if stat.S_ISDIR(os.lstat(self.path).st_mode):
+                raise AgentError(f"{self.path} is a directory")
+            os.unlink(self.path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(os.fspath(self.path))
+            os.chmod(self.path, 0o666)
+            st = os.lstat(self.path)
+            self._identity = (st.st_dev, st.st_ino)
+            self._sock.listen(16)
+        except OSError:
+            self._sock.close()
+            raise
+
+    def fileno(self) -> int:
+        """The listening socket's descriptor (for selectors)."""
+        return self._sock.fileno()
+
+    def accept(
+        self, timeout_s: float | None, *, io_timeout_s: float = IO_TIMEOUT_S
+    ) -> AgentConnection:
+        """Wait for an agent to connect and send a valid HELLO.
+
+        Raises :class:`AgentUnavailable` if none does within ``timeout_s``.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._sock.settimeout(timeout_s)
+        try:
+            sock, _ = self._sock.accept()
+        except TimeoutError as exc:
+            raise AgentUnavailable(f"no agent connected to {self.path} in {timeout_s} s") from exc
+        try:
+            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+            sock.settimeout(remaining)
+            raw = bytearray()
+            while len(raw) < HELLO_FRAME_LEN:
+                chunk = sock.recv(HELLO_FRAME_LEN - len(raw))
+                if not chunk:
+                    raise AgentUnavailable("agent hung up before HELLO")
+                raw += chunk
+            hello = check_hello(raw)
+        except TimeoutError as exc:
+            sock.close()
+            raise AgentUnavailable("agent connected but sent no HELLO in time") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return AgentConnection(sock, hello, io_timeout_s=io_timeout_s)
+
+    def accept_nowait(self) -> socket.socket | None:
+        """A pending raw connection, or None (non-blocking; for :class:`AgentPool`)."""
+        self._sock.setblocking(False)
+        try:
+            sock, _ = self._sock.accept()
+        except BlockingIOError:
+            return None
+        sock.setblocking(False)
+        return sock
+
+    def close(self) -> None:
+        """Stop listening and remove the socket file (if it is still ours)."""
+        self._sock.close()
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(self.path)
