@@ -41,7 +41,8 @@ from app.control import tenants
 from app.domain.requests import CreateSandbox, DestroySandbox
 from app.sdk import Client
 from app.stats import percentile
-from workers.containers.podman_driver import PodmanDriver, container_args
+from workers.containers.podman_api import container_args
+from workers.containers.podman_driver import PodmanDriver
 from workers.containers.spec import SandboxSpec
 from workers.host.user import set_up_node_user
 

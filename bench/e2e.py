@@ -38,7 +38,7 @@ from app.config import Settings, get_settings
 from app.control import tenants
 from app.sdk import Client
 from app.stats import summary_ms
-from workers.containers.podman_driver import container_args
+from workers.containers.podman_api import container_args
 from workers.containers.spec import SandboxSpec
 from workers.host.user import set_up_node_user
 

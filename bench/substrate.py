@@ -24,7 +24,8 @@ from app import bus, kafka_admin
 from app.config import Settings
 from workers.agent.connection import AgentConnection
 from workers.agent.pool import AgentPool
-from workers.containers.podman_driver import PodmanDriver, container_args
+from workers.containers.podman_api import container_args
+from workers.containers.podman_driver import PodmanDriver
 from workers.containers.spec import SandboxSpec
 from workers.host.user import set_up_node_user
 

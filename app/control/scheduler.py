@@ -38,7 +38,8 @@ from app.consuming import (
     dead_letter,
     key_partition,
 )
-from app.control.dispatch import HEARTBEAT_TIMEOUT, NAME, Dispatcher, LiveSandbox
+from app.control.dispatch import NAME, Dispatcher, LiveSandbox
+from app.control.follower import HEARTBEAT_TIMEOUT
 from app.control.keyring import Keyring
 from app.control.outbox import Outbox
 from app.control.stored_quotas import StoredQuotas

@@ -62,8 +62,10 @@ def _stops(out: Outbox) -> list[SandboxStopped]:
 
 
 def _at(monkeypatch: pytest.MonkeyPatch, when: datetime) -> None:
-    """The dispatcher's wall clock reads ``when`` from now on."""
+    """The dispatcher's wall clock reads ``when`` from now on (its rules on requests
+    and the state it follows from the log)."""
     monkeypatch.setattr("app.control.dispatch.utcnow", lambda: when)
+    monkeypatch.setattr("app.control.follower.utcnow", lambda: when)
 
 
 def _place(dispatcher: Dispatcher, sandbox_id: str = "sb-1") -> Outbox:

@@ -15,7 +15,7 @@ from workers.containers.limits import (
     parse_flat_keyed,
     parse_mountinfo,
 )
-from workers.containers.podman_driver import container_args
+from workers.containers.podman_api import container_args
 from workers.containers.spec import SandboxSpec
 
 # This CI machine: v1 hybrid, cpu and cpuacct in separate hierarchies.

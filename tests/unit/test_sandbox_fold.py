@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from app.db.projections import fold
+from app.db.fold import fold
 from app.domain.base import RejectReason, StopReason
 from app.domain.events import (
     Event,

@@ -16,7 +16,7 @@ from workers.containers import label
 from workers.containers import limits as limits_mod
 from workers.containers.limits import CgroupLayout, CgroupLimiter, Hierarchy, Limits
 from workers.containers.memory_driver import InMemoryDriver
-from workers.containers.podman_driver import _from_list
+from workers.containers.podman_api import from_list
 from workers.containers.port import ContainerDriver, SandboxContainer
 from workers.containers.spec import SandboxSpec
 from workers.errors import NodeError
@@ -28,7 +28,7 @@ IMAGE = "dsec/busybox:latest"
 
 def _box(name: str, label_id: str, warm: bool) -> SandboxContainer:
     labels = {label.SANDBOX_ID: label_id, **({label.WARM: IMAGE} if warm else {})}
-    return _from_list({"Names": [name], "Labels": labels, "State": "running", "Id": "c1"}, False)
+    return from_list({"Names": [name], "Labels": labels, "State": "running", "Id": "c1"}, False)
 
 
 def test_the_name_identifies_a_sandbox_and_tells_warm_from_claimed() -> None:
