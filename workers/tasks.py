@@ -23,19 +23,20 @@ from app.domain.base import MAX_DETAIL, FailReason, event_id
 from app.domain.codec import DeadLetterReason, encode, peek
 from app.domain.dead_letter import DeadLetter
 from app.domain.events import FailedPayload, SandboxFailed
-from app.domain.node_tasks import VIA_INBOX, NodeTask, Opened, unseal
+from app.domain.node_tasks import (
+    NODE_WORK,
+    VIA_INBOX,
+    WORK_OF_TASK,
+    NodeTask,
+    NodeWork,
+    Opened,
+    unseal,
+)
 from app.domain.replies import ErrorReply
 from app.domain.requests import (
-    CreateSandbox,
-    DestroySandbox,
     Exec,
-    FreezeSandbox,
-    KillCommand,
-    ReadFile,
     ReplyTo,
     RequestBase,
-    ThawSandbox,
-    WriteFile,
 )
 from workers import runtime
 from workers.celery_app import celery
@@ -169,25 +170,22 @@ def _start_command(request: Exec, opened: Opened) -> None:
         )
 
 
-#: Each task: what its request validates as, and what the node does with it.
-_WORK: dict[NodeTask, tuple[type[RequestBase], Callable[[Any, Opened], None]]] = {
-    NodeTask.CREATE: (
-        CreateSandbox,
-        lambda r, o: runtime.node().create(r, o.envelope.restore or []),
-    ),
-    NodeTask.EXEC: (Exec, _start_command),
-    NodeTask.KILL_COMMAND: (KillCommand, lambda r, _e: runtime.node().kill_command(r)),
-    NodeTask.WRITE_FILE: (WriteFile, lambda r, _e: runtime.node().write_file(r)),
-    NodeTask.READ_FILE: (ReadFile, lambda r, _e: runtime.node().read_file(r)),
-    NodeTask.FREEZE: (FreezeSandbox, lambda r, _e: runtime.node().freeze(r)),
-    NodeTask.THAW: (ThawSandbox, lambda r, _e: runtime.node().thaw(r)),
-    NodeTask.DESTROY: (DestroySandbox, lambda r, _e: runtime.node().destroy(r)),
+#: What the node does with each task's request (the kinds and their requests:
+#: :data:`app.domain.node_tasks.NODE_WORK`).
+HANDLERS: dict[NodeTask, Callable[[Any, Opened], None]] = {
+    NodeTask.CREATE: lambda r, o: runtime.node().create(r, o.envelope.restore or []),
+    NodeTask.EXEC: _start_command,
+    NodeTask.KILL_COMMAND: lambda r, _e: runtime.node().kill_command(r),
+    NodeTask.WRITE_FILE: lambda r, _e: runtime.node().write_file(r),
+    NodeTask.READ_FILE: lambda r, _e: runtime.node().read_file(r),
+    NodeTask.FREEZE: lambda r, _e: runtime.node().freeze(r),
+    NodeTask.THAW: lambda r, _e: runtime.node().thaw(r),
+    NodeTask.DESTROY: lambda r, _e: runtime.node().destroy(r),
 }
 
 
 def _do(task: NodeTask, args: tuple[str, ...]) -> None:
-    model, handler = _WORK[task]
-    _run(task, model, args, handler)
+    _run(task, WORK_OF_TASK[task].request, args, HANDLERS[task])
 
 
 def perform(task: NodeTask, args: tuple[str, ...]) -> None:
@@ -212,50 +210,16 @@ def redo_interrupted() -> int:
     return len(held)
 
 
-@celery.task(name=NodeTask.CREATE)
-def create(*args: str) -> None:
-    """Create and start a sandbox (replaying a trajectory's commands, if given)."""
-    _do(NodeTask.CREATE, args)
+def _register(work: NodeWork) -> None:
+    """The Celery task of ``work``, under its own name."""
+
+    def run(*args: str) -> None:
+        _do(work.task, args)
+
+    run.__name__ = run.__qualname__ = work.task.name.lower()
+    run.__doc__ = work.summary
+    celery.task(name=work.task.value)(run)
 
 
-@celery.task(name=NodeTask.EXEC)
-def exec_command(*args: str) -> None:
-    """Claim a command and start it in its sandbox; it runs off the pool
-    (workers/commands.py), so the task ends as soon as it has started."""
-    _do(NodeTask.EXEC, args)
-
-
-@celery.task(name=NodeTask.KILL_COMMAND)
-def kill_command(*args: str) -> None:
-    """Kill a command running (or waiting its turn) in a sandbox."""
-    _do(NodeTask.KILL_COMMAND, args)
-
-
-@celery.task(name=NodeTask.WRITE_FILE)
-def write_file(*args: str) -> None:
-    """Write a file into a sandbox."""
-    _do(NodeTask.WRITE_FILE, args)
-
-
-@celery.task(name=NodeTask.READ_FILE)
-def read_file(*args: str) -> None:
-    """Read a file from a sandbox."""
-    _do(NodeTask.READ_FILE, args)
-
-
-@celery.task(name=NodeTask.FREEZE)
-def freeze(*args: str) -> None:
-    """Freeze a sandbox (its trainer's lease lapsed, or it was asked)."""
-    _do(NodeTask.FREEZE, args)
-
-
-@celery.task(name=NodeTask.THAW)
-def thaw(*args: str) -> None:
-    """Thaw a frozen sandbox."""
-    _do(NodeTask.THAW, args)
-
-
-@celery.task(name=NodeTask.DESTROY)
-def destroy(*args: str) -> None:
-    """Destroy a sandbox."""
-    _do(NodeTask.DESTROY, args)
+for _work in NODE_WORK:
+    _register(_work)

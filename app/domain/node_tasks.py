@@ -27,6 +27,17 @@ from pydantic import Field
 
 from app.domain.base import Message
 from app.domain.proof import Purpose, check_mac, mac
+from app.domain.requests import (
+    CreateSandbox,
+    DestroySandbox,
+    Exec,
+    FreezeSandbox,
+    KillCommand,
+    ReadFile,
+    RequestBase,
+    ThawSandbox,
+    WriteFile,
+)
 
 
 class NodeTask(StrEnum):
@@ -42,24 +53,55 @@ class NodeTask(StrEnum):
     THAW = "dsec.node.thaw"
 
 
+@dataclass(frozen=True)
+class NodeWork:
+    """A request kind a node carries out, declared once (:data:`NODE_WORK`)."""
+
+    #: The task that carries it (its name is on the wire: Celery's and the inbox's).
+    task: NodeTask
+    #: What the node validates the task's request as.
+    request: type[RequestBase]
+    #: What the node does, in a line (the Celery task's description in Flower).
+    summary: str
+    #: True: the task comes on the node's inbox topic rather than through Celery. The
+    #: data plane, thousands per second per node, where Celery's per-task work (Redis
+    #: round trips, task events for Flower) cost more than the command itself.
+    via_inbox: bool = False
+
+    @property
+    def request_type(self) -> str:
+        """The ``type`` of the requests this work carries out."""
+        found: str = self.request.model_fields["type"].default
+        return found
+
+
+#: Every request kind a node carries out. The scheduler's routing
+#: (:data:`TASK_FOR_REQUEST`), the node's Celery tasks and its inbox
+#: (:data:`VIA_INBOX`) all derive from this table; the node's handler for each is in
+#: ``workers/tasks.py`` (``HANDLERS``), checked against it by the unit tests.
+NODE_WORK: tuple[NodeWork, ...] = (
+    NodeWork(NodeTask.CREATE, CreateSandbox,
+             "Create and start a sandbox (replaying a trajectory's commands, if given)."),
+    NodeWork(NodeTask.EXEC, Exec,
+             "Claim a command and start it in its sandbox; it runs off the task.",
+             via_inbox=True),
+    NodeWork(NodeTask.KILL_COMMAND, KillCommand,
+             "Kill a command running (or waiting its turn) in a sandbox.", via_inbox=True),
+    NodeWork(NodeTask.WRITE_FILE, WriteFile, "Write a file into a sandbox."),
+    NodeWork(NodeTask.READ_FILE, ReadFile, "Read a file from a sandbox."),
+    NodeWork(NodeTask.DESTROY, DestroySandbox, "Destroy a sandbox."),
+    NodeWork(NodeTask.FREEZE, FreezeSandbox,
+             "Freeze a sandbox (its trainer's lease lapsed, or it was asked)."),
+    NodeWork(NodeTask.THAW, ThawSandbox, "Thaw a frozen sandbox."),
+)  # fmt: skip
+
+#: Each task's declaration.
+WORK_OF_TASK = {work.task: work for work in NODE_WORK}
 #: Which task carries out each request type.
-TASK_FOR_REQUEST = {
-    "CreateSandbox": NodeTask.CREATE,
-    "Exec": NodeTask.EXEC,
-    "KillCommand": NodeTask.KILL_COMMAND,
-    "WriteFile": NodeTask.WRITE_FILE,
-    "ReadFile": NodeTask.READ_FILE,
-    "DestroySandbox": NodeTask.DESTROY,
-    "FreezeSandbox": NodeTask.FREEZE,
-    "ThawSandbox": NodeTask.THAW,
-}
-
-
-#: Tasks the scheduler hands a node on its inbox topic rather than through Celery:
-#: the data plane, thousands per second per node, where Celery's per-task work (Redis
-#: round trips, task events for Flower) cost more than the command itself. Creates,
-#: destroys, freezes and file transfers stay Celery tasks.
-VIA_INBOX = frozenset({NodeTask.EXEC, NodeTask.KILL_COMMAND})
+TASK_FOR_REQUEST = {work.request_type: work.task for work in NODE_WORK}
+#: Tasks the scheduler hands a node on its inbox topic rather than through Celery;
+#: creates, destroys, freezes and file transfers stay Celery tasks.
+VIA_INBOX = frozenset(work.task for work in NODE_WORK if work.via_inbox)
 
 
 def inbox_record(task: NodeTask, args: list[str]) -> bytes:
