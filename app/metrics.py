@@ -75,3 +75,38 @@ class SchedulerTally:
 
     def unproven(self, kind: str) -> None:
         FORGED.labels("scheduler", kind).inc()
+
+
+class NodeMetrics:
+    """The node's counts (:class:`workers.tally.NodeTally`) as its metrics."""
+
+    def task(self, task: str, outcome: str) -> None:
+        TASKS.labels(task, outcome).inc()
+
+    def forged(self, consumer: str, kind: str) -> None:
+        FORGED.labels(consumer, kind).inc()
+
+    def dead_letter(self, consumer: str, reason: str) -> None:
+        DEAD_LETTERS.labels(consumer, reason).inc()
+
+    def waiting(self, process: str, service: str, waiting: bool) -> None:
+        WAITING.labels(process, service).set(1 if waiting else 0)
+
+    def commands(self, in_flight: int, waiting: int) -> None:
+        COMMANDS_IN_FLIGHT.set(in_flight)
+        COMMANDS_WAITING.set(waiting)
+
+    def created(self, warm: bool, seconds: float) -> None:
+        CREATE_SECONDS.labels(str(warm).lower()).observe(seconds)
+
+    def executed(self, seconds: float) -> None:
+        EXEC_SECONDS.observe(seconds)
+
+    def refused(self, reason: str) -> None:
+        REFUSALS.labels("node", reason).inc()
+
+    def sandboxes(self, running: int) -> None:
+        SANDBOXES.set(running)
+
+    def warm_ready(self, image: str, ready: int) -> None:
+        WARM_READY.labels(image).set(ready)

@@ -27,8 +27,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from app import metrics
 from workers.agent.connection import AgentConnection
+from workers.tally import NodeTally, NoNodeTally
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,15 @@ class Answering(Protocol):
 class Commands:
     """Runs claimed commands, each on its own thread, with their replies' keys."""
 
-    def __init__(self, courier: Answering, limit: int, per_tenant: int | None = None) -> None:
+    def __init__(
+        self,
+        courier: Answering,
+        limit: int,
+        per_tenant: int | None = None,
+        tally: NodeTally | None = None,
+    ) -> None:
         self._courier = courier
+        self._tally: NodeTally = tally or NoNodeTally()
         self._limit = limit
         self._per_tenant = min(per_tenant or limit, limit)
         self._pool = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="dsec-command")
@@ -189,8 +196,7 @@ class Commands:
             self._spawn(*turn[1])
 
     def _measure(self) -> None:
-        metrics.COMMANDS_IN_FLIGHT.set(len(self._known))
-        metrics.COMMANDS_WAITING.set(len(self._known) - self._active)
+        self._tally.commands(len(self._known), len(self._known) - self._active)
 
     def close(self) -> None:
         """Stop taking commands; those running finish."""

@@ -16,7 +16,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from app import metrics
 from app.config import Settings
 from app.domain.base import StopReason, derived_id, utcnow
 from app.domain.events import SandboxStarted, StartedPayload
@@ -32,6 +31,7 @@ from workers.errors import EgressDisabled, NoSpace, StaleCreate
 from workers.exec_path import command_completed
 from workers.failures import AGENT_WAIT_S, Failures, envelope
 from workers.lifecycle import Lifecycle
+from workers.tally import NodeTally
 
 if TYPE_CHECKING:
     from workers.warm_pool import WarmPool
@@ -52,6 +52,7 @@ class CreateHost(Protocol):
     courier: Courier
     failures: Failures
     deadlines: Deadlines
+    tally: NodeTally
     #: Warm containers a create claims; None: always cold.
     warm: WarmPool | None
     agent_dir: Path
@@ -180,9 +181,7 @@ class Creation:
                 request_id=request.request_id, sandbox_id=request.sandbox_id, node_id=node.node_id
             ),
         )
-        metrics.CREATE_SECONDS.labels(str(claimed is not None).lower()).observe(
-            time.monotonic() - began
-        )
+        node.tally.created(claimed is not None, time.monotonic() - began)
 
     def _restore(self, request: CreateSandbox, commands: list[str | list[str]]) -> bool:
         """Replay a trajectory's commands into the new sandbox; False if it broke."""

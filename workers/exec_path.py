@@ -22,7 +22,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from app import metrics
 from app.config import Settings
 from app.domain.base import StopReason
 from app.domain.events import CommandCompleted, CommandPayload
@@ -39,6 +38,7 @@ from workers.courier import Courier
 from workers.errors import CommandInterrupted, NodeError
 from workers.failures import AGENT_WAIT_S, Failures, envelope
 from workers.redis_state import Claims, StepGuard
+from workers.tally import NodeTally
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class ExecHost(Protocol):
     steps: StepGuard
     commands: Commands
     failures: Failures
+    tally: NodeTally
     #: What the node saw happen in each sandbox, for the last state its Stopped records.
     activity: dict[str, Activity]
 
@@ -187,7 +188,7 @@ class ExecPath:
                     self._run_exec(request, running)
             finally:
                 claims.answered(request.scope)
-                metrics.EXEC_SECONDS.observe(time.monotonic() - claimed_at)
+                self.node.tally.executed(time.monotonic() - claimed_at)
 
         return answering
 

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from enum import Enum
 from typing import TypeVar
 
-from app import metrics
 from app.domain.base import MAX_DETAIL, FailReason
 from app.domain.events import FailedPayload, SandboxFailed
 from app.domain.replies import ErrorReply
@@ -32,6 +31,7 @@ from workers.errors import (
     NoSpace,
     StaleCreate,
 )
+from workers.tally import NodeTally
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +83,15 @@ class Failures:
     """Failures of one node's requests, told to the log and to their trainers."""
 
     def __init__(
-        self, node_id: str, courier: Courier, driver: ContainerDriver, agents: AgentPool
+        self,
+        node_id: str,
+        courier: Courier,
+        driver: ContainerDriver,
+        agents: AgentPool,
+        tally: NodeTally,
     ) -> None:
         self.node_id = node_id
+        self.tally = tally
         self.courier = courier
         self.driver = driver
         self.agents = agents
@@ -101,7 +107,7 @@ class Failures:
             if ended is not None:
                 reason, detail = FailReason.SANDBOX_NOT_RUNNING, ended
         log.warning("%s %s failed: %s: %s", request.type, request.sandbox_id, reason, detail)
-        metrics.REFUSALS.labels("node", reason.value).inc()
+        self.tally.refused(reason.value)
         self.courier.event(
             SandboxFailed(
                 event_id=request.event_of("failed"),

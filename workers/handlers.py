@@ -52,6 +52,7 @@ from workers.failures import Failures
 from workers.file_ops import FileOps
 from workers.lifecycle import Lifecycle
 from workers.redis_state import Claims, StepGuard, connect
+from workers.tally import NodeTally, NoNodeTally
 
 if TYPE_CHECKING:
     from workers.warm_pool import WarmPool
@@ -67,8 +68,11 @@ class Node:
         driver: ContainerDriver,
         agents: AgentPool,
         credential: Credential,
+        tally: NodeTally | None = None,
     ) -> None:
         self.settings = settings
+        #: Where the node counts what it does (the worker's main: its metrics).
+        self.tally: NodeTally = tally or NoNodeTally()
         self.node_id = node_id
         self.driver = driver
         self.agents = agents
@@ -92,10 +96,13 @@ class Node:
         #: records (kept in memory: a restarted worker knows less, and says so).
         self.activity: dict[str, Activity] = {}
         #: A request's failure, told to the log and its trainer.
-        self.failures = Failures(node_id, self.courier, driver, agents)
+        self.failures = Failures(node_id, self.courier, driver, agents, self.tally)
         #: Commands in flight, off the Celery pool (workers/commands.py).
         self.commands = Commands(
-            self.courier, settings.node_max_commands, settings.node_max_commands_per_tenant
+            self.courier,
+            settings.node_max_commands,
+            settings.node_max_commands_per_tenant,
+            self.tally,
         )
         #: Ends each sandbox at its TTL deadline (started by the worker's main).
         self.deadlines = Deadlines(self.expire)

@@ -19,7 +19,6 @@ import threading
 
 from kafka.errors import KafkaError
 
-from app import metrics
 from app.config import Settings
 from app.consuming import IDLE_POLL_MS, PositionedConsumer, dead_letter
 from app.domain.codec import DeadLetterReason
@@ -30,6 +29,7 @@ from workers import tasks
 from workers.courier import Courier
 from workers.errors import RedisFailed
 from workers.redis_state import InboxPosition, connect
+from workers.tally import NodeTally
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,15 @@ READY_WAIT_S = 60.0
 class Inbox:
     """Reads a node's inbox topic on a thread of its own and carries out its tasks."""
 
-    def __init__(self, settings: Settings, node_id: str, courier: Courier) -> None:
+    def __init__(
+        self, settings: Settings, node_id: str, courier: Courier, tally: NodeTally
+    ) -> None:
         self.settings = settings
         self.node_id = node_id
         self.topic = settings.node_topic(node_id)
         self.name = f"inbox {node_id}"
         self._courier = courier
+        self._tally = tally
         self._position = InboxPosition(connect(settings.celery_broker_url), node_id)
         self._stopping = threading.Event()
         self._ready: threading.Event | None = None
@@ -74,7 +77,7 @@ class Inbox:
                 self._serve()
             except (KafkaError, ServiceUnavailable, RedisFailed) as exc:
                 log.warning("%s: waiting for the broker or Redis: %s", self.name, exc)
-                metrics.WAITING.labels(self.name, "broker").set(1)
+                self._tally.waiting(self.name, "broker", True)
                 self._stopping.wait(1.0)
             except Exception:
                 log.exception("%s: failed; starting over", self.name)
@@ -86,7 +89,7 @@ class Inbox:
         )
         try:
             consumer.seek(self._position.stored())
-            metrics.WAITING.labels(self.name, "broker").set(0)
+            self._tally.waiting(self.name, "broker", False)
             log.info("%s: reading %s", self.name, self.topic)
             while not self._stopping.is_set():
                 records = consumer.poll(timeout_ms=IDLE_POLL_MS, max_records=BATCH)
@@ -104,7 +107,7 @@ class Inbox:
         opened = read_inbox_record(record.value or b"")
         if isinstance(opened, str):
             log.error("%s: refused a record: %s", self.name, opened)
-            metrics.DEAD_LETTERS.labels(self.name, DeadLetterReason.INVALID.value).inc()
+            self._tally.dead_letter(self.name, DeadLetterReason.INVALID.value)
             dead_letter(
                 self._courier.publisher, self.settings, self.name, record,
                 DeadLetterReason.INVALID, opened,

@@ -53,14 +53,16 @@ def run(node_id: str, concurrency: int = 16) -> None:
     )
     user = ensure_node_user(node_id, allow_egress=settings.allow_egress)
     socket_url = ensure_podman_service(user)
-    watch = PodmanWatch(user, settings)
+    tally = metrics.NodeMetrics()
+    watch = PodmanWatch(user, settings, tally)
     driver = PodmanDriver(
         socket_url,
         limiter=CgroupLimiter.detect(node_id),
         store_lock=store_lock_path(settings),
         revive=watch.revive,
     )
-    node = Node(settings, node_id, driver, AgentPool(verify=peer_is_sandbox_init), credential)
+    agents = AgentPool(verify=peer_is_sandbox_init)
+    node = Node(settings, node_id, driver, agents, credential, tally)
     runtime.install(node)
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()
@@ -72,7 +74,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
     # Its topic before the first heartbeat (the scheduler sends commands once it hears
     # of the node); read once the first round listens again for the agents.
     upkeep = Upkeep(node)
-    inbox = Inbox(settings, node_id, node.courier)
+    inbox = Inbox(settings, node_id, node.courier, tally)
     inbox.start(ready=upkeep.rounds)
     upkeep.start()
     threading.Thread(

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from app import metrics
 from app.domain.base import MAX_DETAIL, FailReason, event_id
 from app.domain.codec import DeadLetterReason, encode, peek
 from app.domain.dead_letter import DeadLetter
@@ -55,7 +54,7 @@ def _refuse(task: NodeTask, body: str, exc: ValidationError, opened: Opened) -> 
     raw = peek(body.encode())
     detail = f"node cannot read this {task.value} task (version skew?): {exc.errors()[:3]}"
     log.error("%s", detail)
-    metrics.TASKS.labels(task.value, "invalid").inc()
+    runtime.node().tally.task(task.value, "invalid")
     sandbox_id = raw.get("sandbox_id")
     try:
         request_id = uuid.UUID(str(raw.get("request_id")))
@@ -102,8 +101,8 @@ def _unsealed(task: NodeTask, args: tuple[str, ...]) -> Opened | None:
     if isinstance(opened, Opened):
         return opened
     log.error("refusing a %s task: %s", task.value, opened)
-    metrics.TASKS.labels(task.value, "unproven").inc()
-    metrics.FORGED.labels(f"node {node.node_id}", "task").inc()
+    node.tally.task(task.value, "unproven")
+    node.tally.forged(f"node {node.node_id}", "task")
     raw = json.dumps(list(args)).encode()
     kept = raw[: node.settings.max_message_bytes // 2]
     letter = DeadLetter(
@@ -152,12 +151,12 @@ def _run(
             handler(request, opened)
     except Exception:
         log.exception("%s failed", task)
-        metrics.TASKS.labels(task.value, "error").inc()
+        node.tally.task(task.value, "error")
         raise
     finally:
         if held:
             node.claims.answered(scope)
-    metrics.TASKS.labels(task.value, "ok").inc()
+    node.tally.task(task.value, "ok")
 
 
 def _start_command(request: Exec, opened: Opened) -> None:

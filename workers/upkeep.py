@@ -33,7 +33,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from app import metrics
 from app.domain.base import StopReason
 from app.domain.events import NodeHeartbeat, NodePayload, NodeRegistered
 from workers.containers import label
@@ -91,10 +90,10 @@ def payload(node: Node, sandboxes: list[str] | None, images: list[str]) -> NodeP
     cpus, memory = _capacity(node)
     max_cpus, max_memory, max_pids = _sandbox_max(node)
     running = len(sandboxes if sandboxes is not None else held(node))
-    metrics.SANDBOXES.set(running)
+    node.tally.sandboxes(running)
     if node.warm is not None:
         for image in node.warm.sizes:
-            metrics.WARM_READY.labels(image).set(node.warm.ready(image))
+            node.tally.warm_ready(image, node.warm.ready(image))
     return NodePayload(
         max_sandbox_cpus=max_cpus,
         max_sandbox_memory_mb=max_memory,

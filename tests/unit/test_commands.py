@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from workers.commands import Commands, FairQueue, Running
+from workers.tally import NoNodeTally
 
 
 class _Courier:
@@ -123,4 +124,27 @@ def test_a_command_is_found_until_it_ends_and_a_kill_before_it_starts_sticks() -
         commands.find(ran.sandbox_id, ran.request_id) is None
         and commands.find(waiting.sandbox_id, waiting.request_id) is None
     )
+    commands.close()
+
+
+class _Counted(NoNodeTally):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def commands(self, in_flight: int, waiting: int) -> None:
+        self.seen.append((in_flight, waiting))
+
+
+def test_the_node_counts_its_commands_through_its_tally() -> None:
+    # Given a node's commands with room for one, counted by a tally of the test's own
+    gate, tally = _Gate(), _Counted()
+    commands = Commands(_Courier(), limit=1, tally=tally)
+    # When two are claimed: one runs, one waits its turn
+    commands.submit(_running("a"), None, gate.job("a0"))
+    commands.submit(_running("a"), None, gate.job("a1"))
+    gate.wait_began(1)
+    # Then the tally heard of both, and of the one waiting
+    assert (2, 1) in tally.seen
+    gate.release.set()
+    gate.wait_began(2)
     commands.close()

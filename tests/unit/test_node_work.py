@@ -13,8 +13,8 @@ def test_every_task_is_declared_once_with_a_request_of_its_own() -> None:
     assert sorted(tasks) == sorted(NodeTask)
     assert len(set(requests)) == len(requests)
     assert all(issubclass(r, RequestBase) for r in requests)
-    assert TASK_FOR_REQUEST == {w.request.model_fields["type"].default: w.task for w in NODE_WORK}
-    assert VIA_INBOX == {NodeTask.EXEC, NodeTask.KILL_COMMAND}
+    assert {w.request.model_fields["type"].default: w.task for w in NODE_WORK} == TASK_FOR_REQUEST
+    assert {NodeTask.EXEC, NodeTask.KILL_COMMAND} == VIA_INBOX
 
 
 def test_the_node_registers_a_celery_task_and_a_handler_for_each_declared_kind() -> None:

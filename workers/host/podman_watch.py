@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from app import metrics
 from app.config import Settings
 from workers.host.podman_service import ensure_podman_service, service_answers
 from workers.host.user import NodeUser
+from workers.tally import NodeTally
 
 log = logging.getLogger(__name__)
 
@@ -29,26 +29,27 @@ CHECK_S = 5.0
 class PodmanWatch:
     """Starts the node's Podman service again whenever it no longer answers."""
 
-    def __init__(self, user: NodeUser, settings: Settings) -> None:
+    def __init__(self, user: NodeUser, settings: Settings, tally: NodeTally) -> None:
         self.user = user
         self.settings = settings
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._waiting = metrics.WAITING.labels(f"node {user.node_id}", "podman")
+        self._tally = tally
+        self._process = f"node {user.node_id}"
 
     def revive(self) -> bool:
         """Start a new service if this one does not answer; True if it had to."""
         with self._lock:  # one revival at a time, whoever notices first
             if service_answers(self.user.socket_path):
                 return False
-            self._waiting.set(1)
+            self._tally.waiting(self._process, "podman", True)
             log.warning(
                 "node %s: its Podman service does not answer: starting one", self.user.node_id
             )
             try:
                 ensure_podman_service(self.user, self.settings)
             finally:
-                self._waiting.set(0)
+                self._tally.waiting(self._process, "podman", False)
             log.warning("node %s: Podman service answers again", self.user.node_id)
             return True
 
