@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from app import bus
+from app import bus, credentials
 from app.config import Settings
 from app.control import dead_letters, tenants
 from app.credentials import Credential
@@ -33,7 +33,7 @@ from app.domain.events import (
     StoppedPayload,
 )
 from app.domain.proof import Purpose, Role, headers
-from app.sdk import Client, Sandbox, credentials
+from app.sdk import Client, Sandbox
 from tests.conftest import scalar, tenant_client, wait_for
 
 pytestmark = pytest.mark.integration
