@@ -598,6 +598,7 @@ def test_audit_limit_keeps_the_latest_rows_and_since_filters(conn: Connection) -
 def test_cli_prints_bill_and_audit(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given the CLI reading through this test's (rolled back) transaction
     from app.cli import records as cli_mod
+    from app.cli.main import cli
     from app.db import engine
 
     @contextmanager
@@ -611,7 +612,7 @@ def test_cli_prints_bill_and_audit(conn: Connection, monkeypatch: pytest.MonkeyP
     runner = CliRunner()
     # When the operator asks for the bill as JSON
     result = runner.invoke(
-        cli_mod.cli,
+        cli,
         [
             "bill",
             "--tenant",
@@ -639,7 +640,7 @@ def test_cli_prints_bill_and_audit(conn: Connection, monkeypatch: pytest.MonkeyP
         }
     ]
     # When the operator asks for the sandbox's audit trail as CSV
-    result = runner.invoke(cli_mod.cli, ["audit", "--sandbox", sb, "--format", "csv"])
+    result = runner.invoke(cli, ["audit", "--sandbox", sb, "--format", "csv"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0] == ",".join(queries.AUDIT_COLUMNS)
@@ -651,7 +652,7 @@ def test_cli_prints_bill_and_audit(conn: Connection, monkeypatch: pytest.MonkeyP
         "SandboxStopped",
     ]
     # And as a table, and a bad value is refused naming the option's problem
-    result = runner.invoke(cli_mod.cli, ["audit", "--sandbox", sb])
+    result = runner.invoke(cli, ["audit", "--sandbox", sb])
     assert result.exit_code == 0 and "place on node-t" in result.output
-    result = runner.invoke(cli_mod.cli, ["bill", "--from", "someday"])
+    result = runner.invoke(cli, ["bill", "--from", "someday"])
     assert result.exit_code != 0 and "not a day" in result.output
