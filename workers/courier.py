@@ -13,7 +13,7 @@ import hashlib
 import logging
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from app.bus import Publisher
@@ -30,12 +30,16 @@ log = logging.getLogger(__name__)
 
 class Courier:
     """The node's courier: proves and sends its events and replies through its one
-    Kafka producer (thread-safe, created on first use). The control plane's courier,
-    :class:`app.control.outbox.Courier`, plays the same role into an outbox."""
+    Kafka producer (thread-safe, opened on first use by ``connect``, which the node's
+    main hands in). The control plane's courier, :class:`app.control.outbox.Courier`,
+    plays the same role into an outbox."""
 
-    def __init__(self, settings: Settings, credential: Credential) -> None:
+    def __init__(
+        self, settings: Settings, credential: Credential, connect: Callable[[], Publisher]
+    ) -> None:
         self.settings = settings
         self.credential = credential
+        self._connect = connect
         self._publisher: Publisher | None = None
         self._lock = threading.Lock()
         # The reply key of each request being answered now, and by how many threads
@@ -47,7 +51,7 @@ class Courier:
     def publisher(self) -> Publisher:
         with self._lock:
             if self._publisher is None:
-                self._publisher = Publisher(self.settings, login=self.credential.kafka)
+                self._publisher = self._connect()
             return self._publisher
 
     @contextmanager

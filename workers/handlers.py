@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from redis import Redis
+
 from app.config import Settings
 from app.credentials import Credential
 from app.domain.requests import (
@@ -51,7 +53,7 @@ from workers.exec_path import Activity, ExecPath
 from workers.failures import Failures
 from workers.file_ops import FileOps
 from workers.lifecycle import Lifecycle
-from workers.redis_state import Claims, StepGuard, connect
+from workers.redis_state import Claims, StepGuard
 from workers.tally import NodeTally, NoNodeTally
 
 if TYPE_CHECKING:
@@ -68,8 +70,12 @@ class Node:
         driver: ContainerDriver,
         agents: AgentPool,
         credential: Credential,
+        courier: Courier,
+        store: Redis,
         tally: NodeTally | None = None,
     ) -> None:
+        """The node's adapters come built (``workers/main.py`` is where): its
+        container driver, its sandboxes' agents, its courier to Kafka and its Redis."""
         self.settings = settings
         #: Where the node counts what it does (the worker's main: its metrics).
         self.tally: NodeTally = tally or NoNodeTally()
@@ -78,8 +84,7 @@ class Node:
         self.agents = agents
         #: What this node proves its events with, and checks its tasks against.
         self.credential = credential
-        self.courier = Courier(settings, credential)
-        store = connect(settings.celery_broker_url)
+        self.courier = courier
         self.steps = StepGuard(store)
         self.claims = Claims(store, node_id, credential.secret)
         self.sandbox_root = settings.state_dir / "nodes" / node_id / "sandboxes"

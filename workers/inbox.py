@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from kafka.errors import KafkaError
+from redis import Redis
 
 from app.config import Settings
 from app.consuming import IDLE_POLL_MS, PositionedConsumer, dead_letter
@@ -28,7 +30,7 @@ from app.errors import ServiceUnavailable
 from workers import tasks
 from workers.courier import Courier
 from workers.errors import RedisFailed
-from workers.redis_state import InboxPosition, connect
+from workers.redis_state import InboxPosition
 from workers.tally import NodeTally
 
 log = logging.getLogger(__name__)
@@ -43,15 +45,24 @@ class Inbox:
     """Reads a node's inbox topic on a thread of its own and carries out its tasks."""
 
     def __init__(
-        self, settings: Settings, node_id: str, courier: Courier, tally: NodeTally
+        self,
+        settings: Settings,
+        node_id: str,
+        courier: Courier,
+        store: Redis,
+        open_topic: Callable[[], PositionedConsumer],
+        tally: NodeTally,
     ) -> None:
+        """``open_topic`` opens a consumer of the node's inbox topic (again after the
+        broker was away); ``store`` keeps how far the node has read it."""
         self.settings = settings
         self.node_id = node_id
         self.topic = settings.node_topic(node_id)
         self.name = f"inbox {node_id}"
         self._courier = courier
         self._tally = tally
-        self._position = InboxPosition(connect(settings.celery_broker_url), node_id)
+        self._position = InboxPosition(store, node_id)
+        self._open_topic = open_topic
         self._stopping = threading.Event()
         self._ready: threading.Event | None = None
         self._thread = threading.Thread(target=self._run, name="dsec-inbox", daemon=True)
@@ -84,9 +95,7 @@ class Inbox:
                 self._stopping.wait(1.0)
 
     def _serve(self) -> None:
-        consumer = PositionedConsumer(
-            self.settings, self.topic, self.name, login=self._courier.credential.kafka
-        )
+        consumer = self._open_topic()
         try:
             consumer.seek(self._position.stored())
             self._tally.waiting(self.name, "broker", False)

@@ -1,4 +1,9 @@
-"""Start a node: set up its user and Podman service, then serve its Celery queue."""
+"""Start a node: set up its user and Podman service, then serve its Celery queue.
+
+This is the node's composition root: the one place that builds its adapters (the
+Podman driver, the agents' pool, its Kafka producer and inbox consumer, its Redis,
+its metrics) and hands them to the node's logic, which builds none.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,23 @@ import resource
 import threading
 
 from app import credentials, metrics
+from app.bus import Publisher
 from app.config import get_settings
+from app.consuming import PositionedConsumer
 from workers import runtime, tasks
 from workers.agent.connection import peer_is_sandbox_init
 from workers.agent.pool import AgentPool
 from workers.celery_app import celery, restore_unacked
 from workers.containers.limits import CgroupLimiter
 from workers.containers.podman_driver import PodmanDriver
+from workers.courier import Courier
 from workers.handlers import Node
 from workers.host.layer_store import store_lock_path
 from workers.host.podman_service import ensure_podman_service
 from workers.host.podman_watch import PodmanWatch
 from workers.host.setup import ensure_node_user
 from workers.inbox import READY_WAIT_S, Inbox
+from workers.redis_state import connect
 from workers.upkeep import Upkeep
 from workers.warm_pool import WarmPool
 
@@ -62,7 +71,9 @@ def run(node_id: str, concurrency: int = 16) -> None:
         revive=watch.revive,
     )
     agents = AgentPool(verify=peer_is_sandbox_init)
-    node = Node(settings, node_id, driver, agents, credential, tally)
+    store = connect(settings.celery_broker_url)
+    courier = Courier(settings, credential, lambda: Publisher(settings, login=credential.kafka))
+    node = Node(settings, node_id, driver, agents, credential, courier, store, tally)
     runtime.install(node)
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()
@@ -74,7 +85,12 @@ def run(node_id: str, concurrency: int = 16) -> None:
     # Its topic before the first heartbeat (the scheduler sends commands once it hears
     # of the node); read once the first round listens again for the agents.
     upkeep = Upkeep(node)
-    inbox = Inbox(settings, node_id, node.courier, tally)
+    topic = settings.node_topic(node_id)
+    inbox = Inbox(
+        settings, node_id, courier, store,
+        lambda: PositionedConsumer(settings, topic, f"inbox {node_id}", login=credential.kafka),
+        tally,
+    )  # fmt: skip
     inbox.start(ready=upkeep.rounds)
     upkeep.start()
     threading.Thread(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from app.config import Settings
 from app.credentials import Credential
 from app.domain.proof import Role
@@ -11,7 +13,8 @@ from workers.courier import Courier
 
 
 def test_a_reply_key_outlives_the_task_that_handed_its_command_over() -> None:
-    courier = Courier(Settings(), Credential("k-node-n0", bytes(32), Role.NODE, "n0"))
+    credential = Credential("k-node-n0", bytes(32), Role.NODE, "n0")
+    courier = Courier(Settings(), credential, lambda: pytest.fail("nothing is sent"))
     request_id = uuid.uuid4()
     task = courier.answering(request_id, b"k" * 32)
     task.__enter__()
