@@ -183,7 +183,7 @@ class ExecPath:
             try:
                 if replayed:
                     assert traj is not None and step is not None
-                    self._answer_claimed_step(request, traj, step)
+                    self._replay_claimed_step(request, traj, step)
                 else:
                     self._run_exec(request, running)
             finally:
@@ -320,7 +320,7 @@ class ExecPath:
 
         return send
 
-    def _answer_claimed_step(self, request: Exec, traj: str, step: int) -> None:
+    def _replay_claimed_step(self, request: Exec, traj: str, step: int) -> None:
         """A step another request already ran (or runs): answer with its result."""
         node = self.node
         recorded = node.steps.wait(request.tenant, traj, step, request.timeout_s + AGENT_WAIT_S)
@@ -330,7 +330,7 @@ class ExecPath:
                 AgentTimeout(f"trajectory {traj} step {step} is claimed but has no result yet"),
             )
             return
-        event, reply = recorded.answer(request, node_id=node.node_id)
+        event, reply = recorded.replay(request, node_id=node.node_id)
         node.courier.event(event)
         node.courier.reply(request.reply_to, reply)
 

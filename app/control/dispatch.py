@@ -414,7 +414,7 @@ class Dispatcher(LogFollower):
         recorded = self.trajectory.lookup(request.tenant, request.trajectory_id, request.step)
         if recorded is None:
             return False
-        event, reply = recorded.answer(request)
+        event, reply = recorded.replay(request)
         self.send.emit(out, event)
         self.send.reply(out, admitted.sender, request.reply_to, reply)
         self.tally.handled(request.type, "replayed")

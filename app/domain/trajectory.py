@@ -53,7 +53,7 @@ class RecordedStep:
             truncated=completed.truncated,
         )
 
-    def answer(
+    def replay(
         self, request: Exec, node_id: str | None = None
     ) -> tuple[CommandReplayed, ExecOutput]:
         """The audit event and the trainer's reply for ``request``, a step answered from

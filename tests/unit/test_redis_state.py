@@ -72,7 +72,7 @@ def test_a_step_is_replayed_with_what_its_record_in_the_log_keeps() -> None:
     kept = guard.wait("t", "tr", 3, timeout_s=1.0)
     # Then it gets the step as recorded, and is answered as a replay of the first
     assert kept == recorded
-    event, reply = kept.answer(second, node_id="n1")
+    event, reply = kept.replay(second, node_id="n1")
     assert event.payload.original_request_id == first.request_id
     assert reply.replayed and reply.stdout_b64 == "aGkK"
     assert reply.stdout_truncated and reply.stderr_truncated
