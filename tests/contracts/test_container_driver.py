@@ -27,6 +27,7 @@ import pytest
 
 from app.config import Settings
 from workers.containers import label
+from workers.containers.limits import CgroupLimiter
 from workers.containers.memory_driver import InMemoryDriver
 from workers.containers.port import ContainerDriver, SandboxContainer
 from workers.containers.spec import SandboxSpec
@@ -131,7 +132,11 @@ def _podman(request: pytest.FixtureRequest) -> Iterator[Harness]:
     from workers.containers.podman_driver import PodmanDriver
 
     user, base = request.getfixturevalue("podman_node")
-    driver = PodmanDriver(user.socket_url, command=SLEEP)
+    # With the node's own cgroups, as its worker drives Podman (the cgroup half).
+    limiter = CgroupLimiter.detect(user.node_id)
+    if limiter is None:
+        pytest.fail("this host's cgroups cannot be managed: no limits hold", pytrace=False)
+    driver = PodmanDriver(user.socket_url, command=SLEEP, limiter=limiter)
     if IMAGE not in driver.list_images():
         pytest.fail(f"{IMAGE} is not on node {user.node_id}: run `dsec up`", pytrace=False)
     client = podman.PodmanClient(base_url=user.socket_url)
@@ -263,3 +268,67 @@ def test_images_are_named_as_users_write_them(harness: Harness) -> None:
     images = harness.driver.list_images()
     assert IMAGE in images
     assert not any(image.startswith("localhost/") for image in images)
+
+
+# --- the cgroup half: the node's own cgroups hold each sandbox and its limits ---------
+
+
+def _until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_sandbox_has_cgroups_of_its_own_until_it_is_removed(harness: Harness) -> None:
+    sandbox_id, _ = harness.create()
+    assert sandbox_id in harness.driver.cgroup_sandbox_ids()
+    assert harness.driver.remove(sandbox_id)
+    assert sandbox_id not in harness.driver.cgroup_sandbox_ids()
+
+
+def test_cgroups_that_hold_a_running_sandbox_are_not_removed(harness: Harness) -> None:
+    sandbox_id, _ = harness.create()
+    assert harness.driver.remove_cgroups(sandbox_id) is False
+    assert sandbox_id in harness.driver.cgroup_sandbox_ids()
+    assert harness.driver.get(sandbox_id).running  # type: ignore[union-attr]
+
+
+def test_a_live_sandbox_is_seen_in_its_cgroups_and_was_never_oom_killed(
+    harness: Harness,
+) -> None:
+    sandbox_id, _ = harness.create()
+    assert harness.driver.usage(sandbox_id).processes >= 1
+    assert harness.driver.oom_kills(sandbox_id) == 0
+
+
+def test_a_live_sandbox_takes_new_limits_and_one_without_cgroups_refuses(
+    harness: Harness,
+) -> None:
+    sandbox_id, _ = harness.create()
+    harness.driver.update_limits(sandbox_id, memory_mb=128, pids=64, cpus=0.5)
+    with pytest.raises(NodeError):
+        harness.driver.update_limits(harness.new_id(), memory_mb=128, pids=64, cpus=0.5)
+
+
+def test_killing_a_sandboxs_processes_ends_it(harness: Harness) -> None:
+    sandbox_id, _ = harness.create()
+    assert harness.driver.kill_processes(sandbox_id) >= 1
+    assert _until(lambda: not harness.driver.get(sandbox_id).running)  # type: ignore[union-attr]
+    assert harness.driver.kill_processes(harness.new_id()) == 0
+
+
+def test_renamed_cgroups_follow_a_claimed_sandbox_where_the_host_can_rename(
+    harness: Harness,
+) -> None:
+    if not harness.driver.can_rename_cgroups:
+        pytest.skip("cgroup v2 keeps a live sandbox's cgroups under their first name")
+    old, _ = harness.create()
+    new = harness.new_id()
+    harness.driver.rename(old, new)
+    harness.driver.rename_cgroups(old, new)
+    ids = harness.driver.cgroup_sandbox_ids()
+    assert new in ids and old not in ids
+    harness.driver.update_limits(new, memory_mb=64, pids=32, cpus=0.25)

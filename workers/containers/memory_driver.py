@@ -165,7 +165,10 @@ class InMemoryDriver(ContainerDriver):
             return sorted(self._cgroups)
 
     def usage(self, sandbox_id: str) -> Usage:
-        return Usage()
+        # A running sandbox here is its PID 1 alone; time and memory are not modelled.
+        with self._lock:
+            held = sandbox_id in self._cgroups and self._running(sandbox_id) is not None
+            return Usage(processes=1 if held else 0, oom_kills=0)
 
     def oom_kills(self, sandbox_id: str) -> int:
         return 0
