@@ -9,7 +9,7 @@ sandboxes it holds, proven with its own node key (enrolled in the platform's
 credentials table, as an operator's `dsec node add` does); it takes its creates and
 destroys from its Celery queue in Redis (acknowledged late, held in Redis while done,
 as a worker does) and its commands from its inbox topic (claimed in Redis by request
-id), and answers each with the node's own events and replies (workers/events_out.py,
+id), and answers each with the node's own events and replies (workers/courier.py,
 workers/exec_path.py). A command "runs" in no time: what is measured is the control
 plane around it.
 
@@ -44,6 +44,7 @@ from app import bus
 from app.config import Settings, get_settings
 from app.control.creates import placement_events
 from app.control.keyring import Keyring, credential_for
+from app.credentials import Credential
 from app.db import credentials as stored
 from app.db.engine import transaction
 from app.domain.base import StopReason, derived_id
@@ -63,11 +64,10 @@ from app.domain.node_tasks import NodeTask, Opened, read_inbox_record, unseal
 from app.domain.proof import SCHEDULER_KEY_ID, Purpose, Role, headers
 from app.domain.replies import Done, ExecOutput, SandboxReady
 from app.domain.requests import CreateSandbox, DestroySandbox, Exec
-from app.sdk.credentials import Credential
-from workers.agent.protocol import AgentExecResult
-from workers.answers import envelope
-from workers.events_out import Outlet
+from workers.agent.messages import AgentExecResult
+from workers.courier import Courier
 from workers.exec_path import command_completed
+from workers.failures import envelope
 from workers.redis_state import Claims, connect
 
 #: A node of DSec's shape: 30,000 cores and ~250 TB over 160 nodes, ~2,400 sandboxes
@@ -110,8 +110,8 @@ def credentials_of(settings: Settings) -> dict[str, Credential]:
     return {row.subject: credential_for(settings, row) for row in rows if row.revoked_at is None}
 
 
-class SharedOutlet(Outlet):
-    """A node's outlet on the process's one producer: 160 producers, each with its I/O
+class SharedCourier(Courier):
+    """A node's courier on the process's one producer: 160 producers, each with its I/O
     thread, would cost this process more than all the nodes' work."""
 
     def __init__(self, settings: Settings, credential: Credential, shared: bus.Publisher) -> None:
@@ -125,11 +125,11 @@ class SharedOutlet(Outlet):
 
 @dataclass
 class SimNode:
-    """One node: its key, its outlet, its claims in Redis and the sandboxes it holds."""
+    """One node: its key, its courier, its claims in Redis and the sandboxes it holds."""
 
     node_id: str
     credential: Credential
-    outlet: Outlet
+    courier: Courier
     claims: Claims
     held: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -159,7 +159,7 @@ class Nodes:
         self.redis = redis
         self.nodes = {
             node_id: SimNode(
-                node_id, creds[node_id], SharedOutlet(settings, creds[node_id], self.publisher),
+                node_id, creds[node_id], SharedCourier(settings, creds[node_id], self.publisher),
                 Claims(redis, node_id, creds[node_id].secret),
             )
             for node_id in node_ids(tag, n)
@@ -198,7 +198,7 @@ class Nodes:
             NodeHeartbeat if node.registered else NodeRegistered
         )
         event = cls(node_id=node.node_id, payload=node.payload(self.listing))
-        node.outlet.event(event)
+        node.courier.event(event)
         node.registered = True
         self.count("heartbeats")
         if self.listing:
@@ -290,13 +290,13 @@ class Nodes:
             create = CreateSandbox.model_validate_json(body)
             # Held in Redis while it is done, as a worker holds it (workers/tasks.py).
             node.claims.hold(create.scope, task.value, args)
-            with node.outlet.answering(create.request_id, opened.reply_key):
+            with node.courier.answering(create.request_id, opened.reply_key):
                 self._create(node, create)
             node.claims.answered(create.scope)
         elif task == NodeTask.DESTROY:
             destroy = DestroySandbox.model_validate_json(body)
             node.claims.hold(destroy.scope, task.value, args)
-            with node.outlet.answering(destroy.request_id, opened.reply_key):
+            with node.courier.answering(destroy.request_id, opened.reply_key):
                 self._destroy(node, destroy)
             node.claims.answered(destroy.scope)
         else:
@@ -305,13 +305,13 @@ class Nodes:
     def _create(self, node: SimNode, request: CreateSandbox) -> None:
         with node.lock:
             node.held.add(request.sandbox_id)
-        node.outlet.event(
+        node.courier.event(
             SandboxStarted(
                 event_id=request.event_of("started"), **envelope(request, node.node_id),
                 payload=StartedPayload(request_id=request.request_id, container_id="sim"),
             )
         )  # fmt: skip
-        node.outlet.reply(
+        node.courier.reply(
             request.reply_to,
             SandboxReady(
                 request_id=request.request_id, sandbox_id=request.sandbox_id, node_id=node.node_id
@@ -328,7 +328,7 @@ class Nodes:
             # scheduler disagree, which the run must show.
             self.count("orphan destroys")
         elif known:
-            node.outlet.event(
+            node.courier.event(
                 SandboxStopped(
                     event_id=derived_id(request.request_id, f"{request.sandbox_id}:stopped"),
                     sandbox_id=request.sandbox_id, node_id=node.node_id, tenant=request.tenant,
@@ -343,7 +343,7 @@ class Nodes:
             self.count("destroys")
         else:
             self.count("destroys of unknown sandboxes")
-        node.outlet.reply(
+        node.courier.reply(
             request.reply_to,
             Done(
                 request_id=request.request_id, sandbox_id=request.sandbox_id,
@@ -386,11 +386,11 @@ class Nodes:
             return
         with self._stats_lock:
             self.done_keys.append(f"dsec:done:{request.scope}")
-        with node.outlet.answering(request.request_id, opened.reply_key):
-            node.outlet.event(
+        with node.courier.answering(request.request_id, opened.reply_key):
+            node.courier.event(
                 command_completed(request, RESULT, node.node_id, self.settings.step_output_bytes)
             )
-            node.outlet.reply_with_data(
+            node.courier.reply_with_data(
                 request.reply_to,
                 ExecOutput(
                     request_id=request.request_id, sandbox_id=request.sandbox_id, exit_code=0,

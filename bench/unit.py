@@ -3,35 +3,40 @@ against simulated nodes filled to a unit's live sandboxes, creates and commands 
 rising rates, and the cores a unit's control plane needs.
 
     .venv/bin/python bench/unit.py [--nodes 160] [--per-node 2400] [--schedulers 1]
-        [--create-rates 10,20,40,80,160] [--command-rates 25,50,100,200,400,800]
-        [--step-s 20] [--baseline-s 30] [--max-p99-s 2] [--scale-to 2]
+        [--create-rates 10,20,40,80,160,320] [--command-rates 25,50,100,200,400,800,1600]
+        [--step-s 20] [--baseline-s 30] [--max-p99-s 5] [--scale-to 2]
 
 A platform of its own beside the stack (topics under a fresh prefix, a database of
-its own dropped at the end; the stack's broker, Postgres and Redis): ``--schedulers``
-scheduler processes and one projector, started as the stack starts them, and
+its own dropped at the end; the stack's broker, Postgres and Redis): one projector
+and ``--schedulers`` scheduler processes, started as the stack starts them, and
 ``--nodes`` simulated nodes in one process (bench/simnodes.py) that answer over the
 broker and Redis as node workers do. The nodes are filled to ``--per-node``
-sandboxes each through the log, then heartbeat every 5 s listing them all.
+sandboxes each through the log (the schedulers start after it and recover them from
+the projections, as after a restart), then heartbeat every 5 s listing them all.
 
 Measured, in order:
 
 1. baseline: nothing asked, the nodes heartbeating with their lists: the CPU of each
    component per heartbeat (all of the baseline counted as the heartbeats');
-2. lives: creates at each rate of ``--create-rates``, each with a destroy of a
-   sandbox of the fill (the live count stays put), until a rate is not sustained
-   (fewer than 97 % answered, or p99 above ``--max-p99-s``);
-3. commands: ``true`` in random live sandboxes at each of ``--command-rates``, the
+2. a warm-up, not counted: a command to every node, creates for 10 s;
+3. lives: creates at each rate of ``--create-rates``, each with a destroy of the
+   oldest live sandbox (the live count stays put), until a rate is not sustained
+   (fewer than 97 % answered within the step and 5 s after, or p99 above
+   ``--max-p99-s``);
+4. commands: ``true`` in random live sandboxes at each of ``--command-rates``, the
    same way;
-4. with ``--scale-to K``: K-1 more schedulers, and a step of each kind again at 70 %
-   of the highest sustained rate: how a scheduler's CPU splits between what each
-   process pays for every event (all follow the whole log) and the requests it owns.
+5. with ``--scale-to K``: a step of each kind at half its highest sustained rate,
+   then K-1 more schedulers and the same step again: how a scheduler's CPU splits
+   between what every process pays (each follows the whole log) and what only the
+   owner of a request pays.
 
 The CPU of every component per create (a life: its create and its destroy), per
 command and per heartbeat is read from /proc, the baseline's share taken out. From
 these the cores a unit needs (5,000 creates/s, 20,000 commands/s, 160 nodes of 2,400
 sandboxes heartbeating) are extrapolated: measured per-operation costs times a
-unit's rates, with as many schedulers as keep each under one core. Every figure the
-output prints says whether it was measured or extrapolated. Needs `dsec up`.
+unit's rates, with as many schedulers as keep each under one core. Every table says
+whether it was measured or extrapolated. An empty rate list skips its ramp (a
+baseline alone: ``--create-rates '' --command-rates ''``). Needs `dsec up`.
 """
 
 from __future__ import annotations
@@ -64,13 +69,13 @@ from sqlalchemy import text
 from app import bus, kafka_admin
 from app.config import Settings, get_settings
 from app.control.keyring import credential_for
+from app.credentials import Credential
 from app.db import credentials as stored
 from app.db.engine import engine_for, transaction
 from app.db.setup import drop_database, ensure_database, migrate
 from app.domain.codec import encode
 from app.domain.proof import Purpose, Role, headers
 from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReplyTo, RequestBase
-from app.sdk.credentials import Credential
 from app.stack import services as stack
 from app.stats import percentile
 
@@ -813,8 +818,21 @@ def stop(run: Run, keep: bool) -> dict[str, int]:
     engine_for(run.settings.database_url).dispose()
     engine_for(run.settings.admin_database_url).dispose()
     if not keep:
-        drop_database(run.settings)
+        drop(run.settings)
     return stats
+
+
+def drop(settings: Settings, tries: int = 10) -> None:
+    """Drop the run's database; a service stopped a moment ago may still hold a
+    session Postgres has not ended yet (and the owner may not end another role's)."""
+    for attempt in range(tries):
+        try:
+            drop_database(settings)
+            return
+        except Exception:
+            if attempt == tries - 1:
+                raise
+            time.sleep(1.0)
 
 
 def describe_cpu(cpu: dict[str, float]) -> str:
@@ -864,6 +882,7 @@ def report(args: argparse.Namespace, m: Measured, stats: dict[str, int], console
         )
     console.print(cpu)
 
+    ceilings(per_create, per_command, per_hb, results, console)
     top_c, top_x = best(results["create"]), best(results["command"])
     fc = follow_split(again.get("create@1"), again.get("create"))
     fx = follow_split(again.get("command@1"), again.get("command"))
@@ -915,8 +934,39 @@ def report(args: argparse.Namespace, m: Measured, stats: dict[str, int], console
         f" creates/s={top_c.achieved if top_c else 0:.0f}"
         f" commands/s={top_x.achieved if top_x else 0:.0f}"
         f" cpu_ms/create={{{fmt(per_create)}}} cpu_ms/command={{{fmt(per_command)}}}"
-        f" heartbeat_ms={{{fmt(per_hb)}}} unit_schedulers={k} unit_cores={unit_note}"
+        f" heartbeat_ms={{{fmt(per_hb)}}}"
+        f" heartbeat_ms/node={sum(per_hb[c] for c in CONTROL_PLANE):.2f}"
+        f" unit_schedulers={k} unit_cores={unit_note}"
     )
+
+
+def ceilings(per_create: dict[str, float], per_command: dict[str, float],
+             per_hb: dict[str, float], results: dict[str, list[StepResult]],
+             console: Console) -> None:  # fmt: skip
+    """What one core of each component would sustain of each kind alone, a unit's
+    heartbeats counted first (extrapolated from the measured CPU per operation)."""
+    table = Table(title="One core of each, at a unit's heartbeats (extrapolated)")
+    for col in ("component", "heartbeats' share", "creates/s", "commands/s", "events/s"):
+        table.add_column(col, justify="right")
+    ev_x = events_per_op(results["command"])
+    for c in CONTROL_PLANE:
+        left = 1000.0 - UNIT_NODES / HEARTBEAT_S * per_hb[c]
+        events = f"{left / (per_command[c] / ev_x):,.0f}" if ev_x and per_command[c] > 0 else "-"
+        table.add_row(
+            c, f"{(1000.0 - left) / 10:.0f} %", per_core(left, per_create[c]),
+            per_core(left, per_command[c]), events,
+        )  # fmt: skip
+    console.print(table)
+    top = chosen(results["command"])
+    if top is not None:
+        console.print(
+            f"events into the log at {top.rate:.0f} commands/s (measured):"
+            f" {top.events / top.seconds:,.0f}/s, the heartbeats' apart"
+        )
+
+
+def per_core(left_ms: float, per_op_ms: float) -> str:
+    return f"{left_ms / per_op_ms:,.0f}" if per_op_ms > 0 and left_ms > 0 else "-"
 
 
 def fmt(cpu: dict[str, float]) -> str:
