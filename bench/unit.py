@@ -755,9 +755,12 @@ def scale_check(run: Run, trainers: Trainers, results: dict[str, list[StepResult
     for kind, rate in rates.items():
         again[f"{kind}@1"] = step(run, trainers, kind, rate, args.step_s, args.max_p99_s, baseline)
         console.print(describe(again[f"{kind}@1"]))
+    before = len(run.schedulers)
     start_schedulers(run, k, console)
+    # Each new scheduler follows the heartbeats too: its idle share is baseline.
+    more = {**baseline, "scheduler": baseline["scheduler"] * k / before}
     for kind, rate in rates.items():
-        again[kind] = step(run, trainers, kind, rate, args.step_s, args.max_p99_s, baseline)
+        again[kind] = step(run, trainers, kind, rate, args.step_s, args.max_p99_s, more)
         console.print(describe(again[kind]))
     return again
 
