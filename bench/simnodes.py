@@ -110,19 +110,6 @@ def credentials_of(settings: Settings) -> dict[str, Credential]:
     return {row.subject: credential_for(settings, row) for row in rows if row.revoked_at is None}
 
 
-class SharedCourier(Courier):
-    """A node's courier on the process's one producer: 160 producers, each with its I/O
-    thread, would cost this process more than all the nodes' work."""
-
-    def __init__(self, settings: Settings, credential: Credential, shared: bus.Publisher) -> None:
-        super().__init__(settings, credential)
-        self._shared = shared
-
-    @property
-    def publisher(self) -> bus.Publisher:
-        return self._shared
-
-
 @dataclass
 class SimNode:
     """One node: its key, its courier, its claims in Redis and the sandboxes it holds."""
@@ -159,7 +146,9 @@ class Nodes:
         self.redis = redis
         self.nodes = {
             node_id: SimNode(
-                node_id, creds[node_id], SharedCourier(settings, creds[node_id], self.publisher),
+                # Every node's courier on the process's one producer: 160 producers, each
+                # with its I/O thread, would cost this process more than the nodes' work.
+                node_id, creds[node_id], Courier(settings, creds[node_id], self._publisher),
                 Claims(redis, node_id, creds[node_id].secret),
             )
             for node_id in node_ids(tag, n)
@@ -172,6 +161,10 @@ class Nodes:
         #: Redis keys this run's claims leave behind (each kept 7 days by a real node).
         self.done_keys: list[str] = []
         self._stats_lock = threading.Lock()
+
+    def _publisher(self) -> bus.Publisher:
+        """The producer every simulated node's courier sends through."""
+        return self.publisher
 
     def count(self, what: str, n: int = 1) -> None:
         with self._stats_lock:
