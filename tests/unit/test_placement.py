@@ -84,3 +84,29 @@ def test_a_sandbox_no_host_can_hold_is_invalid_not_waiting_for_room() -> None:
     placed = placement.place("sb-3", "img", 4, 128)
     assert isinstance(placed, Allocation) and placed.node_id == "b"
     assert placement.largest_sandbox() == SandboxMax(8, 4000, 8192)
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 30), st.sampled_from(["a", "b", "c", None])),
+        min_size=1,
+        max_size=300,
+    )
+)
+def test_what_is_placed_on_a_node_is_what_its_allocations_say(
+    ops: list[tuple[int, str | None]],
+) -> None:
+    # Given assignments (to a node, again to another) and releases in any order
+    placement = Placement()
+    for name in ("a", "b", "c"):
+        placement.upsert_node(node(name, sandboxes=100))
+    for number, node_id in ops:
+        if node_id is None:
+            placement.release(f"sb-{number}")
+        else:
+            placement.assign(f"sb-{number}", node_id, 1, 16)
+        # Then each node's share, read from the index, is the allocations' own
+        for name in ("a", "b", "c"):
+            expected = {a.sandbox_id for a in placement.allocations.values() if a.node_id == name}
+            assert placement.placed_on(name) == expected
+            assert sorted(placement.mark_lost(name)) == sorted(expected)
