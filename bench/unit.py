@@ -898,17 +898,9 @@ def stop(run: Run, keep: bool) -> dict[str, int]:
     return stats
 
 
-def drop(settings: Settings, tries: int = 10) -> None:
-    """Drop the run's database; a service stopped a moment ago may still hold a
-    session Postgres has not ended yet (and the owner may not end another role's)."""
-    for attempt in range(tries):
-        try:
-            drop_database(settings)
-            return
-        except Exception:
-            if attempt == tries - 1:
-                raise
-            time.sleep(1.0)
+def drop(settings: Settings) -> None:
+    """Drop the run's database (tried again while a stopped service's session lingers)."""
+    drop_database(settings)
 
 
 def describe_cpu(cpu: dict[str, float]) -> str:

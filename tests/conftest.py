@@ -217,19 +217,10 @@ def scratch_database(base: Settings, *, credentials: bool = False) -> Iterator[S
         _drop(settings)
 
 
-def _drop(settings: Settings, tries: int = 10) -> None:
-    """Drop the database; a service killed a moment ago may still hold a session
-    Postgres has not ended yet (and the owner may not end another role's sessions)."""
+def _drop(settings: Settings) -> None:
     from app.db.setup import drop_database
 
-    for attempt in range(tries):
-        try:
-            drop_database(settings)
-            return
-        except Exception:
-            if attempt == tries - 1:
-                raise
-            time.sleep(1.0)
+    drop_database(settings)
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,10 +52,20 @@ def ensure_database(settings: Settings) -> None:
             conn.execute(text(f'CREATE DATABASE "{name}"'))
 
 
-def drop_database(settings: Settings) -> None:
-    """Drop the database named in the admin URL, sessions and all (benchmarks' scratch)."""
-    with _server(settings) as (conn, name):
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+def drop_database(settings: Settings, tries: int = 10) -> None:
+    """Drop the database named in the admin URL, sessions and all (the scratch of
+    benchmarks and test sessions). A service stopped a moment ago may still hold a
+    session Postgres has not ended yet, and the owner may not end another role's: it
+    is tried again, once a second, ``tries`` times in all."""
+    for attempt in range(tries):
+        try:
+            with _server(settings) as (conn, name):
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            return
+        except Exception:
+            if attempt == tries - 1:
+                raise
+            time.sleep(1.0)
 
 
 def migrate(settings: Settings, revision: str = "head") -> None:
