@@ -68,7 +68,7 @@ from workers.agent.messages import AgentExecResult
 from workers.courier import Courier
 from workers.exec_path import command_completed
 from workers.failures import envelope
-from workers.redis_state import Claims, connect
+from workers.redis_state import Claims, claim_ttl_s, connect
 
 #: A node of DSec's shape: 30,000 cores and ~250 TB over 160 nodes, ~2,400 sandboxes
 #: each (capacity with room to spare). Sandboxes ask 0.5 core and 256 MiB.
@@ -149,7 +149,8 @@ class Nodes:
                 # Every node's courier on the process's one producer: 160 producers, each
                 # with its I/O thread, would cost this process more than the nodes' work.
                 node_id, creds[node_id], Courier(settings, creds[node_id], self._publisher),
-                Claims(redis, node_id, creds[node_id].secret),
+                Claims(redis, node_id, creds[node_id].secret,
+                       claim_ttl_s(settings.request_max_age_s)),
             )
             for node_id in node_ids(tag, n)
         }  # fmt: skip
@@ -158,7 +159,7 @@ class Nodes:
         self.stopping = threading.Event()
         self.stats: Counter[str] = Counter()
         self.heartbeat_bytes = 0
-        #: Redis keys this run's claims leave behind (each kept 7 days by a real node).
+        #: Redis keys this run's claims leave behind (each kept claim_ttl_s by a real node).
         self.done_keys: list[str] = []
         self._stats_lock = threading.Lock()
 
@@ -398,7 +399,7 @@ class Nodes:
 
     def done_key_bytes(self) -> int:
         """Redis's memory for one command's dedupe key (a sample's mean): what each
-        command leaves there for 7 days."""
+        command leaves there until its claim expires."""
         sample = self.done_keys[-100:]
         sizes = [self.redis.memory_usage(key) or 0 for key in sample]
         return sum(sizes) // max(1, len(sizes))

@@ -79,6 +79,7 @@ from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReplyTo, Re
 from app.domain.trust import EVENT_SENDERS
 from app.stack import services as stack
 from app.stats import percentile
+from workers.redis_state import claim_ttl_s
 
 HERE = Path(__file__).resolve().parent
 #: A DSec unit (docs/BENCHMARKS.md, "A DSec unit, simulated").
@@ -911,7 +912,7 @@ def report(args: argparse.Namespace, m: Measured, stats: dict[str, int], console
     """The tables, the unit's cores and the RESULT line."""
     results, again, per_hb = m.results, m.again, m.per_heartbeat
     hb_bytes = m.heartbeat_log_bytes
-    # What each command leaves in Redis: its claim's dedupe key, kept 7 days.
+    # What each command leaves in Redis: its claim's dedupe key, kept claim_ttl_s.
     redis_per_op = stats.get("done_key_bytes", 0)
     components = [*CONTROL_PLANE, "broker", "nodes (simulated)", "trainers (this process)"]
     steps = Table(title="Steps (measured)")
@@ -976,15 +977,16 @@ def report(args: argparse.Namespace, m: Measured, stats: dict[str, int], console
             )
 
     hb_day = hb_bytes * unit.heartbeats_s * 86_400
-    redis_week = redis_per_op * UNIT_COMMANDS_S * 7 * 86_400
+    kept_s = claim_ttl_s(get_settings().request_max_age_s)
+    redis_held = redis_per_op * UNIT_COMMANDS_S * kept_s
     live = args.nodes * args.per_node
     console.print(
         f"heartbeats listing {args.per_node:,} sandboxes:"
         f" {stats.get('heartbeat_bytes_mean', 0):,} B"
         f" each on the bus, +{hb_bytes:,} B of log each: {hb_day / 1e9:,.0f} GB of log a day"
         f" for a unit (extrapolated)\n"
-        f"Redis: {redis_per_op:.0f} B per command's dedupe key (measured; kept 7 days): "
-        f"{redis_week / 1e9:,.0f} GB at {UNIT_COMMANDS_S:,} commands/s (extrapolated)\n"
+        f"Redis: {redis_per_op:.0f} B per command's dedupe key (measured; kept {kept_s} s):"
+        f" {redis_held / 1e9:,.1f} GB at {UNIT_COMMANDS_S:,} commands/s (extrapolated)\n"
         f"simulated nodes: {stats}"
     )
     unit_note = f"{total:.1f}" if k is not None else "inf"

@@ -39,6 +39,11 @@ class StaleCreate(SandboxCreateFailed, TimeoutError):
     that died, given back late): making the sandbox then would leave it to nobody."""
 
 
+class StaleCommand(NodeError, TimeoutError):
+    """A command reached the node after its trainer gave up on it (an inbox read again
+    from further back than its position): its claim may have expired, so it must not run."""
+
+
 class CommandInterrupted(NodeError):
     """The node's worker stopped while the command ran (its agent killed it)."""
 

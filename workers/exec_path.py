@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from app.config import Settings
-from app.domain.base import StopReason
+from app.domain.base import StopReason, utcnow
 from app.domain.events import CommandCompleted, CommandPayload
 from app.domain.replies import Done, ExecOutput, OutputChunk
 from app.domain.requests import Exec, KillCommand
@@ -35,7 +35,7 @@ from workers.agent.pool import AgentPool
 from workers.commands import Commands, Job, Running
 from workers.containers.port import ContainerDriver
 from workers.courier import Courier
-from workers.errors import CommandInterrupted, NodeError
+from workers.errors import CommandInterrupted, NodeError, StaleCommand
 from workers.failures import AGENT_WAIT_S, Failures, envelope
 from workers.redis_state import Claims, StepGuard
 from workers.tally import NodeTally
@@ -167,6 +167,15 @@ class ExecPath:
         a step another request runs; None if this request ran already. Until that job
         ends the command is recorded as in flight (see :meth:`answer_interrupted`)."""
         claims = self.node.claims
+        max_age_s = self.node.settings.request_max_age_s
+        waited = (utcnow() - request.sent_at).total_seconds()
+        if waited > max_age_s:
+            # Its claim may be gone by now: running it could run it twice.
+            self.node.failures.fail(request, StaleCommand(
+                f"sent {waited:.0f}s ago, longer than DSEC_REQUEST_MAX_AGE_S"
+                f" ({max_age_s:g}s): no one waits for it"
+            ))  # fmt: skip
+            return None
         if not claims.claim(request, reply_key):
             log.info("exec %s already ran on this node; skipping", request.request_id)
             return None

@@ -29,6 +29,7 @@ from workers.errors import (
     ImageNotFound,
     NodeError,
     NoSpace,
+    StaleCommand,
     StaleCreate,
 )
 from workers.tally import NodeTally
@@ -51,7 +52,7 @@ def reason_for(exc: Exception) -> FailReason:
         return FailReason.NO_SPACE
     if isinstance(exc, ImageNotFound):
         return FailReason.IMAGE_NOT_FOUND
-    if isinstance(exc, AgentTimeout | StaleCreate):
+    if isinstance(exc, AgentTimeout | StaleCreate | StaleCommand):
         return FailReason.TIMEOUT
     if isinstance(exc, AgentRefused):
         return FailReason.REFUSED

@@ -53,7 +53,7 @@ from workers.exec_path import Activity, ExecPath
 from workers.failures import Failures
 from workers.file_ops import FileOps
 from workers.lifecycle import Lifecycle
-from workers.redis_state import Claims, StepGuard
+from workers.redis_state import Claims, StepGuard, claim_ttl_s
 from workers.tally import NodeTally, NoNodeTally
 
 if TYPE_CHECKING:
@@ -86,7 +86,9 @@ class Node:
         self.credential = credential
         self.courier = courier
         self.steps = StepGuard(store)
-        self.claims = Claims(store, node_id, credential.secret)
+        self.claims = Claims(
+            store, node_id, credential.secret, claim_ttl_s(settings.request_max_age_s)
+        )
         self.sandbox_root = settings.state_dir / "nodes" / node_id / "sandboxes"
         self.agent_dir = settings.state_dir / "agent"
         # Sandboxes being created or destroyed right now: the reconciler leaves them

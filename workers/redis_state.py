@@ -51,10 +51,23 @@ log = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
 
-#: Claims are kept this long (a replay of the same request id within it is skipped).
-DEDUPE_TTL_S = 7 * 86_400
-#: A trajectory step's claim is kept as long as an exec's.
-STEP_CLAIM_TTL_S = DEDUPE_TTL_S
+#: A trajectory step's claim is kept this long (a restarted trainer may ask a step
+#: again hours later; the scheduler answers it from the log by then).
+STEP_CLAIM_TTL_S = 7 * 86_400
+#: Beyond twice the freshness window, what a command's claim outlives: clock skew
+#: between the node and the scheduler that judged the request fresh.
+CLAIM_SKEW_S = 60.0
+
+
+def claim_ttl_s(request_max_age_s: float) -> int:
+    """How long a command's claim is kept. A command runs only while fresh (sent at
+    most ``request_max_age_s`` ago, and the gate lets one through that was stamped as
+    far in the future), so a claim kept twice that, and the skew, outlives every
+    delivery of its request that may still run; older ones are refused as stale. (Kept
+    7 days, a unit's 20,000 commands/s held 1.6 TB of claims in Redis.)"""
+    return int(2 * request_max_age_s + CLAIM_SKEW_S)
+
+
 #: A step's result is kept this long for the requests that wait on it; by then the log
 #: has it, and the scheduler answers from there.
 STEP_RESULT_TTL_S = 3600
@@ -94,9 +107,10 @@ def _translated(call: Callable[P, T]) -> Callable[P, T]:
 class Claims:
     """A node's exec claims, its commands in flight and the tasks it is doing."""
 
-    def __init__(self, client: redis.Redis, node_id: str, secret: bytes) -> None:
+    def __init__(self, client: redis.Redis, node_id: str, secret: bytes, claim_ttl_s: int) -> None:
         self._redis = client
         self._node_id = node_id
+        self._claim_ttl_s = claim_ttl_s
         # Reply keys are kept sealed for this node: Redis is shared by every node.
         self._secret = secret
         self._in_flight = f"dsec:inflight:{node_id}"
@@ -112,7 +126,7 @@ class Claims:
         record = {"request": request.model_dump_json(), "reply_key_sealed": sealed}
         claimed = self._claim(
             keys=[f"dsec:done:{request.scope}", self._in_flight],
-            args=[self._node_id, DEDUPE_TTL_S, request.scope, json.dumps(record)],
+            args=[self._node_id, self._claim_ttl_s, request.scope, json.dumps(record)],
         )
         return bool(claimed)
 

@@ -96,7 +96,7 @@ def test_redis_out_of_reach_is_the_nodes_own_error() -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    claims = Claims(redis.Redis(port=port, socket_connect_timeout=1), "n1", b"s" * 32)
+    claims = Claims(redis.Redis(port=port, socket_connect_timeout=1), "n1", b"s" * 32, 660)
     with pytest.raises(RedisUnavailable) as raised:
         claims.claim(_exec(), None)
     # (a platform outage, a node error and a ConnectionError alike)
