@@ -877,7 +877,9 @@ def stop(run: Run, keep: bool) -> dict[str, int]:
     the simulated nodes' counts."""
     stats: dict[str, int] = {}
     if run.sim is not None:
-        with suppress(Exception):
+        # SystemExit too: expect() raises it when the simulated nodes died, and the
+        # run's services, topics and database must go all the same.
+        with suppress(Exception, SystemExit):
             tell(run.sim, "STOP")
             stats = json.loads(expect(run.sim, "STATS").removeprefix("STATS "))
         try:
