@@ -318,13 +318,15 @@ class Settings(BaseSettings):
         1_048_576, description="Largest accepted request or event (Kafka message)."
     )
     fetch_max_wait_ms: int = Field(
-        2000,
+        5000,
         ge=1,
         le=5000,
         description=(
             "How long the broker holds a fetch that finds nothing. A held fetch is answered"
-            " as soon as data arrives, so this costs no latency; it only sets how often an"
-            " idle consumer asks again (500 ms: ~8 fetches a second from an idle stack)."
+            " as soon as data arrives, so reading costs no latency; it sets how often an"
+            " idle consumer asks again (500 ms: ~8 fetches a second from an idle stack) and"
+            " how long a consumer that moves (a rewind after a failure) waits for its"
+            " held fetch before reading from the new place."
         ),
     )
     projector_lanes: int = Field(

@@ -133,6 +133,9 @@ def _serve(queue: str, node_id: str, concurrency: int) -> None:
             "--loglevel",
             "INFO",
             "--task-events",
+            # Flower's sign of life; Celery's 2 s woke an idle worker for nothing.
+            "--heartbeat-interval",
+            "10",
             "--without-mingle",
             "--without-gossip",
         ]

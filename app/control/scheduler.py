@@ -69,7 +69,7 @@ REBALANCE_S = 1.0
 #: meanwhile. 50 ms made the idle scheduler cost 5 % of a core.
 REQUEST_WAIT_MS = 250
 #: The wait once no request came for :data:`QUIET_AFTER_S`: an idle scheduler wakes
-#: once a second (each round's polls also wake its Kafka clients' threads). Events
+#: every 2 s (each round's polls also wake its Kafka clients' threads). Events
 #: alone do not count: a node's heartbeat every few seconds would keep it busy.
 QUIET_WAIT_MS = IDLE_POLL_MS
 QUIET_AFTER_S = 2.0

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 #: How often the service is looked at. Every look wakes the service and this worker;
 #: once a second cost an idle node ~0.3 % of a core, and whatever needs the service
-#: does not wait for the look (it revives the service itself).
-CHECK_S = 5.0
+#: does not wait for the look (a create, a removal and the reconciler's listing revive
+#: the service themselves).
+CHECK_S = 15.0
 
 
 class PodmanWatch:
