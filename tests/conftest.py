@@ -54,11 +54,15 @@ def stack(settings: Settings) -> Iterator[Settings]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def side_nodes_stopped() -> Iterator[None]:
-    """After each module, the processes of node users whose worker the stack does not
-    run are killed: a side node's Podman service and containers, left running, cost
-    every later test CPU (four of them took ~2 % of a core doing nothing)."""
+def side_nodes_stopped(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each integration module, the processes of node users whose worker the
+    stack does not run are killed: a side node's Podman service and containers, left
+    running, cost every later test CPU (four of them took ~2 % of a core doing
+    nothing). Unit modules leave them alone: a unit run beside an integration run
+    killed the side node that one of its tests was using."""
     yield
+    if request.node.get_closest_marker("integration") is None:
+        return
     import pwd
     import subprocess
 
