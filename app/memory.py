@@ -126,9 +126,7 @@ class _RepliesPartition:
         self._next = bus.end(topic, partition)
 
     def poll(self, timeout_ms: int) -> dict[tuple[str, int], list[Record]]:
-        records = self._bus.read(
-            self._topic, self._partition, self._next, wait_s=timeout_ms / 1000
-        )
+        records = self._bus.read(self._topic, self._partition, self._next, wait_s=timeout_ms / 1000)
         if not records:
             return {}
         self._next = records[-1].offset + 1
