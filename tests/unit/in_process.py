@@ -24,6 +24,7 @@ from app.domain.events import NodeRegistered
 from app.domain.node_tasks import read_inbox_record
 from app.domain.partition_counts import FixedPartitions
 from app.domain.proof import SCHEDULER_KEY_ID
+from app.domain.records import Record
 from app.memory import InMemoryBus, InMemoryPublisher, InMemoryTaskQueue, InMemoryTransport
 from app.sdk import Client
 from app.sdk.steps import Answer, Steps
@@ -117,12 +118,13 @@ class Platform:
         )
         self.node.courier.event(NodeRegistered(node_id=NODE, payload=declared))
 
-    def _new(self, topic: str, partition: int = 0) -> list[object]:
+    def _new(self, topic: str, partition: int = 0) -> list[Record]:
+        """The records of the partition not read yet (each reader here reads alone)."""
         at = self._read.get((topic, partition), 0)
         records = self.bus.read(topic, partition, at, wait_s=0)
         if records:
             self._read[(topic, partition)] = records[-1].offset + 1
-        return list(records)
+        return records
 
     def pump(self) -> int:
         """One round of every part: the scheduler follows the events and handles the
@@ -131,12 +133,12 @@ class Platform:
         moved = 0
         out = Outbox()
         for event in self._new(self.settings.topic_events):
-            self.dispatcher.observe(out, event)  # type: ignore[arg-type]
+            self.dispatcher.observe(out, event)
             moved += 1
         self.dispatcher.retry_pending(out)
         for partition in range(PARTITIONS.requests_topic):
             for request in self._new(self.settings.topic_requests, partition):
-                self.dispatcher.handle(out, request)  # type: ignore[arg-type]
+                self.dispatcher.handle(out, request)
                 moved += 1
         secret = KEYS.lookup(SCHEDULER_KEY_ID)
         assert secret is not None
@@ -145,7 +147,7 @@ class Platform:
             tasks.carry_out(task[0], tuple(task[1]))
             moved += 1
         for record in self._new(self.settings.node_topic(NODE)):
-            opened = read_inbox_record(record.value or b"")  # type: ignore[attr-defined]
+            opened = read_inbox_record(record.value or b"")
             assert not isinstance(opened, str), opened
             tasks.perform(opened[0], tuple(opened[1]))
             moved += 1

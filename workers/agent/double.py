@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from workers.agent.errors import AgentProtocolError
 from workers.agent.messages import (
     HEADER_LEN,
     MAX_REQUEST_FRAME,
@@ -124,8 +125,10 @@ class AgentDouble:
                     self.served.append((sandbox_id, request))
                 for response in self._answer(sandbox_id, request):
                     sock.sendall(encode_response(response))
-        except (OSError, EOFError):
-            pass  # the host hung up (the sandbox was destroyed, or the test ended)
+        except (OSError, EOFError, AgentProtocolError):
+            # The host hung up (the sandbox was destroyed, or the test ended), or sent
+            # a frame the agent cannot read: the agent drops that connection too.
+            pass
         finally:
             with self._lock:
                 self._socks.discard(sock)
