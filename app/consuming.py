@@ -17,10 +17,11 @@ from kafka.consumer.fetcher import ConsumerRecord
 from app import bus, metrics
 from app.config import Settings
 from app.domain.base import MAX_DETAIL, utcnow
-from app.domain.codec import DeadLetterReason
+from app.domain.codec import DeadLetterReason, encode
 from app.domain.dead_letter import DeadLetter
 from app.domain.partitioner import key_partition
 from app.domain.records import Record, StoredOffset
+from app.ports import Producer
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class PositionedConsumer:
 
 
 def dead_letter(
-    publisher: bus.Publisher,
+    publisher: Producer,
     settings: Settings,
     consumer: str,
     record: Record,
@@ -207,7 +208,7 @@ def dead_letter(
         ],
     )
     # Partition 0 by name: one partition, in order, however many the topic has.
-    publisher.publish(settings.topic_dead_letters, key or "", letter, partition=0)
+    publisher.publish(settings.topic_dead_letters, key or "", encode(letter), partition=0)
 
 
 #: How often a :class:`BusWatch` writes its probe.

@@ -2,6 +2,10 @@
 queue, each with a real adapter (:class:`app.bus.KafkaBus`,
 :class:`app.taskqueue.CeleryTaskQueue`) and an in-memory one (:mod:`app.memory`).
 
+A :class:`Producer` is the write half alone, as the processes that only send hold it
+(:class:`app.bus.Publisher`, :class:`app.memory.InMemoryPublisher`): it may leave the
+partition to the record's key, as Kafka's default partitioner does.
+
 The contract suites in ``tests/contracts/`` run the same tests against both, so a
 unit test that uses the in-memory one relies only on what the real one does too. The
 trajectory log's port is the domain's (:class:`app.domain.trajectory.TrajectoryLog`),
@@ -48,6 +52,26 @@ class Bus(Protocol):
 
     def end(self, topic: str, partition: int) -> int:
         """The offset the partition's next record will get."""
+
+
+class Producer(Protocol):
+    """Sends records: the schedulers' and the nodes' one way onto the bus."""
+
+    def publish(
+        self,
+        topic: str,
+        key: str,
+        value: bytes,
+        /,
+        *,
+        partition: int | None = None,
+        headers: Headers | None = None,
+    ) -> None:
+        """Send one record to ``partition`` of ``topic`` (None: the partition of its
+        key, as Kafka's default partitioner picks it); delivered by :meth:`flush`."""
+
+    def flush(self) -> None:
+        """Return once every record sent before is stored (raises if one was not)."""
 
 
 class TaskQueue(Protocol):

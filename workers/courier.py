@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from app.bus import Publisher
 from app.config import Settings
 from app.credentials import Credential
 from app.domain.codec import encode
@@ -24,23 +23,24 @@ from app.domain.events import CommandCompleted, EventBase
 from app.domain.proof import Purpose, headers
 from app.domain.replies import ExecOutput, FileContent, ReplyBase, ReplyPiece
 from app.domain.requests import ReplyTo
+from app.ports import Producer
 
 log = logging.getLogger(__name__)
 
 
 class Courier:
     """The node's courier: proves and sends its events and replies through its one
-    Kafka producer (thread-safe, opened on first use by ``connect``, which the node's
-    main hands in). The control plane's courier, :class:`app.control.outbox.Courier`,
-    plays the same role into an outbox."""
+    producer (Kafka's, thread-safe, opened on first use by ``connect``, which the
+    node's main hands in; an in-memory bus's in unit tests). The control plane's
+    courier, :class:`app.control.outbox.Courier`, plays the same role into an outbox."""
 
     def __init__(
-        self, settings: Settings, credential: Credential, connect: Callable[[], Publisher]
+        self, settings: Settings, credential: Credential, connect: Callable[[], Producer]
     ) -> None:
         self.settings = settings
         self.credential = credential
         self._connect = connect
-        self._publisher: Publisher | None = None
+        self._publisher: Producer | None = None
         self._lock = threading.Lock()
         # The reply key of each request being answered now, and by how many threads
         # (the exec task's and its command's overlap; see :meth:`answering`).
@@ -48,7 +48,8 @@ class Courier:
         self._answering: dict[uuid.UUID, int] = {}
 
     @property
-    def publisher(self) -> Publisher:
+    def publisher(self) -> Producer:
+        """The producer, opened on first use."""
         with self._lock:
             if self._publisher is None:
                 self._publisher = self._connect()

@@ -37,7 +37,7 @@ from workers.containers.port import ContainerDriver
 from workers.courier import Courier
 from workers.errors import CommandInterrupted, NodeError, StaleCommand
 from workers.failures import AGENT_WAIT_S, Failures, envelope
-from workers.redis_state import Claims, StepGuard
+from workers.state_port import ClaimStore, StepStore
 from workers.tally import NodeTally
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,8 @@ class ExecHost(Protocol):
     driver: ContainerDriver
     agents: AgentPool
     courier: Courier
-    claims: Claims
-    steps: StepGuard
+    claims: ClaimStore
+    steps: StepStore
     commands: Commands
     failures: Failures
     tally: NodeTally

@@ -28,8 +28,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from redis import Redis
-
 from app.config import Settings
 from app.credentials import Credential
 from app.domain.requests import (
@@ -53,7 +51,7 @@ from workers.exec_path import Activity, ExecPath
 from workers.failures import Failures
 from workers.file_ops import FileOps
 from workers.lifecycle import Lifecycle
-from workers.redis_state import Claims, StepGuard, claim_ttl_s
+from workers.state_port import ClaimStore, StepStore
 from workers.tally import NodeTally, NoNodeTally
 
 if TYPE_CHECKING:
@@ -71,11 +69,13 @@ class Node:
         agents: AgentPool,
         credential: Credential,
         courier: Courier,
-        store: Redis,
+        claims: ClaimStore,
+        steps: StepStore,
         tally: NodeTally | None = None,
     ) -> None:
         """The node's adapters come built (``workers/main.py`` is where): its
-        container driver, its sandboxes' agents, its courier to Kafka and its Redis."""
+        container driver, its sandboxes' agents, its courier to Kafka, and its exec
+        claims and step guard (in Redis)."""
         self.settings = settings
         #: Where the node counts what it does (the worker's main: its metrics).
         self.tally: NodeTally = tally or NoNodeTally()
@@ -85,10 +85,8 @@ class Node:
         #: What this node proves its events with, and checks its tasks against.
         self.credential = credential
         self.courier = courier
-        self.steps = StepGuard(store)
-        self.claims = Claims(
-            store, node_id, credential.secret, claim_ttl_s(settings.request_max_age_s)
-        )
+        self.steps = steps
+        self.claims = claims
         self.sandbox_root = settings.state_dir / "nodes" / node_id / "sandboxes"
         self.agent_dir = settings.state_dir / "agent"
         # Sandboxes being created or destroyed right now: the reconciler leaves them

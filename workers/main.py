@@ -28,7 +28,7 @@ from workers.host.podman_service import ensure_podman_service
 from workers.host.podman_watch import PodmanWatch
 from workers.host.setup import ensure_node_user
 from workers.inbox import READY_WAIT_S, Inbox
-from workers.redis_state import connect
+from workers.redis_state import Claims, StepGuard, claim_ttl_s, connect
 from workers.upkeep import Upkeep
 from workers.warm_pool import WarmPool
 
@@ -73,7 +73,10 @@ def run(node_id: str, concurrency: int = 16) -> None:
     agents = AgentPool(verify=peer_is_sandbox_init)
     store = connect(settings.celery_broker_url)
     courier = Courier(settings, credential, lambda: Publisher(settings, login=credential.kafka))
-    node = Node(settings, node_id, driver, agents, credential, courier, store, tally)
+    claims = Claims(store, node_id, credential.secret, claim_ttl_s(settings.request_max_age_s))
+    node = Node(
+        settings, node_id, driver, agents, credential, courier, claims, StepGuard(store), tally
+    )
     runtime.install(node)
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()

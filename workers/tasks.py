@@ -195,6 +195,13 @@ def perform(task: NodeTask, args: tuple[str, ...]) -> None:
     _do(task, args)
 
 
+def carry_out(task: str, args: tuple[str, ...]) -> None:
+    """Carry out a task taken from the node's queue (``task``: its wire name) exactly
+    as its Celery task would: how a task queue other than Celery's (the in-memory one
+    of unit tests) hands the node its work. :class:`ValueError` for an unknown task."""
+    _do(NodeTask(task), args)
+
+
 def redo_interrupted() -> int:
     """Do again the lifecycle and file tasks a previous worker of this node took and
     never finished (it died): all of them are idempotent, and their trainers wait."""

@@ -42,6 +42,7 @@ from app.control.dispatch import NAME, Dispatcher, LiveSandbox
 from app.control.follower import HEARTBEAT_TIMEOUT
 from app.control.keyring import Keyring
 from app.control.outbox import Outbox
+from app.control.sending import send_outbox
 from app.control.stored_quotas import StoredQuotas
 from app.control.waiting import until_available
 from app.db import handled, queries
@@ -52,7 +53,6 @@ from app.db.partition_locks import OwnerSession, OwnershipLost
 from app.db.trajectory import PostgresTrajectoryLog
 from app.domain.base import utcnow
 from app.domain.partition_share import rebalance
-from app.domain.proof import SCHEDULER_KEY_ID, Purpose, headers
 from app.domain.records import StoredOffset
 from app.errors import ServiceUnavailable
 from app.taskqueue import CeleryTaskQueue
@@ -219,28 +219,10 @@ class Scheduler:
         for record, exc in out.dead:
             dead_letter(self.publisher, self.settings, NAME, record, exc.reason, exc.detail)
             metrics.DEAD_LETTERS.labels(NAME, exc.reason.value).inc()
-        secret = self.keyring.scheduler.secret
-        for key, value in out.events:
-            proof = headers(Purpose.EVENT, SCHEDULER_KEY_ID, secret, value)
-            self.publisher.publish(self.settings.topic_events, key, value, headers=proof)
-        for reply_to, key, value, proof in out.replies:
-            self.publisher.publish(
-                reply_to.topic, key, value, partition=reply_to.partition, headers=proof
-            )
-        if out.events or out.replies:
-            # Lifecycle events are acknowledged before any node hears of the sandbox,
-            # so Scheduled precedes Started in the sandbox's partition.
-            self.publisher.flush()
-        for task, queue, args in out.tasks:
-            self.tasks.send(task, queue, args)
-        if out.inbox:
-            self._ensure_inboxes({topic for topic, _key, _value in out.inbox})
-            for topic, key, value in out.inbox:
-                # The inbox is one partition: the node's commands in the order decided.
-                self.publisher.publish(topic, key, value, partition=0)
-            # Acknowledged before the requests' offsets are saved: a crash in between
-            # sends them again (the node's claim makes that harmless), never loses one.
-            self.publisher.flush()
+        send_outbox(
+            out, self.publisher, self.tasks, self.settings.topic_events,
+            self.keyring.scheduler.secret, self._ensure_inboxes,
+        )  # fmt: skip
 
     def _ensure_replies(self, tenants: set[str], *, platform: bool = False) -> None:
         """Make the replies topics of ``tenants`` that are missing, where this

@@ -13,17 +13,13 @@ on one partition of the replies topic that this client picked and reads alone.
 from __future__ import annotations
 
 import contextlib
-import random
 import threading
 import time
 import uuid
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Self
 
-from kafka import TopicPartition
-from kafka.errors import KafkaError
-
-from app import bus, credentials
+from app import credentials
 from app.config import Settings, get_settings
 from app.credentials import Credential
 from app.domain import proof
@@ -60,6 +56,7 @@ from app.sdk.results import ExecResult as ExecResult
 from app.sdk.results import OutputHandler as OutputHandler
 from app.sdk.results import exec_request as exec_request
 from app.sdk.steps import Answer, Steps, blocking
+from app.sdk.transport import KafkaTransport, Transport
 
 #: A request the brokers cannot store within this long (fewer in-sync replicas than
 #: the topic needs, no broker at all) fails its wait with ServiceUnavailable. Longer
@@ -92,6 +89,7 @@ class Client:
         lease_ttl_s: float = 30.0,
         lease_grace_s: float = 300.0,
         delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
+        transport: Transport | None = None,
     ) -> None:
         """Connect as ``credential`` (else the local credential of ``tenant``, else the
         one :func:`app.credentials.for_client` finds: ``DSEC_CREDENTIALS`` first).
@@ -103,7 +101,10 @@ class Client:
 
         A request the brokers have not stored within ``delivery_timeout_s`` fails with
         ServiceUnavailable (a trainer that would rather fail fast than sit out a
-        broker's restart lowers it)."""
+        broker's restart lowers it).
+
+        ``transport`` is how requests leave and replies come back: Kafka unless given
+        (:class:`app.memory.InMemoryTransport` runs a client on an in-memory bus)."""
         self.settings = settings or get_settings()
         self.credential = credential or credentials.for_client(self.settings, tenant)
         self.tenant, self.job_id = self.credential.subject, job_id
@@ -111,23 +112,25 @@ class Client:
         #: Requests sent and not yet stored by the brokers -> when their delivery ends.
         self._storing: dict[uuid.UUID, float] = {}
         self._storing_lock = threading.Lock()
-        login = self.credential.kafka
-        self._publisher = bus.Publisher(
-            self.settings, login=login, delivery_timeout_s=delivery_timeout_s
-        )
         self._delivery_timeout_s = delivery_timeout_s
-        self._consumer = bus.make_consumer(self.settings, login=login, auto_offset_reset="latest")
+        self._transport: Transport = transport or KafkaTransport(
+            self.settings, self.credential.kafka, delivery_timeout_s
+        )
         topic = self.settings.replies_topic(self.tenant)
         try:
-            tp = self._follow(topic)
+            followed = self._transport.follow(topic)
+            if followed is None:
+                raise ConfigError(
+                    f"no replies topic {topic} for tenant {self.tenant}: is the tenant created "
+                    f"(`dsec tenant create {self.tenant}`) and the platform up?",
+                    reason=ConfigReason.NO_REPLIES_TOPIC,
+                )
         except DsecError:
-            self._publisher.close()
-            self._consumer.close()
+            self._transport.close()
             raise
-        self._reply_to = ReplyTo(topic=topic, partition=tp.partition)
-        self._replies = ReplyReader(
-            self._consumer, tp, self.credential.secret, self.settings.max_reply_bytes
-        )
+        partition, source = followed
+        self._reply_to = ReplyTo(topic=topic, partition=partition)
+        self._replies = ReplyReader(source, self.credential.secret, self.settings.max_reply_bytes)
         self._closed = threading.Event()  # set by close(): the lease's renewals stop
         self.lease_id: str | None = None
         if lease:
@@ -135,27 +138,6 @@ class Client:
             self._lease_ttl_s, self._lease_grace_s = lease_ttl_s, lease_grace_s
             self._renew_lease()
             threading.Thread(target=self._keep_lease, name="dsec-lease", daemon=True).start()
-
-    def _follow(self, topic: str) -> TopicPartition:
-        """Read replies from one partition of ``topic``, picked at random, from its end
-        (resolved now: replies to this client's first request must count)."""
-        try:
-            found = self._consumer.partitions_for_topic(topic)
-            if not found:
-                raise ConfigError(
-                    f"no replies topic {topic} for tenant {self.tenant}: is the tenant created "
-                    f"(`dsec tenant create {self.tenant}`) and the platform up?",
-                    reason=ConfigReason.NO_REPLIES_TOPIC,
-                )
-            tp = TopicPartition(topic, random.choice(sorted(found)))
-            self._consumer.assign([tp])
-            self._consumer.seek_to_end(tp)
-            self._consumer.position(tp)
-        except KafkaError as exc:
-            raise ServiceUnavailable(
-                f"Kafka at {self.settings.kafka_bootstrap}: cannot follow {topic}: {exc}"
-            ) from exc
-        return tp
 
     # --- plumbing ---------------------------------------------------------------
 
@@ -201,7 +183,7 @@ class Client:
                     future.set_exception(failure)
 
         signed = proof.headers(proof.Purpose.REQUEST, cred.key_id, cred.secret, value)
-        self._publisher.publish(
+        self._transport.publish(
             self.settings.topic_requests, request.sandbox_id, value, headers=signed,
             on_failure=undelivered, on_stored=stored,
         )  # fmt: skip
@@ -412,8 +394,7 @@ class Client:
         """Stop reading replies and flush what was sent."""
         self._closed.set()
         self._replies.close()
-        self._publisher.close()
-        self._consumer.close()
+        self._transport.close()
 
     def __enter__(self) -> Self:
         return self

@@ -13,13 +13,15 @@ import contextlib
 import logging
 import threading
 import uuid
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
+from typing import Any, Protocol
 
-from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
 from app.domain import proof
 from app.domain.codec import DecodeError, decode_reply
+from app.domain.records import Record
 from app.domain.replies import (
     ExecOutput,
     FileContent,
@@ -35,15 +37,22 @@ from app.sdk.results import Chunk, OutputHandler
 log = logging.getLogger(__name__)
 
 
+class ReplySource(Protocol):
+    """The replies partition a client follows: a Kafka consumer assigned to it at its
+    end (:class:`app.sdk.transport.KafkaTransport`), or a bus's partition in memory."""
+
+    def poll(self, timeout_ms: int) -> Mapping[Any, Sequence[Record]]:
+        """The records that came since the last poll, waiting up to ``timeout_ms``
+        for one; raises :class:`KafkaError` while the broker is away."""
+        ...
+
+
 class ReplyReader:
     """Reads one replies partition (assigned, at its end) and completes the futures
     of the requests awaited on it. Thread-safe."""
 
-    def __init__(
-        self, consumer: KafkaConsumer, partition: TopicPartition, secret: bytes, max_bytes: int
-    ) -> None:
+    def __init__(self, consumer: ReplySource, secret: bytes, max_bytes: int) -> None:
         self._consumer = consumer
-        self._partition = partition
         self._secret = secret
         self._max_bytes = max_bytes
         #: Replies dropped because their proof did not hold (forged or altered).

@@ -52,7 +52,7 @@ def _reply(request_id: uuid.UUID) -> tuple[bytes, list[tuple[str, bytes]]]:
 def test_a_reply_to_a_request_given_up_on_does_not_stop_the_reader() -> None:
     partition = Partition()
     consumer: Any = partition
-    reader = ReplyReader(consumer, None, SECRET, 1 << 20)  # type: ignore[arg-type]
+    reader = ReplyReader(consumer, SECRET, 1 << 20)
     try:
         # Given a request the client gave up on (Kafka's acknowledgement never came)
         late = uuid.uuid4()

@@ -37,12 +37,12 @@ def _client() -> tuple[Client, Captured]:
     client.credential = Credential("k-tenant-t", _KEY.secret, Role.TENANT, "t")
     client.job_id = "job"
     client._reply_to = reply_to()
-    client._publisher = Captured()  # type: ignore[assignment]
+    client._transport = Captured()  # type: ignore[assignment]
     client.lease_id = "lease-1"
     client._storing, client._storing_lock = {}, threading.Lock()
     client._delivery_timeout_s = 45.0
     client._lease_ttl_s, client._lease_grace_s = 30.0, 300.0
-    return client, client._publisher  # type: ignore[return-value]
+    return client, client._transport  # type: ignore[return-value]
 
 
 def test_every_request_the_sdk_makes_carries_its_own_id_and_zoned_time() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import signal
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from workers.containers import label
@@ -69,9 +69,14 @@ class InMemoryDriver(ContainerDriver):
 
     can_rename_cgroups = True
 
-    def __init__(self, images: Iterable[str]) -> None:
+    def __init__(
+        self, images: Iterable[str], on_start: Callable[[SandboxSpec], None] | None = None
+    ) -> None:
         #: The images the node can run; a create of any other raises ImageNotFound.
         self.images = {_short(image) for image in images}
+        #: Told of each container started (an agent's double connects from there, as
+        #: the agent does when its container starts).
+        self.on_start = on_start
         self._containers: dict[str, _Container] = {}
         self._cgroups: dict[str, Limits] = {}
         self._lock = threading.Lock()
@@ -79,6 +84,12 @@ class InMemoryDriver(ContainerDriver):
     # --- containers ------------------------------------------------------------------
 
     def create_and_start(self, spec: SandboxSpec) -> str:
+        container_id = self._create_and_start(spec)
+        if self.on_start is not None:
+            self.on_start(spec)
+        return container_id
+
+    def _create_and_start(self, spec: SandboxSpec) -> str:
         with self._lock:
             found = self._containers.get(spec.container_name)
             if found is None:

@@ -1,0 +1,114 @@
+"""A trainer's requests go all the way round in one process (issue 27): the real SDK
+client signs them and checks the proofs of its replies, the real dispatcher admits,
+places and routes them, the real node carries them out through the agent's wire
+protocol, on the in-memory bus, task queue, driver and claims (tests/unit/in_process.py).
+New behaviour gets its first test here."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.domain.base import RejectReason, StopReason
+from app.domain.codec import decode_event
+from app.domain.events import SandboxStarted, SandboxStopped
+from app.errors import SandboxNotFound, SandboxRejectedError
+from app.sdk import Sandbox
+from tests.unit.in_process import HOST_CPUS, NODE, Platform
+from workers import runtime
+from workers.agent.messages import ExecRequest
+
+
+@pytest.fixture
+def platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[Platform]:
+    # Short: the agents' sockets live under it, and AF_UNIX takes 107 bytes at most.
+    with tempfile.TemporaryDirectory(prefix="rt-") as state_dir:
+        yield from _platform(Path(state_dir), monkeypatch)
+
+
+def _platform(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Platform]:
+    built = Platform(state_dir)
+    # The node's tasks find their node through the worker's runtime (one per process).
+    monkeypatch.setattr(runtime, "_node", built.node)
+    built.beat()
+    built.settle()
+    started = time.monotonic()
+    yield built
+    built.close()
+    # Well under a second each: what the round trip costs is the code, not waiting.
+    assert time.monotonic() - started < 1.0
+
+
+def _events(platform: Platform) -> list[object]:
+    topic = platform.settings.topic_events
+    return [decode_event(r.value or b"") for r in platform.bus.read(topic, 0, 0, wait_s=0)]
+
+
+def _create(platform: Platform) -> Sandbox:
+    return platform.run(platform.client().create_many_steps(1))[0]
+
+
+def test_a_create_comes_back_ready_on_the_node_that_started_it(platform: Platform) -> None:
+    sandbox = _create(platform)
+
+    assert sandbox.node_id == NODE
+    container = platform.driver.get(sandbox.id)
+    assert container is not None and container.running
+    started = [e for e in _events(platform) if isinstance(e, SandboxStarted)]
+    assert [e.sandbox_id for e in started] == [sandbox.id]
+    # The agent's double was reached through the node's real socket: the create pinged it.
+    assert any(sid == sandbox.id for sid, _ in platform.agent.served)
+
+
+def test_an_exec_answers_its_output_and_exit_code(platform: Platform) -> None:
+    sandbox = _create(platform)
+
+    result = platform.run(sandbox.exec_steps("echo hello round trip; exit 3"))
+
+    assert result.exit_code == 3
+    assert result.stdout == b"hello round trip\n"
+    assert not result.ok
+    ran = [r for sid, r in platform.agent.served if isinstance(r, ExecRequest)]
+    assert [r.argv for r in ran] == [("/bin/sh", "-c", "echo hello round trip; exit 3")]
+
+
+def test_a_sandbox_no_node_can_hold_is_refused_with_its_reason(platform: Platform) -> None:
+    client = platform.client()
+
+    with pytest.raises(SandboxRejectedError) as refused:
+        platform.run(client.create_many_steps(1, cpus=HOST_CPUS * 4))
+
+    assert refused.value.reason == RejectReason.INVALID
+    assert "16 CPU" in str(refused.value)
+    assert platform.driver.list_sandboxes() == []
+
+
+def test_another_tenants_sandbox_is_not_found(platform: Platform) -> None:
+    mine = _create(platform)
+    theirs = platform.client("u").sandbox(mine.id)
+
+    with pytest.raises(SandboxNotFound):
+        platform.run(theirs.exec_steps("echo not yours"))
+
+    assert not any(isinstance(r, ExecRequest) for _, r in platform.agent.served)
+
+
+def test_a_destroyed_sandbox_ends_and_is_gone(platform: Platform) -> None:
+    sandbox = _create(platform)
+
+    platform.run(sandbox.close_steps())
+    platform.settle()
+
+    assert platform.driver.get(sandbox.id) is None
+    assert not platform.agents.is_registered(sandbox.id)
+    stopped = [e for e in _events(platform) if isinstance(e, SandboxStopped)]
+    assert [(e.sandbox_id, e.payload.reason) for e in stopped] == [
+        (sandbox.id, StopReason.DESTROYED)
+    ]
+    # The scheduler followed the end: the sandbox is no one's to act on any more.
+    with pytest.raises(SandboxRejectedError):
+        platform.run(platform.client().sandbox(sandbox.id).exec_steps("echo late"))
