@@ -24,7 +24,6 @@ from pydantic import BaseModel
 
 from app.config import Settings
 from app.domain.codec import encode
-from app.domain.records import Inbound, Record
 from app.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -201,8 +200,11 @@ class Publisher:
             if delivery_timeout_s is not None else {}
         )  # fmt: skip
         self._lock = threading.Lock()
-        self._producer = self._make()
         self._tracked: set[str] = set()
+        #: Tracked topics the broker's metadata has listed (a topic not yet seen may
+        #: still be on its way to every broker).
+        self._listed: set[str] = set()
+        self._producer = self._make()
         self._failures = 0
         self._last_failure: BaseException | None = None
         # A record given up on leaves an idempotent producer's sequence out of step with
@@ -216,7 +218,7 @@ class Publisher:
     def _make(self) -> KafkaProducer:
         settings = self._settings
         try:
-            return KafkaProducer(
+            producer = KafkaProducer(
                 **client_options(settings, self._login),
                 acks="all",
                 enable_idempotence=True,
@@ -228,6 +230,41 @@ class Publisher:
             )
         except KafkaError as exc:
             raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
+        producer._metadata.add_listener(lambda cluster: self._forgetting(producer, cluster))
+        return producer
+
+    def _forgetting(self, producer: KafkaProducer, cluster: Any) -> None:
+        # On the client's I/O thread: whatever goes wrong here must not stop it.
+        try:
+            self._forget_deleted(producer, cluster)
+        except Exception:
+            log.exception("letting go of deleted topics failed")
+
+    def _forget_deleted(self, producer: KafkaProducer, cluster: Any) -> None:
+        """Stop following topics the broker no longer has (on the client's I/O thread,
+        after each metadata update).
+
+        kafka-python 3.0.12 asks for metadata every 100 ms, for good, while a topic it
+        follows is unknown, and while its accumulator holds a partition without a
+        leader, even one with nothing to send: a tenant's replies topic deleted behind
+        the platform's back cost the scheduler ~5 % of a core until it restarted. A
+        topic used again is followed again by :meth:`_track`."""
+        with self._lock:
+            for topic in list(self._tracked):
+                if cluster.partitions_for_topic(topic):
+                    self._listed.add(topic)
+                elif topic in self._listed:
+                    log.warning("topic %s is gone: no longer followed", topic)
+                    cluster._topics.discard(topic)
+                    self._tracked.discard(topic)
+                    self._listed.discard(topic)
+        accumulator = producer._accumulator
+        for tp in list(accumulator._batches):
+            if tp.topic in cluster._topics or cluster.leader_for_partition(tp) is not None:
+                continue
+            with accumulator._tp_lock(tp):
+                if not accumulator._batches[tp]:  # records still waiting expire first
+                    del accumulator._batches[tp]
 
     def _fatal(self) -> bool:
         """The producer failed for good (kafka-python aborts every batch of an
@@ -250,8 +287,10 @@ class Publisher:
     def _renew(self) -> None:
         """Put a new producer (a new producer id) in place of a failed one."""
         with self._lock:
-            old, self._producer = self._producer, self._make()
-            self._tracked = set()
+            self._tracked, self._listed = set(), set()
+        new = self._make()  # outside the lock: its metadata listener takes it
+        with self._lock:
+            old, self._producer = self._producer, new
         try:
             old.close(timeout=0)
         except Exception as exc:  # a failed producer may fail to close too
@@ -267,9 +306,11 @@ class Publisher:
         tight loop: a whole core, for good. Tracking each topic on first use keeps
         them all in every refresh.
         """
-        if topic not in self._tracked:
-            self._producer._sender.add_topic(topic)
+        if topic in self._tracked:  # every publish asks: no lock on the common path
+            return
+        with self._lock:
             self._tracked.add(topic)
+        self._producer._sender.add_topic(topic)
 
     def partitions_for(self, topic: str) -> int | None:
         """How many partitions ``topic`` has, from the broker's metadata (None: no such
@@ -402,65 +443,6 @@ def high_watermarks(
         return end_offsets(probe, parts)
     finally:
         probe.close()
-
-
-class KafkaBus:
-    """The bus port (:class:`app.ports.Bus`) over Kafka: a :class:`Publisher` for
-    writes and one unsubscribed consumer, assigned per read, for reads."""
-
-    def __init__(self, settings: Settings, publisher: Publisher | None = None) -> None:
-        self._settings = settings
-        self._publisher = publisher or Publisher(settings)
-        self._reader = make_consumer(settings)
-        self._lock = threading.Lock()
-
-    def publish(
-        self,
-        topic: str,
-        key: str,
-        value: bytes,
-        *,
-        partition: int,
-        headers: Sequence[tuple[str, bytes]] | None = None,
-    ) -> None:
-        self._publisher.publish(topic, key, value, partition=partition, headers=headers)
-
-    def flush(self) -> None:
-        self._publisher.flush()
-
-    def read(
-        self, topic: str, partition: int, offset: int, *, limit: int = 500, wait_s: float = 1.0
-    ) -> list[Record]:
-        tp = TopicPartition(topic, partition)
-        deadline = time.monotonic() + wait_s
-        with self._lock:
-            try:
-                self._reader.assign([tp])
-                self._reader.seek(tp, offset)
-                while True:
-                    left_ms = max(int((deadline - time.monotonic()) * 1000), 0)
-                    got = self._reader.poll(timeout_ms=left_ms, max_records=limit)
-                    records = got.get(tp, [])
-                    if records or left_ms == 0:
-                        break
-            except KafkaError as exc:
-                raise ServiceUnavailable(
-                    f"Kafka at {self._settings.kafka_bootstrap}: {exc}"
-                ) from exc
-        return [
-            Inbound(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []))
-            for r in records
-        ]
-
-    def end(self, topic: str, partition: int) -> int:
-        tp = TopicPartition(topic, partition)
-        with self._lock:
-            return end_offsets(self._reader, [tp])[tp]
-
-    def close(self) -> None:
-        """Flush what was published and let go of the broker."""
-        self._publisher.close()
-        self._reader.close()
 
 
 def partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:

@@ -1,5 +1,5 @@
 """The platform's ports: the small interfaces its parts see of the bus and the task
-queue, each with a real adapter (:class:`app.bus.KafkaBus`,
+queue, each with a real adapter (:class:`app.kafka_bus.KafkaBus`,
 :class:`app.taskqueue.CeleryTaskQueue`) and an in-memory one (:mod:`app.memory`).
 
 A :class:`Producer` is the write half alone, as the processes that only send hold it

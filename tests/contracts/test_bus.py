@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from app import bus as kafka
 from app import kafka_admin
 from app.config import Settings
+from app.kafka_bus import KafkaBus
 from app.memory import InMemoryBus
 from app.ports import Bus
 
@@ -25,7 +25,7 @@ def port(request: pytest.FixtureRequest) -> Iterator[tuple[Bus, str]]:
     stack: Settings = request.getfixturevalue("stack")
     own = stack.model_copy(update={"topic_prefix": f"contract{uuid.uuid4().hex[:8]}"})
     kafka_admin.ensure_topics(own)
-    real = kafka.KafkaBus(own)
+    real = KafkaBus(own)
     try:
         yield real, own.topic_events
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 
@@ -13,6 +14,7 @@ from app import bus, kafka_admin
 from app.config import Settings
 from app.consuming import PositionedConsumer
 from app.domain.records import StoredOffset
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -65,4 +67,31 @@ def test_a_producer_keeps_every_topic_after_a_new_one(stack: Settings) -> None:
     finally:
         publisher.close()
         admin.delete_topics([late])
+        admin.close()
+
+
+def test_a_producer_stops_asking_for_a_deleted_topic(stack: Settings) -> None:
+    # Given a producer that sent to a topic (a tenant's replies, say)
+    publisher = bus.Publisher(stack)
+    admin = kafka_admin.admin_client(stack)
+    doomed = f"{stack.topic_prefix}.doomed-{uuid.uuid4().hex[:8]}"
+    try:
+        admin.create_topics([NewTopic(doomed, 1, 1)])
+        publisher.publish(doomed, "k", b"x", wait=True)
+        metadata = publisher._producer._metadata
+        # When the topic is deleted behind its back, and its metadata is refreshed
+        admin.delete_topics([doomed])
+        metadata.request_update()
+        # Then it no longer follows it, and stops asking for metadata: kafka-python
+        # would ask every 100 ms for good while a followed topic is unknown
+        wait_for(lambda: doomed not in metadata._topics, 15, "the deleted topic let go")
+        wait_for(lambda: not metadata._need_update, 5, "no metadata update pending")
+        # And sending to a topic of that name again follows it again
+        admin.create_topics([NewTopic(doomed, 1, 1)])
+        publisher.publish(doomed, "k", b"y", wait=True)
+        assert doomed in metadata._topics
+    finally:
+        publisher.close()
+        with contextlib.suppress(Exception):
+            admin.delete_topics([doomed])
         admin.close()
