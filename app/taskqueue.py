@@ -30,10 +30,10 @@ def make_celery(settings: Settings, name: str = "dsec") -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         # Tasks take seconds at most; an hour before Redis redelivers an unacked task
-        # leaves room for a slow create without duplicating it. A worker's BRPOP
-        # returns as soon as a task comes: the 5 s it may block (kombu's 1 s by
-        # default) only sets how often an idle worker asks Redis again.
-        broker_transport_options={"visibility_timeout": 3600, "polling_interval": 5},
+        # leaves room for a slow create without duplicating it. (A longer BRPOP than
+        # kombu's 1 s saved an idle worker little and made every worker stop wait
+        # for it: 5 s cost each stop ~4 s.)
+        broker_transport_options={"visibility_timeout": 3600},
         task_ignore_result=True,
         worker_send_task_events=True,
         task_send_sent_event=True,
