@@ -191,8 +191,10 @@ def append_and_project(
 ) -> list[tuple[SourcedEvent, int]]:
     """Append the events the log does not hold yet and fold them into the projections:
     what the projector does with a batch, so the projections always equal a rebuild."""
-    appended = append(conn, items)
-    if appended:
+    if items:
+        # Before the append: it writes the commands projection in the same statement,
+        # and a lock taken on that table out of order deadlocked with `dsec doctor`.
         projections.lock_for_writing(conn)
+    appended = append(conn, items)
     apply_batch(conn, [(item.event, position) for item, position in appended])
     return appended

@@ -17,11 +17,13 @@ import pytest
 from sqlalchemy import Connection, Engine, text
 
 from app.config import Settings
-from app.db import doctor
+from app.db import doctor, projections
 from app.db.engine import engine_for
 from app.db.log import SourcedEvent, append_and_project
 from app.domain.base import StopReason, utcnow
 from app.domain.events import (
+    CommandCompleted,
+    CommandPayload,
     EventBase,
     NodeLost,
     NodeLostPayload,
@@ -203,6 +205,37 @@ def test_a_doctor_run_beside_a_folding_projector_waits_and_neither_deadlocks(
         log.placed("sb-busy", "n-busy", now)
     # And the doctor, which waited, finds the projections equal to a rebuild
     assert checked.result(timeout=30).differing == frozenset()
+
+
+def test_a_projector_appending_a_command_beside_a_doctor_locking_waits_and_neither_deadlocks(
+    scratch: Settings,
+) -> None:
+    """The append writes the commands projection in its own statement: taken before the
+    projector's ordered locks, that table deadlocked with a doctor holding the early ones."""
+    now = utcnow()
+    engine = engine_for(scratch.database_url)
+    done = CommandCompleted(
+        sandbox_id="sb-cmd", node_id="n0", tenant="acme", occurred_at=now,
+        payload=CommandPayload(request_id=uuid.uuid4(), actor="acme/k", command="true",
+                               exit_code=0, duration_ms=1.0, stdout_bytes=0, stderr_bytes=0),
+    )  # fmt: skip
+
+    def project() -> None:
+        with engine.begin() as conn:
+            Log(conn).add(done)
+
+    with ThreadPoolExecutor(1) as pool, engine.connect() as doctor_conn, doctor_conn.begin():
+        # Given a doctor that holds the first table of the lock order
+        doctor_conn.exec_driver_sql("LOCK TABLE sandboxes IN SHARE ROW EXCLUSIVE MODE")
+        # When a projector appends a command meanwhile and waits
+        projected = pool.submit(project)
+        wait_for(lambda: _waiting_for_a_lock(engine), 10, "the projector waiting for its locks")
+        # Then the doctor takes the rest of its locks (a deadlock would abort one of them)
+        projections.lock(doctor_conn)
+    # And the projector, which waited, projects the command
+    projected.result(timeout=30)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM commands")).scalar() == 1
 
 
 def _waiting_for_a_lock(engine: Engine) -> bool:
