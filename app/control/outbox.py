@@ -91,7 +91,7 @@ class Courier:
         self._keys = keys
         self._health = health
         self._tally = tally
-        #: Refusals nobody answers for, folded until their window closes.
+        #: Refusals nobody answers for: a window's first logged at once, the rest folded.
         self.samples = RefusalSamples()
 
     def log_samples(self, out: Outbox) -> None:
@@ -184,8 +184,8 @@ class Courier:
         )
         if refusal.sample is None:
             self.emit(out, event)
-        else:
-            self.samples.add(refusal.sample, event, time.monotonic())
+        elif (opening := self.samples.add(refusal.sample, event, time.monotonic())) is not None:
+            self.emit(out, opening)
         # A type the sender made up is no metric label (each would be a new series).
         counted = request_type if request_type in REQUEST_TYPES else "unknown"
         self._tally.handled(counted, f"rejected:{refusal.reason.value}")

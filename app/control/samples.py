@@ -5,9 +5,12 @@ read where it does not belong, one older than the freshness window), costs its s
 nothing to send again and again: 5,000 made-up key ids made 5,000 rows of the
 append-only log. Such refusals are counted (the scheduler's metrics, each one) and
 kept whole in the dead letters where they were (Kafka, cheap, with a retention), but
-the log gets one :class:`SandboxRejected` per kind and window: the first refusal of
-the window, carrying ``folded``, how many it stands for. A proven sender's own
-request (its first of that id) is always logged whole, and so attributed.
+the log gets at most two :class:`SandboxRejected` per kind and window: the refusal
+that opens the window, at once (an operator sees an attack when it starts, not a
+window later), and when the window closes, if more came, one sample for the rest.
+Each carries ``folded``, how many refusals it stands for, so their sum counts every
+one. A proven sender's own request (its first of that id) is always logged whole,
+and so attributed.
 """
 
 from __future__ import annotations
@@ -34,26 +37,39 @@ class RefusalSamples:
     def __init__(self, window_s: float = SAMPLE_WINDOW_S) -> None:
         self.window_s = window_s
         self._open: dict[str, _Window] = {}
+        #: Samples of windows a later refusal found closed, not yet taken by :meth:`due`.
+        self._closed: list[SandboxRejected] = []
 
-    def add(self, kind: str, refused: SandboxRejected, now_s: float) -> None:
-        """One more refusal of ``kind`` (the first of a window is the one logged)."""
+    def add(self, kind: str, refused: SandboxRejected, now_s: float) -> SandboxRejected | None:
+        """One more refusal of ``kind``; returns the sample to log now if it opens a
+        window (the rest of the window are folded into one sample when it closes)."""
         window = self._open.get(kind)
-        if window is None:
+        if window is None or now_s - window.opened_s >= self.window_s:
+            if window is not None and window.count > 1:
+                self._closed.append(self._rest(window))
             self._open[kind] = _Window(now_s, refused)
-        else:
-            window.count += 1
+            return _folding(refused, 1, refused.payload.detail)
+        window.count += 1
+        return None
 
     def due(self, now_s: float) -> list[SandboxRejected]:
-        """The samples of windows that closed by ``now_s``, each under an id of its own
-        (every scheduler logs its own samples)."""
-        closed = [k for k, w in self._open.items() if now_s - w.opened_s >= self.window_s]
-        return [self._sample(self._open.pop(kind)) for kind in closed]
+        """The samples of the refusals that followed a window's first, for the windows
+        closed by ``now_s``, each under an id of its own (every scheduler logs its own)."""
+        out, self._closed = self._closed, []
+        for kind in [k for k, w in self._open.items() if now_s - w.opened_s >= self.window_s]:
+            window = self._open.pop(kind)
+            if window.count > 1:
+                out.append(self._rest(window))
+        return out
 
-    def _sample(self, window: _Window) -> SandboxRejected:
-        payload = window.first.payload
-        detail = payload.detail
-        if window.count > 1:
-            more = f" (and {window.count - 1} more like it in {self.window_s:g} s)"
-            detail = detail[: 2000 - len(more)] + more
-        folded = payload.model_copy(update={"folded": window.count, "detail": detail})
-        return window.first.model_copy(update={"event_id": new_id(), "payload": folded})
+    def _rest(self, window: _Window) -> SandboxRejected:
+        rest = window.count - 1
+        more = f" (and {rest} more like it in the {self.window_s:g} s after it)"
+        detail = window.first.payload.detail[: 2000 - len(more)] + more
+        return _folding(window.first, rest, detail)
+
+
+def _folding(refused: SandboxRejected, count: int, detail: str) -> SandboxRejected:
+    """``refused`` as a sample standing for ``count`` refusals, under an id of its own."""
+    payload = refused.payload.model_copy(update={"folded": count, "detail": detail})
+    return refused.model_copy(update={"event_id": new_id(), "payload": payload})

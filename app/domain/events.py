@@ -80,8 +80,9 @@ class RejectedPayload(Message):
         None,
         ge=1,
         description=(
-            "A sample: how many refusals of this kind (no proof, or maybe a copy) in its"
-            " window it stands for, itself included; None: this refusal alone."
+            "A sample of refusals of one kind (no proof, or maybe a copy): how many it"
+            " stands for. 1: the first of its window, logged at once; more: the rest of"
+            " the window, logged when it closes. None: this refusal alone."
         ),
     )
 

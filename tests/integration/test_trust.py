@@ -84,8 +84,8 @@ def _sample(
     db: Any, reason: str, detail: str, since: Any, timeout_s: float = 40.0
 ) -> dict[str, Any]:
     """The sampled SandboxRejected of refusals nobody answers for (no proof, a replay,
-    a stale request) whose detail has ``detail``, logged since ``since``: the log keeps
-    one per kind and 10 s window, so its request id may be another record's."""
+    a stale request) whose detail has ``detail``, logged since ``since``: the first of
+    each kind's 10 s window is logged at once, so its request id may be another record's."""
     with db() as conn:
         row = wait_for(
             lambda: conn.execute(
