@@ -130,6 +130,7 @@ def test_sigkill_at_random_moments_loses_and_duplicates_nothing(stack: Settings,
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+        kafka_admin.drop_topics(settings)  # a private prefix: nobody else reads them
 
     # Then the log holds each event exactly once
     with db() as conn:
