@@ -147,7 +147,7 @@ class Projector:
         self._partitions_checked = time.monotonic()
         # The rule for lives on lost nodes runs in one projector: the one that reads
         # partition 0 (every projector, were they all to sweep, would send the same ends).
-        reads_first = any(tp.partition == 0 for tp in self.consumer.partitions)
+        reads_first = 0 in self.consumer.partitions
         self.lost_lives = LostLives(settings, self.publisher, self.keys) if reads_first else None
 
     def _prepare_log(self) -> dict[int, StoredOffset]:
@@ -318,7 +318,7 @@ class Projector:
         that fails breaks its lane: the parts queued behind it are not committed, and
         everything is read again from the offsets stored in Postgres.
         """
-        log.info("%s: consuming %s", self.name, [tp.partition for tp in self.consumer.partitions])
+        log.info("%s: consuming %s", self.name, list(self.consumer.partitions))
         _quiet_gc()
         # A lane whose Postgres answer has come waits for the GIL while the reader
         # decodes: handing it over every 0.5 ms instead of 5 ms measured +8% events/s

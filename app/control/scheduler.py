@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import TopicAuthorizationFailedError
 from sqlalchemy import Connection, text
 
@@ -53,7 +52,7 @@ from app.db.partition_locks import OwnerSession, OwnershipLost
 from app.db.trajectory import PostgresTrajectoryLog
 from app.domain.base import utcnow
 from app.domain.partition_share import rebalance
-from app.domain.records import StoredOffset
+from app.domain.records import Record, StoredOffset
 from app.errors import ServiceUnavailable
 from app.taskqueue import CeleryTaskQueue
 
@@ -356,7 +355,7 @@ class Scheduler:
             for partition in plan.release:
                 self.owner.release(partition)
         claimed = [p for p in plan.claim if self.owner.try_claim(p)]
-        reading = {tp.partition for tp in self.requests.partitions}
+        reading = set(self.requests.partitions)
         if self.owner.owned == reading:
             return
         # Owned but not read yet: claimed now, or in a round that failed half way.
@@ -408,7 +407,7 @@ class Scheduler:
                 self.dispatcher.observe(out, record)
         self._flush(out)
 
-    def _learn_ended(self, records: list[ConsumerRecord]) -> None:
+    def _learn_ended(self, records: list[Record]) -> None:
         """Which sandboxes named by this batch (a request's key is its sandbox id)
         ended before this scheduler's memory: one query per batch, so an id is never
         given a second life after a restart either."""
@@ -437,7 +436,7 @@ class Scheduler:
                 self._ensure_replies(tenants)
                 self._tenants = tenants
 
-    def _poll_events(self) -> list[ConsumerRecord]:
+    def _poll_events(self) -> list[Record]:
         return self.events.poll(timeout_ms=0, max_records=EVENTS_PER_READ)
 
     def run(self) -> None:
