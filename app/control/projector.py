@@ -41,6 +41,7 @@ from app.domain.proof import KeyInfo, KeyLookup, ProofError, Purpose, Role, veri
 from app.domain.records import Record, StoredOffset
 from app.domain.trust import EVENT_SENDERS, event_refusal
 from app.errors import StorageRefused, first_line
+from app.ports import PositionedReader
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +124,20 @@ class Projector:
     """Moves events from Kafka into Postgres for a set of partitions."""
 
     def __init__(
-        self, settings: Settings, partitions: Sequence[int] | None = None, name: str = "projector"
+        self,
+        settings: Settings,
+        partitions: Sequence[int] | None = None,
+        name: str = "projector",
+        *,
+        reader: PositionedReader | None = None,
     ) -> None:
+        """Reads ``partitions`` of the events topic (None: all) with a Kafka consumer,
+        or with ``reader`` if one is given (a test's, of the partitions it chose)."""
         self.settings = settings
         self.name = name
-        self.consumer = PositionedConsumer(settings, settings.topic_events, name, partitions)
+        if reader is None:
+            reader = PositionedConsumer(settings, settings.topic_events, name, partitions)
+        self.consumer: PositionedReader = reader
         self.publisher = Publisher(settings)
         self.keys = Keyring.from_settings(settings)
         self._stop = threading.Event()

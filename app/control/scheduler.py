@@ -54,6 +54,7 @@ from app.domain.base import utcnow
 from app.domain.partition_share import rebalance
 from app.domain.records import Record, StoredOffset
 from app.errors import ServiceUnavailable
+from app.ports import PositionedReader
 from app.taskqueue import CeleryTaskQueue
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,16 @@ class Scheduler:
     """Places sandboxes on nodes and routes requests to them."""
 
     def __init__(
-        self, settings: Settings, heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT
+        self,
+        settings: Settings,
+        heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT,
+        *,
+        events: PositionedReader | None = None,
+        requests: PositionedReader | None = None,
     ) -> None:
+        """Reads the events and requests topics with Kafka consumers, or with the
+        readers given (a test's: ``events`` of every partition, ``requests`` of none,
+        as the partitions it owns are assigned to it)."""
         self.settings = settings
         self.keyring = Keyring.from_settings(settings)
         self.publisher = bus.Publisher(settings)
@@ -157,7 +166,7 @@ class Scheduler:
         self._pruned = time.monotonic()
         self.tasks = CeleryTaskQueue(settings)
         self._stopping = threading.Event()
-        self.events = PositionedConsumer(
+        self.events: PositionedReader = events if events is not None else PositionedConsumer(
             settings, settings.topic_events, f"{NAME} (events)",
             fetch_max_wait_ms=MOVING_FETCH_WAIT_MS,
         )  # fmt: skip
@@ -168,7 +177,7 @@ class Scheduler:
         self.dispatcher.replaying = True
         self._catch_up()
         self.dispatcher.replaying = False
-        self.requests = PositionedConsumer(
+        self.requests: PositionedReader = requests if requests is not None else PositionedConsumer(
             settings, settings.topic_requests, NAME, partitions=[],
             fetch_max_wait_ms=MOVING_FETCH_WAIT_MS,
         )  # fmt: skip
