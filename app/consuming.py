@@ -12,7 +12,6 @@ from datetime import datetime
 from typing import Any
 
 from kafka import TopicPartition
-from kafka.consumer.fetcher import ConsumerRecord
 
 from app import bus, metrics
 from app.config import Settings
@@ -20,7 +19,7 @@ from app.domain.base import MAX_DETAIL, utcnow
 from app.domain.codec import DeadLetterReason, encode
 from app.domain.dead_letter import DeadLetter
 from app.domain.partitioner import key_partition
-from app.domain.records import Record, StoredOffset
+from app.domain.records import Record, StoredOffset, not_a_position
 from app.ports import Producer
 
 log = logging.getLogger(__name__)
@@ -39,7 +38,8 @@ IDLE_POLL_MS = 2000
 
 
 class PositionedConsumer:
-    """Reads assigned partitions of one topic from offsets the caller stored.
+    """Reads assigned partitions of one topic from offsets the caller stored: the
+    :class:`app.ports.PositionedReader` over Kafka.
 
     Position is never committed to Kafka: the owner writes it to Postgres in the same
     transaction as its effects and hands it back here on start.
@@ -59,37 +59,41 @@ class PositionedConsumer:
         self.topic = topic
         self.name = name
         self._consumer = bus.make_consumer(settings, login=login, **overrides)
-        #: Every partition of the topic (a caller may read only some).
-        self.all_partitions = bus.partitions(self._consumer, topic)
+        self._all = bus.partitions(self._consumer, topic)
         #: The partitions the caller chose (None: all of them, however many).
         self._chosen = set(partitions) if partitions is not None else None
-        self.partitions = self._of_choice()
+        self._assigned = self._of_choice()
+        #: Every partition of the topic (a caller may read only some).
+        self.all_partitions = [tp.partition for tp in self._all]
+        #: The partitions read.
+        self.partitions = [tp.partition for tp in self._assigned]
         self._topic_id = bus.topic_id(self._consumer, topic)
         self._lag_at = 0.0
-        if self.partitions:
-            self._consumer.assign(self.partitions)
+        if self._assigned:
+            self._consumer.assign(self._assigned)
 
     def _of_choice(self) -> list[TopicPartition]:
         if self._chosen is None:
-            return list(self.all_partitions)
-        return [tp for tp in self.all_partitions if tp.partition in self._chosen]
+            return list(self._all)
+        return [tp for tp in self._all if tp.partition in self._chosen]
 
     def reassign(self, partitions: Collection[int], stored: dict[int, StoredOffset]) -> list[str]:
         """Read ``partitions`` from now on: those kept go on from where they stand,
         those new to this consumer start at their ``stored`` offsets (see
         :meth:`seek`); returns its warnings."""
-        kept = {tp.partition for tp in self.partitions}
+        kept = set(self.partitions)
         self._chosen = set(partitions)
-        self.partitions = self._of_choice()
-        if not self.partitions:
+        self._assigned = self._of_choice()
+        self.partitions = [tp.partition for tp in self._assigned]
+        if not self._assigned:
             # kafka-python takes an empty assignment for an unsubscribe.
             self._consumer.assign([])
             return []
-        self._consumer.assign(self.partitions)
-        return self.seek(stored, [tp for tp in self.partitions if tp.partition not in kept])
+        self._consumer.assign(self._assigned)
+        return self.seek(stored, [p for p in self.partitions if p not in kept])
 
     def seek(
-        self, stored: dict[int, StoredOffset], only: Sequence[TopicPartition] | None = None
+        self, stored: dict[int, StoredOffset], only: Collection[int] | None = None
     ) -> list[str]:
         """Seek every partition (or ``only`` those) to its stored offset; return
         warnings about resets.
@@ -97,10 +101,10 @@ class PositionedConsumer:
         Stored offsets of another topic (deleted and made again under the same name:
         another topic id), or past the end of the partition (a broker restored from
         older disks), are not positions in this topic: those partitions restart at
-        their beginning and the caller is told.
+        their beginning and the caller is told (:func:`not_a_position`).
         """
         warnings: list[str] = []
-        parts = self.partitions if only is None else list(only)
+        parts = [tp for tp in self._assigned if only is None or tp.partition in only]
         if not parts:
             return warnings
         ends = bus.end_offsets(self._consumer, parts)
@@ -109,12 +113,9 @@ class PositionedConsumer:
             if saved is None:
                 self._consumer.seek_to_beginning(tp)
                 continue
-            if saved.topic_id != self.topic_id or saved.next_offset > ends[tp]:
-                warnings.append(
-                    f"{self.name}: {tp.topic}[{tp.partition}] stored offset {saved.next_offset} "
-                    f"is not a position in this topic (made again, or a broker restored "
-                    f"from older disks); reading it from its beginning"
-                )
+            why = not_a_position(self.name, tp.topic, tp.partition, saved, self.topic_id, ends[tp])
+            if why is not None:
+                warnings.append(why)
                 self._consumer.seek_to_beginning(tp)
             else:
                 self._consumer.seek(tp, saved.next_offset)
@@ -122,13 +123,13 @@ class PositionedConsumer:
             log.warning(warning)
         return warnings
 
-    def poll(self, timeout_ms: int = 200, max_records: int = 2000) -> list[ConsumerRecord]:
+    def poll(self, timeout_ms: int = 200, max_records: int = 2000) -> list[Record]:
         """The next records across assigned partitions, in order within each."""
-        if not self.partitions:
+        if not self._assigned:
             time.sleep(timeout_ms / 1000)
             return []
         batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
-        out: list[ConsumerRecord] = []
+        out: list[Record] = []
         for records in batches.values():
             out.extend(records)
         now = time.monotonic()
@@ -140,7 +141,7 @@ class PositionedConsumer:
     def _measure_lag(self) -> None:
         """The lag of each partition, from the ends the last fetches reported (no
         request of its own)."""
-        for tp in self.partitions:
+        for tp in self._assigned:
             end = self._consumer.highwater(tp)
             if end is None:
                 continue
@@ -165,8 +166,7 @@ class PositionedConsumer:
     def ends(self) -> dict[int, int]:
         """Each assigned partition's end (the offset its next record gets)."""
         return {
-            tp.partition: end
-            for tp, end in bus.end_offsets(self._consumer, self.partitions).items()
+            tp.partition: end for tp, end in bus.end_offsets(self._consumer, self._assigned).items()
         }
 
     def position(self, partition: int) -> int:

@@ -22,11 +22,12 @@ from kafka.errors import KafkaError
 from redis import Redis
 
 from app.config import Settings
-from app.consuming import IDLE_POLL_MS, PositionedConsumer, dead_letter
+from app.consuming import IDLE_POLL_MS, dead_letter
 from app.domain.codec import DeadLetterReason
 from app.domain.node_tasks import read_inbox_record
 from app.domain.records import Record
 from app.errors import ServiceUnavailable
+from app.ports import PositionedReader
 from workers import tasks
 from workers.courier import Courier
 from workers.errors import RedisFailed
@@ -50,11 +51,12 @@ class Inbox:
         node_id: str,
         courier: Courier,
         store: Redis,
-        open_topic: Callable[[], PositionedConsumer],
+        open_topic: Callable[[], PositionedReader],
         tally: NodeTally,
     ) -> None:
-        """``open_topic`` opens a consumer of the node's inbox topic (again after the
-        broker was away); ``store`` keeps how far the node has read it."""
+        """``open_topic`` opens a reader of every partition of the node's inbox topic
+        (again after the broker was away; the node's root opens a Kafka consumer);
+        ``store`` keeps how far the node has read it."""
         self.settings = settings
         self.node_id = node_id
         self.topic = settings.node_topic(node_id)

@@ -41,6 +41,7 @@ from app.domain.proof import KeyInfo, KeyLookup, ProofError, Purpose, Role, veri
 from app.domain.records import Record, StoredOffset
 from app.domain.trust import EVENT_SENDERS, event_refusal
 from app.errors import StorageRefused, first_line
+from app.ports import PositionedReader
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +124,20 @@ class Projector:
     """Moves events from Kafka into Postgres for a set of partitions."""
 
     def __init__(
-        self, settings: Settings, partitions: Sequence[int] | None = None, name: str = "projector"
+        self,
+        settings: Settings,
+        partitions: Sequence[int] | None = None,
+        name: str = "projector",
+        *,
+        reader: PositionedReader | None = None,
     ) -> None:
+        """Reads ``partitions`` of the events topic (None: all) with a Kafka consumer,
+        or with ``reader`` if one is given (a test's, of the partitions it chose)."""
         self.settings = settings
         self.name = name
-        self.consumer = PositionedConsumer(settings, settings.topic_events, name, partitions)
+        if reader is None:
+            reader = PositionedConsumer(settings, settings.topic_events, name, partitions)
+        self.consumer: PositionedReader = reader
         self.publisher = Publisher(settings)
         self.keys = Keyring.from_settings(settings)
         self._stop = threading.Event()
@@ -147,7 +157,7 @@ class Projector:
         self._partitions_checked = time.monotonic()
         # The rule for lives on lost nodes runs in one projector: the one that reads
         # partition 0 (every projector, were they all to sweep, would send the same ends).
-        reads_first = any(tp.partition == 0 for tp in self.consumer.partitions)
+        reads_first = 0 in self.consumer.partitions
         self.lost_lives = LostLives(settings, self.publisher, self.keys) if reads_first else None
 
     def _prepare_log(self) -> dict[int, StoredOffset]:
@@ -318,7 +328,7 @@ class Projector:
         that fails breaks its lane: the parts queued behind it are not committed, and
         everything is read again from the offsets stored in Postgres.
         """
-        log.info("%s: consuming %s", self.name, [tp.partition for tp in self.consumer.partitions])
+        log.info("%s: consuming %s", self.name, list(self.consumer.partitions))
         _quiet_gc()
         # A lane whose Postgres answer has come waits for the GIL while the reader
         # decodes: handing it over every 0.5 ms instead of 5 ms measured +8% events/s

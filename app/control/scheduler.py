@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import TopicAuthorizationFailedError
 from sqlalchemy import Connection, text
 
@@ -53,8 +52,9 @@ from app.db.partition_locks import OwnerSession, OwnershipLost
 from app.db.trajectory import PostgresTrajectoryLog
 from app.domain.base import utcnow
 from app.domain.partition_share import rebalance
-from app.domain.records import StoredOffset
+from app.domain.records import Record, StoredOffset
 from app.errors import ServiceUnavailable
+from app.ports import PositionedReader
 from app.taskqueue import CeleryTaskQueue
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,16 @@ class Scheduler:
     """Places sandboxes on nodes and routes requests to them."""
 
     def __init__(
-        self, settings: Settings, heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT
+        self,
+        settings: Settings,
+        heartbeat_timeout: timedelta = HEARTBEAT_TIMEOUT,
+        *,
+        events: PositionedReader | None = None,
+        requests: PositionedReader | None = None,
     ) -> None:
+        """Reads the events and requests topics with Kafka consumers, or with the
+        readers given (a test's: ``events`` of every partition, ``requests`` of none,
+        as the partitions it owns are assigned to it)."""
         self.settings = settings
         self.keyring = Keyring.from_settings(settings)
         self.publisher = bus.Publisher(settings)
@@ -158,7 +166,7 @@ class Scheduler:
         self._pruned = time.monotonic()
         self.tasks = CeleryTaskQueue(settings)
         self._stopping = threading.Event()
-        self.events = PositionedConsumer(
+        self.events: PositionedReader = events if events is not None else PositionedConsumer(
             settings, settings.topic_events, f"{NAME} (events)",
             fetch_max_wait_ms=MOVING_FETCH_WAIT_MS,
         )  # fmt: skip
@@ -169,7 +177,7 @@ class Scheduler:
         self.dispatcher.replaying = True
         self._catch_up()
         self.dispatcher.replaying = False
-        self.requests = PositionedConsumer(
+        self.requests: PositionedReader = requests if requests is not None else PositionedConsumer(
             settings, settings.topic_requests, NAME, partitions=[],
             fetch_max_wait_ms=MOVING_FETCH_WAIT_MS,
         )  # fmt: skip
@@ -356,7 +364,7 @@ class Scheduler:
             for partition in plan.release:
                 self.owner.release(partition)
         claimed = [p for p in plan.claim if self.owner.try_claim(p)]
-        reading = {tp.partition for tp in self.requests.partitions}
+        reading = set(self.requests.partitions)
         if self.owner.owned == reading:
             return
         # Owned but not read yet: claimed now, or in a round that failed half way.
@@ -408,7 +416,7 @@ class Scheduler:
                 self.dispatcher.observe(out, record)
         self._flush(out)
 
-    def _learn_ended(self, records: list[ConsumerRecord]) -> None:
+    def _learn_ended(self, records: list[Record]) -> None:
         """Which sandboxes named by this batch (a request's key is its sandbox id)
         ended before this scheduler's memory: one query per batch, so an id is never
         given a second life after a restart either."""
@@ -437,7 +445,7 @@ class Scheduler:
                 self._ensure_replies(tenants)
                 self._tenants = tenants
 
-    def _poll_events(self) -> list[ConsumerRecord]:
+    def _poll_events(self) -> list[Record]:
         return self.events.poll(timeout_ms=0, max_records=EVENTS_PER_READ)
 
     def run(self) -> None:

@@ -45,3 +45,22 @@ class StoredOffset:
 
     topic_id: uuid.UUID
     next_offset: int
+
+
+def not_a_position(
+    reader: str, topic: str, partition: int, saved: StoredOffset, topic_id: uuid.UUID, end: int
+) -> str | None:
+    """Why ``saved`` is no position in this partition, which now ends at ``end`` and
+    whose topic now has id ``topic_id`` (None: it is one, and reading resumes there).
+
+    An offset stored for another incarnation of the topic (deleted and made again under
+    the same name) or past the partition's end (a broker restored from older disks)
+    would skip records, or wait for ones that never come: the reader starts the
+    partition at its beginning instead, and says so."""
+    if saved.topic_id == topic_id and saved.next_offset <= end:
+        return None
+    return (
+        f"{reader}: {topic}[{partition}] stored offset {saved.next_offset} "
+        f"is not a position in this topic (made again, or a broker restored "
+        f"from older disks); reading it from its beginning"
+    )
