@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import socket
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 EVENTS_APPENDED = Counter("dsec_events_appended_total", "Events newly appended to the log")
 EVENTS_DUPLICATE = Counter("dsec_events_duplicate_total", "Redelivered events skipped")
@@ -58,10 +63,30 @@ WAITING = Gauge(
 )
 
 
+#: How often the metrics server's thread looks whether it was asked to stop. Nothing
+#: stops it (a daemon thread, gone with its process), and prometheus-client's own
+#: server looks twice a second: in each idle service that was a tenth of its CPU.
+_STOP_CHECK_S = 60.0
+
+
+class _ServerV6(ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes are not worth a line each on stderr."""
+
+
 def serve(port: int, host: str = "127.0.0.1") -> None:
     """Expose /metrics on ``host``:``port`` (port 0: do not serve)."""
-    if port:
-        start_http_server(port, addr=host)
+    if not port:
+        return
+    kind = _ServerV6 if ":" in host else ThreadingWSGIServer
+    server = make_server(host.strip("[]"), port, make_wsgi_app(), kind, handler_class=_Quiet)
+    threading.Thread(
+        target=server.serve_forever, args=(_STOP_CHECK_S,), name="metrics", daemon=True
+    ).start()
 
 
 class SchedulerTally:
