@@ -434,6 +434,19 @@ def end_offsets(
     return found
 
 
+def beginning_offsets(
+    consumer: KafkaConsumer, parts: Sequence[TopicPartition]
+) -> dict[TopicPartition, int]:
+    """The partitions' first offsets (past what retention deleted)."""
+    if not parts:
+        return {}
+    try:
+        found: dict[TopicPartition, int] = consumer.beginning_offsets(list(parts))
+    except KafkaError as exc:
+        raise ServiceUnavailable(f"Kafka: beginning offsets: {exc}") from exc
+    return found
+
+
 def high_watermarks(
     settings: Settings, parts: Sequence[TopicPartition]
 ) -> dict[TopicPartition, int]:

@@ -58,7 +58,10 @@ class PositionedConsumer:
         self.settings = settings
         self.topic = topic
         self.name = name
+        self._login, self._overrides = login, overrides
         self._consumer = bus.make_consumer(settings, login=login, **overrides)
+        #: Whether a fetch may be held at the broker for this client (it has polled).
+        self._fetching = False
         self._all = bus.partitions(self._consumer, topic)
         #: The partitions the caller chose (None: all of them, however many).
         self._chosen = set(partitions) if partitions is not None else None
@@ -81,16 +84,35 @@ class PositionedConsumer:
         """Read ``partitions`` from now on: those kept go on from where they stand,
         those new to this consumer start at their ``stored`` offsets (see
         :meth:`seek`); returns its warnings."""
-        kept = set(self.partitions)
+        kept = set(self.partitions) & set(partitions)
+        staying = [tp for tp in self._assigned if tp.partition in kept]
         self._chosen = set(partitions)
         self._assigned = self._of_choice()
         self.partitions = [tp.partition for tp in self._assigned]
-        if not self._assigned:
-            # kafka-python takes an empty assignment for an unsubscribe.
-            self._consumer.assign([])
-            return []
-        self._consumer.assign(self._assigned)
+        # (kafka-python takes an empty assignment for an unsubscribe: none is read.)
+        if self._fetching:
+            self._reconnect({tp: self._consumer.position(tp) for tp in staying})
+        else:
+            self._consumer.assign(self._assigned)
         return self.seek(stored, [p for p in self.partitions if p not in kept])
+
+    def _reconnect(self, positions: dict[TopicPartition, int]) -> None:
+        """Replace the client with a new one reading the same partitions, those of
+        ``positions`` from there (the caller seeks the others).
+
+        kafka-python sends no fetch to a broker while one is held there, so a client
+        that moves (new partitions, or back to a stored offset) reads from the new
+        place only once its held fetch returns: up to ``fetch_max_wait_ms``, which an
+        idle consumer wants long. A new client holds no fetch. Moves are rare (a
+        takeover, the claims of a restart, a recovery), and a client costs a
+        connection and a login.
+        """
+        self._consumer.close()
+        self._consumer = bus.make_consumer(self.settings, login=self._login, **self._overrides)
+        self._fetching = False
+        self._consumer.assign(self._assigned)
+        for tp, offset in positions.items():
+            self._consumer.seek(tp, offset)
 
     def seek(
         self, stored: dict[int, StoredOffset], only: Collection[int] | None = None
@@ -107,18 +129,26 @@ class PositionedConsumer:
         parts = [tp for tp in self._assigned if only is None or tp.partition in only]
         if not parts:
             return warnings
+        if self._fetching:
+            others = [tp for tp in self._assigned if tp not in parts]
+            self._reconnect({tp: self._consumer.position(tp) for tp in others})
         ends = bus.end_offsets(self._consumer, parts)
+        at: dict[TopicPartition, int] = {}
         for tp in parts:
             saved = stored.get(tp.partition)
             if saved is None:
-                self._consumer.seek_to_beginning(tp)
                 continue
             why = not_a_position(self.name, tp.topic, tp.partition, saved, self.topic_id, ends[tp])
-            if why is not None:
-                warnings.append(why)
-                self._consumer.seek_to_beginning(tp)
+            if why is None:
+                at[tp] = saved.next_offset
             else:
-                self._consumer.seek(tp, saved.next_offset)
+                warnings.append(why)
+        # Beginnings looked up now, not left to the client's lazy reset: it fetches the
+        # partitions it has a position for meanwhile, and the broker holds that fetch
+        # (the idle wait) before the others can be fetched.
+        at.update(bus.beginning_offsets(self._consumer, [tp for tp in parts if tp not in at]))
+        for tp, offset in at.items():
+            self._consumer.seek(tp, offset)
         for warning in warnings:
             log.warning(warning)
         return warnings
@@ -128,6 +158,7 @@ class PositionedConsumer:
         if not self._assigned:
             time.sleep(timeout_ms / 1000)
             return []
+        self._fetching = True
         batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
         out: list[Record] = []
         for records in batches.values():

@@ -73,12 +73,6 @@ REQUEST_WAIT_MS = 250
 #: alone do not count: a node's heartbeat every few seconds would keep it busy.
 QUIET_WAIT_MS = IDLE_POLL_MS
 QUIET_AFTER_S = 2.0
-#: How long the broker holds the scheduler's empty fetches. Its consumers move (the
-#: requests partitions it claims as schedulers come and go, the events it reads again
-#: at recovery), and kafka-python sends no fetch to a broker while one is held there:
-#: a moved consumer waits out the held fetch before it reads (the stack's 5 s made a
-#: takeover and a restart ~3-4 s slower).
-MOVING_FETCH_WAIT_MS = 2000
 #: Events followed per read. A round that read this many is behind the log and waits
 #: for nothing: an idle scheduler at one round a second would follow at most this many
 #: events a second, where a unit's nodes log ~40,000.
@@ -167,8 +161,7 @@ class Scheduler:
         self.tasks = CeleryTaskQueue(settings)
         self._stopping = threading.Event()
         self.events: PositionedReader = events if events is not None else PositionedConsumer(
-            settings, settings.topic_events, f"{NAME} (events)",
-            fetch_max_wait_ms=MOVING_FETCH_WAIT_MS,
+            settings, settings.topic_events, f"{NAME} (events)"
         )  # fmt: skip
         # The projections as of the projector's offsets, then the events after them:
         # nothing the log holds is missed or applied twice, placements of a scheduler
@@ -178,8 +171,7 @@ class Scheduler:
         self._catch_up()
         self.dispatcher.replaying = False
         self.requests: PositionedReader = requests if requests is not None else PositionedConsumer(
-            settings, settings.topic_requests, NAME, partitions=[],
-            fetch_max_wait_ms=MOVING_FETCH_WAIT_MS,
+            settings, settings.topic_requests, NAME, partitions=[]
         )  # fmt: skip
         self.owner = OwnerSession(settings.database_url, NAME, settings.topic_requests)
         self.dispatcher.leases.keeps = self._keeps_lease

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -94,4 +95,38 @@ def test_a_producer_stops_asking_for_a_deleted_topic(stack: Settings) -> None:
         publisher.close()
         with contextlib.suppress(Exception):
             admin.delete_topics([doomed])
+        admin.close()
+
+
+def test_a_consumer_that_moves_reads_at_once_and_keeps_its_place(stack: Settings) -> None:
+    """kafka-python sends no fetch to a broker holding one: a consumer that moved used
+    to wait out its held fetch (the idle wait) before reading from the new place."""
+    name = f"{stack.topic_prefix}.moves-{uuid.uuid4().hex[:8]}"
+    admin = kafka_admin.admin_client(stack)
+    admin.create_topics([NewTopic(name, 2, 1)])
+    publisher = bus.Publisher(stack)
+    held_s = 20
+    consumer = PositionedConsumer(stack, name, "moves-test", [0], fetch_max_wait_ms=held_s * 1000)
+    try:
+        # Given a consumer of partition 0 that read its one record, and whose next
+        # fetch the broker now holds (nothing more comes)
+        consumer.seek({})
+        publisher.publish(name, "k", b"first", partition=0, wait=True)
+        got = wait_for(lambda: consumer.poll(timeout_ms=500), 10, "the first record")
+        assert [r.value for r in got] == [b"first"]
+        assert consumer.poll(timeout_ms=500) == []
+        # When it moves to partitions 0 and 1 and a record comes on 1
+        started = time.monotonic()
+        assert consumer.reassign([0, 1], {}) == []
+        publisher.publish(name, "k", b"second", partition=1, wait=True)
+        # Then it reads it well within the held fetch's wait, and not partition 0 again
+        later: list[bytes | None] = []
+        while not later and time.monotonic() - started < held_s / 3:
+            later = [r.value for r in consumer.poll(timeout_ms=500)]
+        assert later == [b"second"]
+        assert consumer.position(0) == 1
+    finally:
+        consumer.close()
+        publisher.close()
+        admin.delete_topics([name])
         admin.close()
