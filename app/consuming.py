@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from kafka import TopicPartition
+from kafka.errors import KafkaError
 
 from app import bus, metrics
 from app.config import Settings
@@ -20,6 +21,7 @@ from app.domain.codec import DeadLetterReason, encode
 from app.domain.dead_letter import DeadLetter
 from app.domain.partitioner import key_partition
 from app.domain.records import Record, StoredOffset, not_a_position
+from app.errors import ServiceUnavailable
 from app.ports import Producer
 
 log = logging.getLogger(__name__)
@@ -154,12 +156,16 @@ class PositionedConsumer:
         return warnings
 
     def poll(self, timeout_ms: int = 200, max_records: int = 2000) -> list[Record]:
-        """The next records across assigned partitions, in order within each."""
+        """The next records across assigned partitions, in order within each; raises
+        :class:`ServiceUnavailable` while the broker is away."""
         if not self._assigned:
             time.sleep(timeout_ms / 1000)
             return []
         self._fetching = True
-        batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        try:
+            batches = self._consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        except KafkaError as exc:
+            raise ServiceUnavailable(f"Kafka: reading {self.topic}: {exc}") from exc
         out: list[Record] = []
         for records in batches.values():
             out.extend(records)

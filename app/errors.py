@@ -87,6 +87,13 @@ class ServiceUnavailable(ReasonedError, ConnectionError):
     default_reason = "unavailable"
 
 
+class AccessDenied(ServiceUnavailable):
+    """A backing service refused this process's principal what it asked (Kafka's
+    ACLs): waiting will not help, an operator's grant will."""
+
+    default_reason = "access_denied"
+
+
 class RequestTimeout(ReasonedError, TimeoutError):
     """No answer arrived in time."""
 

@@ -28,13 +28,13 @@ from kafka.admin._users import (
     UserScramCredentialDeletion,
     UserScramCredentialUpsertion,
 )
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError, TopicAuthorizationFailedError
 
 from app.bus import KafkaLogin, client_options
 from app.config import Settings
 from app.domain.kafka_access import Grant, Operation, Resource
 from app.domain.topics import TopicRole, TopicRules, TopicSpec, differences, plan
-from app.errors import ServiceUnavailable
+from app.errors import AccessDenied, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ def ensure_topics(
             if check
             else []
         )
+    except TopicAuthorizationFailedError as exc:
+        raise AccessDenied(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
     except KafkaError as exc:
         raise ServiceUnavailable(f"Kafka at {settings.kafka_bootstrap}: {exc}") from exc
     finally:

@@ -18,7 +18,6 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kafka.errors import KafkaError
 from redis import Redis
 
 from app.config import Settings
@@ -88,7 +87,7 @@ class Inbox:
         while not self._stopping.is_set():
             try:
                 self._serve()
-            except (KafkaError, ServiceUnavailable, RedisFailed) as exc:
+            except (ServiceUnavailable, RedisFailed) as exc:
                 log.warning("%s: waiting for the broker or Redis: %s", self.name, exc)
                 self._tally.waiting(self.name, "broker", True)
                 self._stopping.wait(1.0)

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from kafka.errors import TopicAuthorizationFailedError
 from sqlalchemy import Connection, text
 
 from app import bus, kafka_admin, metrics
@@ -53,7 +52,7 @@ from app.db.trajectory import PostgresTrajectoryLog
 from app.domain.base import utcnow
 from app.domain.partition_share import rebalance
 from app.domain.records import Record, StoredOffset
-from app.errors import ServiceUnavailable
+from app.errors import AccessDenied
 from app.ports import PositionedReader
 from app.taskqueue import CeleryTaskQueue
 
@@ -243,9 +242,7 @@ class Scheduler:
         about, never fatal: a scheduler that died of it at every start served nobody."""
         try:
             kafka_admin.ensure_topics(self.settings, tenants, platform=platform, check=False)
-        except ServiceUnavailable as exc:
-            if not isinstance(exc.__cause__, TopicAuthorizationFailedError):
-                raise
+        except AccessDenied as exc:
             log.warning(
                 "%s: a topic is missing and only an operator may make it (`dsec up`): %s;"
                 " requests whose answers go there are not answered until it exists",

@@ -17,8 +17,6 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol
 
-from kafka.errors import KafkaError
-
 from app.domain import proof
 from app.domain.codec import DecodeError, decode_reply
 from app.domain.records import Record
@@ -31,7 +29,7 @@ from app.domain.replies import (
     ReplyPiece,
     join_pieces,
 )
-from app.errors import TransferFailed, TransferReason
+from app.errors import ServiceUnavailable, TransferFailed, TransferReason
 from app.sdk.results import Chunk, OutputHandler
 
 log = logging.getLogger(__name__)
@@ -43,7 +41,7 @@ class ReplySource(Protocol):
 
     def poll(self, timeout_ms: int) -> Mapping[Any, Sequence[Record]]:
         """The records that came since the last poll, waiting up to ``timeout_ms``
-        for one; raises :class:`KafkaError` while the broker is away."""
+        for one; raises :class:`ServiceUnavailable` while the broker is away."""
         ...
 
 
@@ -100,7 +98,7 @@ class ReplyReader:
         while not self._closed.is_set():
             try:
                 batches = self._consumer.poll(timeout_ms=100)
-            except KafkaError as exc:
+            except ServiceUnavailable as exc:
                 # A broker away (or a partition moving to another leader): the reader
                 # lives on, and reads on from where it stood once the broker is back.
                 log.warning("replies: %s; reading again in a second", exc)

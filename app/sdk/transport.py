@@ -11,14 +11,15 @@ unit test drives a real client against the real dispatcher and node
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
-from kafka import TopicPartition
+from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
 from app import bus
 from app.config import Settings
+from app.domain.records import Record
 from app.errors import ServiceUnavailable
 from app.sdk.reader import ReplySource
 
@@ -97,8 +98,23 @@ class KafkaTransport:
             raise ServiceUnavailable(
                 f"Kafka at {self._settings.kafka_bootstrap}: cannot follow {topic}: {exc}"
             ) from exc
-        return tp.partition, self._consumer
+        return tp.partition, _KafkaReplies(self._consumer)
 
     def close(self) -> None:
         self._publisher.close()
         self._consumer.close()
+
+
+class _KafkaReplies:
+    """The consumer of a replies partition as a :class:`ReplySource`, its errors the
+    platform's."""
+
+    def __init__(self, consumer: KafkaConsumer) -> None:
+        self._consumer = consumer
+
+    def poll(self, timeout_ms: int) -> Mapping[Any, Sequence[Record]]:
+        try:
+            found: Mapping[Any, Sequence[Record]] = self._consumer.poll(timeout_ms=timeout_ms)
+        except KafkaError as exc:
+            raise ServiceUnavailable(f"Kafka: reading replies: {exc}") from exc
+        return found

@@ -68,3 +68,35 @@ def test_a_reply_to_a_request_given_up_on_does_not_stop_the_reader() -> None:
         assert isinstance(gave_up.exception(), ServiceUnavailable)
     finally:
         reader.close()
+
+
+class AwayOnce(Partition):
+    """A partition whose broker is away for the first read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def poll(self, timeout_ms: int) -> dict[str, list[Record]]:
+        if not self.failed:
+            self.failed = True
+            raise ServiceUnavailable("broker away")
+        return super().poll(timeout_ms)
+
+
+def test_a_broker_away_does_not_stop_the_reader() -> None:
+    partition = AwayOnce()
+    consumer: Any = partition
+    reader = ReplyReader(consumer, SECRET, 1 << 20)
+    try:
+        # Given a read that found the broker away
+        waiting: Future[Reply] = reader.expect(uuid.uuid4())
+        request_id = uuid.uuid4()
+        answered: Future[Reply] = reader.expect(request_id)
+        # When the reply comes once it is back
+        partition.put(*_reply(request_id))
+        # Then the reader read on and the request is answered
+        assert isinstance(answered.result(timeout=10), Done)
+        assert partition.failed and not waiting.done()
+    finally:
+        reader.close()
