@@ -20,7 +20,7 @@ from app.domain.base import MAX_DETAIL, utcnow
 from app.domain.codec import DeadLetterReason, encode
 from app.domain.dead_letter import DeadLetter
 from app.domain.partitioner import key_partition
-from app.domain.records import Record, StoredOffset, not_a_position
+from app.domain.records import Record, StoredOffset, first_offsets, not_a_position
 from app.errors import ServiceUnavailable
 from app.ports import Producer
 
@@ -189,10 +189,7 @@ class PositionedConsumer:
     def rewind(self, records: Sequence[Record]) -> None:
         """Read ``records`` again: each partition back to the first of them (they were
         polled but not handled)."""
-        first: dict[int, int] = {}
-        for record in records:
-            first[record.partition] = min(first.get(record.partition, record.offset), record.offset)
-        for partition, offset in first.items():
+        for partition, offset in first_offsets(records).items():
             self._consumer.seek(TopicPartition(self.topic, partition), offset)
 
     @property

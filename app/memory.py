@@ -21,7 +21,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Sequence
 
 from app.domain.partitioner import key_partition
-from app.domain.records import Inbound, Record, StoredOffset, not_a_position
+from app.domain.records import Inbound, Record, StoredOffset, first_offsets, not_a_position
 from app.errors import ServiceUnavailable
 from app.ports import Bus, Headers
 
@@ -195,10 +195,7 @@ class InMemoryPositionedReader:
 
     def rewind(self, records: Sequence[Record]) -> None:
         """See :meth:`app.ports.PositionedReader.rewind`."""
-        first: dict[int, int] = {}
-        for record in records:
-            first[record.partition] = min(first.get(record.partition, record.offset), record.offset)
-        for partition, offset in first.items():
+        for partition, offset in first_offsets(records).items():
             if partition in self._next:
                 self._next[partition] = offset
 

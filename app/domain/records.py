@@ -64,3 +64,12 @@ def not_a_position(
         f"is not a position in this topic (made again, or a broker restored "
         f"from older disks); reading it from its beginning"
     )
+
+
+def first_offsets(records: Sequence[Record]) -> dict[int, int]:
+    """Each partition of ``records`` and the lowest offset among them: where a reader
+    goes back to read them again."""
+    first: dict[int, int] = {}
+    for record in records:
+        first[record.partition] = min(first.get(record.partition, record.offset), record.offset)
+    return first
