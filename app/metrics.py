@@ -65,7 +65,7 @@ WAITING = Gauge(
 
 #: How often the metrics server's thread looks whether it was asked to stop. Nothing
 #: stops it (a daemon thread, gone with its process), and prometheus-client's own
-#: server looks twice a second: in each idle service that was a tenth of its CPU.
+#: server looks twice a second: a wakeup loop in every idle service for nothing.
 _STOP_CHECK_S = 60.0
 
 

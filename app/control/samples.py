@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.domain.base import new_id
+from app.domain.base import MAX_DETAIL, new_id
 from app.domain.events import SandboxRejected
 
 #: How long one sample's window is: at most one row per kind in this time.
@@ -65,7 +65,7 @@ class RefusalSamples:
     def _rest(self, window: _Window) -> SandboxRejected:
         rest = window.count - 1
         more = f" (and {rest} more like it in the {self.window_s:g} s after it)"
-        detail = window.first.payload.detail[: 2000 - len(more)] + more
+        detail = window.first.payload.detail[: MAX_DETAIL - len(more)] + more
         return _folding(window.first, rest, detail)
 
 

@@ -73,10 +73,10 @@ REQUEST_WAIT_MS = 250
 QUIET_WAIT_MS = IDLE_POLL_MS
 QUIET_AFTER_S = 2.0
 #: How long the broker holds the scheduler's empty fetches: shorter than the others'
-#: 5 s. When brokers come back after a loss, the scheduler's consumers find their
-#: partitions' new leaders a held fetch later: with 5 s, two of three brokers down
-#: and back served again ~12 s later (test_kafka_cluster), and the idle stack gained
-#: nothing measurable (0.34 against 0.37 % of a core for the scheduler).
+#: 5 s, as it has run since 63bfb99. 5 s, tried once its consumers reconnect to move,
+#: bought nothing measurable idle (0.34 against 0.37 % of a core for the scheduler),
+#: and test_kafka_cluster's two-brokers-down case took 36-38 s against 24-41 s with
+#: 2 s: no clear cost, no gain, so the tested value stays.
 FETCH_WAIT_MS = 2000
 #: Events followed per read. A round that read this many is behind the log and waits
 #: for nothing: an idle scheduler at one round a second would follow at most this many
