@@ -99,6 +99,16 @@ def ensure_tenant(settings: Settings, name: str, role: str = "tenant") -> Any:
     return tenants.local(settings, name, Role(role))
 
 
+def forget_tenant(settings: Settings, name: str) -> None:
+    """Revoke a test's throwaway tenant and delete its replies topic: a stack that ran
+    the suite again and again does not carry 16 partitions per run for nobody."""
+    from app import kafka_admin
+    from app.control import tenants
+
+    tenants.revoke(settings, name)
+    kafka_admin.drop_topics(settings, [settings.replies_topic(name)])
+
+
 @contextlib.contextmanager
 def tenant_client(settings: Settings, name: str, job_id: str) -> Iterator[Any]:
     """An SDK client signing as tenant ``name`` (made if missing), closed after."""

@@ -19,7 +19,7 @@ from typer.testing import CliRunner, Result
 
 from app.cli.main import cli
 from app.config import Settings
-from tests.conftest import free_port, scalar, wait_for
+from tests.conftest import forget_tenant, free_port, scalar, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -107,6 +107,7 @@ def test_a_sandbox_from_create_to_destroy(
         assert len(actors) == 1 and actors[0].startswith("operator:")
     finally:
         destroyed = dsec("destroy", sandbox_id)
+        forget_tenant(stack, tenant)
     assert destroyed.exit_code == 0, destroyed.output
     # Then it has ended, and the audit trail (--json, the same as --format json) says so
     wait_for(

@@ -30,7 +30,7 @@ from app import credentials
 from app.config import Settings
 from app.db.engine import engine_for, transaction
 from app.db.setup import drop_database
-from tests.conftest import ensure_tenant
+from tests.conftest import ensure_tenant, forget_tenant
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -135,11 +135,14 @@ def test_the_sdk_installs_alone_and_drives_a_sandbox(
         """
     )
     # When a trainer's script runs there, signing with a credential file
-    out = _run(
-        [str(bin_dir / "python"), "-c", script],
-        cwd=outside,
-        DSEC_CREDENTIALS=str(credentials.tenant_file(stack, tenant)),
-    )
+    try:
+        out = _run(
+            [str(bin_dir / "python"), "-c", script],
+            cwd=outside,
+            DSEC_CREDENTIALS=str(credentials.tenant_file(stack, tenant)),
+        )
+    finally:
+        forget_tenant(stack, tenant)
     seen = json.loads(out.strip().splitlines()[-1])
     # Then no server package is importable, the SDK is the venv's, and the command ran
     assert seen["server"] == []

@@ -16,7 +16,7 @@ from app.bus import KafkaLogin
 from app.config import Settings
 from app.control import tenants
 from app.domain.proof import Role
-from tests.conftest import ensure_tenant
+from tests.conftest import ensure_tenant, forget_tenant
 
 pytestmark = pytest.mark.integration
 
@@ -129,3 +129,4 @@ def test_a_revoked_tenants_open_connection_is_refused_within_seconds(stack: Sett
     # authentication until its bootstrap timeout: 30 s by default)
     with pytest.raises(KafkaError):
         KafkaProducer(**bus.client_options(stack, login), bootstrap_timeout_ms=5000)
+    forget_tenant(stack, name)

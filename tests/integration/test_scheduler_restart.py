@@ -88,8 +88,7 @@ def test_a_scheduler_starts_and_serves_with_a_tenants_replies_topic_gone(
     stack: Settings, client: Any
 ) -> None:
     from app import kafka_admin
-    from app.control import tenants
-    from tests.conftest import ensure_tenant
+    from tests.conftest import ensure_tenant, forget_tenant
 
     # Given a tenant whose replies topic was deleted behind the platform's back (the
     # scheduler's principal may not make it again)
@@ -103,4 +102,4 @@ def test_a_scheduler_starts_and_serves_with_a_tenants_replies_topic_gone(
         with client.create(memory_mb=64, timeout_s=60) as box:
             assert box.exec("echo served").stdout == b"served\n"
     finally:
-        tenants.revoke(stack, name)
+        forget_tenant(stack, name)

@@ -40,7 +40,7 @@ from app.domain.requests import (
 from app.errors import RequestTimeout, SandboxNotFound, SandboxRejectedError, ServiceUnavailable
 from app.sdk import Client, Sandbox
 from app.sdk.client import exec_request
-from tests.conftest import ensure_tenant, scalar, tenant_client, wait_for
+from tests.conftest import ensure_tenant, forget_tenant, scalar, tenant_client, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -541,6 +541,7 @@ def test_a_revoked_credential_stops_working(stack: Settings, db: Any) -> None:
         )  # fmt: skip
         publisher.close()
         assert "revoked" in _sample(db, "unauthenticated", "revoked", since)["detail"]
+    forget_tenant(stack, name)
 
 
 def test_the_database_holds_nothing_to_sign_with(stack: Settings, db: Any) -> None:
