@@ -170,6 +170,9 @@ def _tls_context(settings: Settings, who: KafkaLogin | None) -> ssl.SSLContext:
 
 #: How long a producer may go without a producer id before a new one takes over.
 PRODUCER_ID_WAIT_S = 10.0
+#: How long a producer follows a topic its metadata never listed (a tenant's replies
+#: topic that is missing): a topic the platform made is listed within a second.
+UNKNOWN_TOPIC_GRACE_S = 10.0
 
 
 class Publisher:
@@ -200,7 +203,8 @@ class Publisher:
             if delivery_timeout_s is not None else {}
         )  # fmt: skip
         self._lock = threading.Lock()
-        self._tracked: set[str] = set()
+        #: Topics followed, with when following began.
+        self._tracked: dict[str, float] = {}
         #: Tracked topics the broker's metadata has listed (a topic not yet seen may
         #: still be on its way to every broker).
         self._listed: set[str] = set()
@@ -247,16 +251,18 @@ class Publisher:
         kafka-python 3.0.12 asks for metadata every 100 ms, for good, while a topic it
         follows is unknown, and while its accumulator holds a partition without a
         leader, even one with nothing to send: a tenant's replies topic deleted behind
-        the platform's back cost the scheduler ~5 % of a core until it restarted. A
-        topic used again is followed again by :meth:`_track`."""
+        the platform's back cost the scheduler ~5 % of a core until it restarted, and
+        so did one it asked about that never existed. A topic used again is followed
+        again by :meth:`_track`."""
+        now = time.monotonic()
         with self._lock:
-            for topic in list(self._tracked):
+            for topic, since in list(self._tracked.items()):
                 if cluster.partitions_for_topic(topic):
                     self._listed.add(topic)
-                elif topic in self._listed:
-                    log.warning("topic %s is gone: no longer followed", topic)
+                elif topic in self._listed or now - since > UNKNOWN_TOPIC_GRACE_S:
+                    log.warning("topic %s is gone or never was: no longer followed", topic)
                     cluster._topics.discard(topic)
-                    self._tracked.discard(topic)
+                    del self._tracked[topic]
                     self._listed.discard(topic)
         accumulator = producer._accumulator
         for tp in list(accumulator._batches):
@@ -287,7 +293,7 @@ class Publisher:
     def _renew(self) -> None:
         """Put a new producer (a new producer id) in place of a failed one."""
         with self._lock:
-            self._tracked, self._listed = set(), set()
+            self._tracked, self._listed = {}, set()
         new = self._make()  # outside the lock: its metadata listener takes it
         with self._lock:
             old, self._producer = self._producer, new
@@ -309,7 +315,7 @@ class Publisher:
         if topic in self._tracked:  # every publish asks: no lock on the common path
             return
         with self._lock:
-            self._tracked.add(topic)
+            self._tracked[topic] = time.monotonic()
         self._producer._sender.add_topic(topic)
 
     def partitions_for(self, topic: str) -> int | None:
@@ -392,6 +398,7 @@ class Publisher:
         or refused). kafka-python's own ``partitions_for`` would wait max_block_ms (60 s)."""
         found = self._producer._metadata.partitions_for_topic(topic)
         if found is None:
+            self._track(topic)  # asking follows it: let go of it if it never comes
             try:
                 found = self._producer._wait_on_metadata(topic, int(wait_s * 1000))
             except (KafkaError, ValueError):  # timed out, not authorized, a bad name

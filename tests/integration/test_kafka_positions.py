@@ -71,6 +71,24 @@ def test_a_producer_keeps_every_topic_after_a_new_one(stack: Settings) -> None:
         admin.close()
 
 
+def test_a_producer_stops_asking_for_a_topic_it_asked_about_that_never_came(
+    stack: Settings,
+) -> None:
+    # Given a producer asked how many partitions a topic has that does not exist (a
+    # tenant's replies topic deleted behind the platform's back, as a scheduler asks)
+    publisher = bus.Publisher(stack)
+    never = f"{stack.topic_prefix}.never-{uuid.uuid4().hex[:8]}"
+    try:
+        assert publisher.partitions_of(never, 0.2) is None
+        metadata = publisher._producer._metadata
+        # Then, past the grace a topic just made gets, it no longer follows it, and
+        # stops asking for metadata (kafka-python would ask every 100 ms for good)
+        wait_for(lambda: never not in metadata._topics, bus.UNKNOWN_TOPIC_GRACE_S + 10, "let go")
+        wait_for(lambda: not metadata._need_update, 5, "no metadata update pending")
+    finally:
+        publisher.close()
+
+
 def test_a_producer_stops_asking_for_a_deleted_topic(stack: Settings) -> None:
     # Given a producer that sent to a topic (a tenant's replies, say)
     publisher = bus.Publisher(stack)
