@@ -100,7 +100,7 @@ def status(as_json: JsonOpt = False) -> None:
         alive = pid is not None or (service.ready is not None and service.ready())
         restarts = Restarts.load(settings, service.name)
         if alive:
-            state = "stale code" if service.stale(settings) else "running"
+            state = "stale: restarted by up" if service.stale(settings) else "running"
         elif restarts.gave_up:
             state = "failed (gave up)"
         else:

@@ -176,6 +176,13 @@ def server_properties(plan: BrokerPlan) -> dict[str, str]:
             "num.io.threads": "4",
         }
     )
+    # Each listener has its own network threads, each waking every 300 ms with nothing
+    # to do: the listener clients use keeps the pool, the others (a few connections
+    # each: brokers, the quorum, remote clients where local ones have their own) one.
+    clients = "CLIENT" if plan.client_port is not None else "TLS"
+    for name, _port, _protocol in listeners:
+        if name != clients:
+            props[f"listener.name.{name.lower()}.num.network.threads"] = "1"
     return props
 
 

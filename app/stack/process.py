@@ -76,6 +76,9 @@ class Service:
     runs_our_code: bool = True
     #: What its /proc cmdline shows (default: its last argument); Redis retitles itself.
     title: bytes | None = None
+    #: The settings file a foreign binary reads once, at start: one rewritten since
+    #: (new settings of this checkout) makes the running process stale too.
+    config: Path | None = None
 
     def pidfile(self, settings: Settings) -> Path:
         return settings.state_dir / "run" / f"{self.name}.pid"
@@ -86,13 +89,27 @@ class Service:
     def codefile(self, settings: Settings) -> Path:
         return settings.state_dir / "run" / f"{self.name}.code"
 
+    def fingerprint(self) -> str | None:
+        """What it runs: this checkout's code, or a foreign binary's settings file
+        (None: nothing to compare)."""
+        if self.runs_our_code:
+            return code_fingerprint()
+        if self.config is not None:
+            try:
+                return hashlib.sha256(self.config.read_bytes()).hexdigest()[:16]
+            except FileNotFoundError:
+                return None
+        return None
+
     def stale(self, settings: Settings) -> bool:
-        """It runs, but other code than this checkout's: another clone, an older
-        commit, or a tree since deleted (reusing it would test the wrong code)."""
-        if not self.runs_our_code or self.pid(settings) is None:
+        """It runs, but other code than this checkout's (another clone, an older
+        commit, a tree since deleted: reusing it would test the wrong code), or a
+        binary whose settings file changed since it started."""
+        wanted = self.fingerprint()
+        if wanted is None or self.pid(settings) is None:
             return False
         try:
-            return self.codefile(settings).read_text().strip() != code_fingerprint()
+            return self.codefile(settings).read_text().strip() != wanted
         except FileNotFoundError:
             return True
 
@@ -167,8 +184,9 @@ class Service:
                 cwd=REPO_ROOT,
             )
         self.pidfile(settings).write_text(str(proc.pid))
-        if self.runs_our_code:
-            self.codefile(settings).write_text(code_fingerprint())
+        started_with = self.fingerprint()
+        if started_with is not None:
+            self.codefile(settings).write_text(started_with)
         return True
 
     def stop(self, settings: Settings, timeout_s: float = 10.0) -> bool:

@@ -93,6 +93,7 @@ def services(
             endpoint=f"kafka://{host}:{port} (Apache Kafka {kafka_dist.KAFKA_VERSION})",
             ready=lambda: port_open(host, port) and port_open(host, internal),
             runs_our_code=False,
+            config=broker.properties_file(settings),
         ),
         redis_service(settings),
         Service(
@@ -174,6 +175,7 @@ def redis_service(settings: Settings) -> Service:
         endpoint=f"redis://{host}:{port}",
         ready=lambda: port_open(host, port),
         runs_our_code=False,
+        config=conf,
         title=f"redis-server {host}:{port}".encode(),
     )
 
@@ -325,12 +327,15 @@ def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -
     stack = services(settings, nodes)
     kafka, redis, rest = stack[0], stack[1], stack[2:]
     for backing, what in ((kafka, "Apache Kafka"), (redis, "Redis")):
-        if backing.ready is not None and backing.ready():
+        ready = backing.ready is not None and backing.ready()
+        changed = ready and backing.stale(settings)
+        if ready and not changed:
             log(f"{backing.name}: reusing {backing.endpoint}")
         else:
             backing.start(settings)
             wait_until(backing.ready or (lambda: True), 90, what)
-            log(f"{backing.name}: started on {backing.endpoint}")
+            said = "restarted: its settings changed" if changed else "started"
+            log(f"{backing.name}: {said} on {backing.endpoint}")
     host, _port, _tls, internal, _controller = broker.ports(settings)
     broker.ensure_principals(settings, host, internal)
     log("kafka: SASL/SCRAM principals and ACLs of the control plane")

@@ -1,4 +1,5 @@
-"""`dsec up` reuses a running process only when it runs this checkout's code."""
+"""`dsec up` reuses a running process only when it runs this checkout's code (or, for a
+foreign binary, the settings this checkout wrote)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,30 @@ def test_a_foreign_binary_is_never_stale(settings: Settings) -> None:
     try:
         service.start(settings)
         assert not service.codefile(settings).exists()
+        assert not service.stale(settings)
+    finally:
+        service.stop(settings, timeout_s=2)
+
+
+def test_a_foreign_binary_whose_settings_changed_is_replaced(
+    settings: Settings, tmp_path: Path
+) -> None:
+    # Given a broker-like process started with a settings file
+    conf = tmp_path / "server.properties"
+    conf.write_text("num.network.threads=2\n")
+    service = sleeper()
+    service.runs_our_code, service.config = False, conf
+    try:
+        assert service.start(settings)
+        old = service.pid(settings)
+        assert not service.stale(settings)
+        assert not service.start(settings)  # the same settings: reused
+        # When this checkout writes other settings
+        conf.write_text("num.network.threads=1\n")
+        # Then it is stale, and started again with them
+        assert service.stale(settings)
+        assert service.start(settings)
+        assert service.pid(settings) not in (None, old)
         assert not service.stale(settings)
     finally:
         service.stop(settings, timeout_s=2)
