@@ -6,8 +6,14 @@ import socket
 import threading
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.registry import Collector
+
+from app.domain.placement import NodeView
 
 EVENTS_APPENDED = Counter("dsec_events_appended_total", "Events newly appended to the log")
 EVENTS_DUPLICATE = Counter("dsec_events_duplicate_total", "Redelivered events skipped")
@@ -87,6 +93,50 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
     threading.Thread(
         target=server.serve_forever, args=(_STOP_CHECK_S,), name="metrics", daemon=True
     ).start()
+
+
+#: The gauge saying which nodes a scheduler places on (``dsec up`` waits for it).
+NODE_PLACEABLE = "dsec_scheduler_node_placeable"
+
+
+class PlacementCollector(Collector):
+    """A scheduler's view of its nodes, read from its placement when scraped: whether
+    it places on each (alive, and heard from since it started) and what it placed."""
+
+    def __init__(self, nodes: Callable[[], Iterable[NodeView]]) -> None:
+        self._nodes = nodes
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        placeable = GaugeMetricFamily(
+            NODE_PLACEABLE,
+            "1 for a node this scheduler places sandboxes on (alive and heard from since"
+            " it started), 0 for one it knows of but does not",
+            labels=["node"],
+        )
+        placed = GaugeMetricFamily(
+            "dsec_scheduler_node_sandboxes",
+            "Sandboxes this scheduler counts against a node's room (its own and others')",
+            labels=["node"],
+        )
+        for view in self._snapshot():
+            placeable.add_metric([view.node_id], float(view.alive and view.confirmed))
+            placed.add_metric([view.node_id], float(view.used_sandboxes))
+        yield placeable
+        yield placed
+
+    def _snapshot(self) -> list[NodeView]:
+        # The scheduler's thread may add a node while a scrape reads them.
+        for _ in range(3):
+            try:
+                return list(self._nodes())
+            except RuntimeError:
+                continue
+        return []
+
+
+def watch_placement(nodes: Callable[[], Iterable[NodeView]]) -> None:
+    """Serve a scheduler's view of its nodes with its other metrics."""
+    REGISTRY.register(PlacementCollector(nodes))
 
 
 class SchedulerTally:

@@ -477,6 +477,7 @@ def main(settings: Settings) -> None:
     port = settings.scheduler_metrics_port
     metrics.serve(settings.metrics_port + 1 if port is None else port, settings.metrics_host)
     scheduler = Scheduler(settings)
+    metrics.watch_placement(lambda: scheduler.placement.nodes.values())
     signal.signal(signal.SIGTERM, scheduler.stop)
     signal.signal(signal.SIGINT, scheduler.stop)
     scheduler.run()

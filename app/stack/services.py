@@ -300,6 +300,35 @@ def node_alive(settings: Settings, node: str, since: float) -> bool:
     return seen is not None and seen.timestamp() >= since - 1
 
 
+def schedulers_place_on(settings: Settings, node: str) -> bool:
+    """Every scheduler of the stack places sandboxes on ``node``, as its metrics say
+    (a heartbeat in the projection is not yet one the schedulers have read)."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.metrics import NODE_PLACEABLE
+
+    for index in range(settings.schedulers):
+        endpoint = scheduler_service(settings, index).endpoint
+        if not endpoint:
+            continue  # metrics off: the heartbeat is all there is to wait for
+        try:
+            with urlopen(endpoint, timeout=2) as answer:
+                text = answer.read().decode()
+        except OSError:
+            return False
+        placeable = {
+            sample.labels.get("node"): sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == NODE_PLACEABLE
+            for sample in family.samples
+        }
+        if placeable.get(node) != 1.0:
+            return False
+    return True
+
+
 def start_all(settings: Settings, each: list[Service], log: Callable[[str], None]) -> None:
     """Start ``each`` service (again where it runs other code) and wait until ready."""
     for service in each:
@@ -355,6 +384,9 @@ def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -
         try:
             wait_until(
                 partial(node_alive, settings, node, started_at), 120, f"node {node} heartbeat"
+            )
+            wait_until(
+                partial(schedulers_place_on, settings, node), 30, f"placement on node {node}"
             )
         except ServiceUnavailable as exc:
             # Say why: the worker's and the projector's own last words.

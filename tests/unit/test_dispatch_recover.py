@@ -83,3 +83,23 @@ def test_a_leased_create_records_its_lease_in_the_log() -> None:
     dispatcher.handle(out, _record(create))
     requested = [decode_event(v) for _, v in out.events if b"SandboxRequested" in v]
     assert requested[0].payload.labels[LEASE_LABEL] == "lease-9"  # type: ignore[union-attr]
+
+
+def test_the_metrics_say_a_recovered_node_is_not_placed_on_until_it_is_heard() -> None:
+    # `dsec up` waits for this gauge: a heartbeat in the projection is not yet one the
+    # scheduler has read, and until it has, every create goes to the other nodes.
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from app.metrics import NODE_PLACEABLE, PlacementCollector
+
+    dispatcher = _recovered(_live("sb-a", {}))
+    registry = CollectorRegistry()
+    registry.register(PlacementCollector(lambda: dispatcher.placement.nodes.values()))
+
+    def scraped() -> str:
+        return generate_latest(registry).decode()
+
+    assert f'{NODE_PLACEABLE}{{node="n0"}} 0.0' in scraped()
+    assert 'dsec_scheduler_node_sandboxes{node="n0"} 1.0' in scraped()
+    dispatcher.placement.nodes["n0"].confirmed = True
+    assert f'{NODE_PLACEABLE}{{node="n0"}} 1.0' in scraped()
