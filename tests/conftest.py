@@ -124,8 +124,22 @@ def client(stack: Settings) -> Iterator[Any]:
     from app.sdk import Client
 
     ensure_tenant(stack, "tests")
-    with Client(stack, tenant="tests", job_id=f"tests-{uuid.uuid4().hex[:6]}") as c:
+    job = f"tests-{uuid.uuid4().hex[:6]}"
+    with Client(stack, tenant="tests", job_id=job) as c:
         yield c
+        # A test that failed half-way left its sandboxes running: the next run's
+        # placement and every idle figure would carry them for good.
+        with transaction(stack.database_url) as conn:
+            left = conn.scalars(
+                text(
+                    "SELECT sandbox_id FROM sandboxes WHERE job_id = :j"
+                    " AND state NOT IN ('stopped', 'failed', 'rejected')"
+                ),
+                {"j": job},
+            ).all()
+        for sandbox_id in left:
+            with contextlib.suppress(Exception):
+                c.sandbox(sandbox_id).close(timeout_s=30)
 
 
 class PlatformPublisher:
