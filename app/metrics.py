@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import socket
 import threading
-from wsgiref.simple_server import WSGIRequestHandler, make_server
-
 from collections.abc import Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
