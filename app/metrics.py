@@ -5,11 +5,13 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from urllib.request import urlopen
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from app.domain.placement import NodeView
@@ -94,6 +96,26 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
     ).start()
 
 
+#: Samples of a /metrics page by name and sorted labels.
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> Samples:
+    """Every sample a /metrics endpoint serves (raises OSError when it does not answer)."""
+    with urlopen(url, timeout=timeout_s) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float | None:
+    """One sample's value, None when the page had none by that name and labels."""
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
 #: The gauge saying which nodes a scheduler places on (``dsec up`` waits for it).
 NODE_PLACEABLE = "dsec_scheduler_node_placeable"
 
@@ -118,7 +140,7 @@ class PlacementCollector(Collector):
             labels=["node"],
         )
         for view in self._snapshot():
-            placeable.add_metric([view.node_id], float(view.alive and view.confirmed))
+            placeable.add_metric([view.node_id], float(view.placeable))
             placed.add_metric([view.node_id], float(view.used_sandboxes))
         yield placeable
         yield placed

@@ -92,6 +92,11 @@ class NodeView:
             max_sandbox=SandboxMax.declared(node),
         )
 
+    @property
+    def placeable(self) -> bool:
+        """Alive and heard from since the scheduler started: sandboxes may go here."""
+        return self.alive and self.confirmed
+
     def allows(self, cpus: float, memory_mb: int, pids: int) -> bool:
         """Whether this host can give one sandbox that much at all."""
         return self.max_sandbox is None or self.max_sandbox.allows(cpus, memory_mb, pids)
@@ -99,8 +104,7 @@ class NodeView:
     def fits(self, cpus: float, memory_mb: int) -> bool:
         """Room for one more sandbox of this size."""
         return (
-            self.alive
-            and self.confirmed
+            self.placeable
             and self.used_sandboxes + 1 <= self.capacity_sandboxes
             and self.used_cpus + cpus <= self.capacity_cpus + 1e-9
             and self.used_memory_mb + memory_mb <= self.capacity_memory_mb
@@ -165,7 +169,7 @@ class Placement:
         best: NodeView | None = None
         best_key: tuple[bool, float, str] | None = None
         for n in self.nodes.values():
-            if not (n.alive and n.confirmed):
+            if not n.placeable:
                 continue
             alive = True
             if not n.allows(cpus, memory_mb, pids):
@@ -227,7 +231,7 @@ class Placement:
         """The most any live node allows one sandbox (for a refusal to say)."""
         declared = [
             n.max_sandbox for n in self.nodes.values()
-            if n.alive and n.confirmed and n.max_sandbox is not None
+            if n.placeable and n.max_sandbox is not None
         ]  # fmt: skip
         if not declared:
             return None

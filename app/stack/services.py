@@ -303,28 +303,17 @@ def node_alive(settings: Settings, node: str, since: float) -> bool:
 def schedulers_place_on(settings: Settings, node: str) -> bool:
     """Every scheduler of the stack places sandboxes on ``node``, as its metrics say
     (a heartbeat in the projection is not yet one the schedulers have read)."""
-    from urllib.request import urlopen
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from app.metrics import NODE_PLACEABLE
+    from app.metrics import NODE_PLACEABLE, sample, scrape
 
     for index in range(settings.schedulers):
         endpoint = scheduler_service(settings, index).endpoint
         if not endpoint:
             continue  # metrics off: the heartbeat is all there is to wait for
         try:
-            with urlopen(endpoint, timeout=2) as answer:
-                text = answer.read().decode()
+            placeable = sample(scrape(endpoint, timeout_s=2), NODE_PLACEABLE, node=node)
         except OSError:
             return False
-        placeable = {
-            sample.labels.get("node"): sample.value
-            for family in text_string_to_metric_families(text)
-            if family.name == NODE_PLACEABLE
-            for sample in family.samples
-        }
-        if placeable.get(node) != 1.0:
+        if placeable != 1.0:
             return False
     return True
 

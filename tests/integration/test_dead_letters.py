@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
-import urllib.request
 import uuid
 from typing import Any
 
@@ -14,7 +12,7 @@ import pytest
 from kafka import TopicPartition
 from typer.testing import CliRunner
 
-from app import bus
+from app import bus, metrics
 from app.cli.main import cli
 from app.config import Settings
 from app.control import dead_letters
@@ -32,11 +30,10 @@ runner = CliRunner()
 def dead_letter_count(settings: Settings, reason: str) -> float:
     """The projector's counter for ``reason``, read from its /metrics endpoint."""
     url = f"http://127.0.0.1:{settings.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    pattern = rf'dsec_dead_letters_total{{consumer="projector",reason="{reason}"}} ([0-9.e+]+)'
-    match = re.search(pattern, text)
-    return float(match.group(1)) if match else 0.0
+    found = metrics.sample(
+        metrics.scrape(url), "dsec_dead_letters_total", consumer="projector", reason=reason
+    )
+    return found or 0.0
 
 
 def _valid_event() -> NodeLost:
