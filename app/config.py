@@ -278,6 +278,14 @@ class Settings(BaseSettings):
             " false refuses them. Sandboxes have no network unless they ask either way."
         ),
     )
+    direct_exec: bool = Field(
+        True,
+        description=(
+            "A tenant's commands go straight to the node that holds the sandbox, proven"
+            " under a key the scheduler hands the node at create (app/domain/direct.py);"
+            " false keeps every command on the scheduler (read by the scheduler)."
+        ),
+    )
     default_tenant_quota: int = Field(0, description="Live sandboxes per tenant (0: no quota).")
     tenant_quotas: dict[str, int] = Field(
         default_factory=dict,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from app.config import Settings
 from app.domain.base import StopReason, derived_id, utcnow
+from app.domain.direct import SandboxKey
 from app.domain.events import SandboxStarted, StartedPayload
 from app.domain.replies import SandboxReady
 from app.domain.requests import CreateSandbox, Exec
@@ -31,6 +32,7 @@ from workers.errors import EgressDisabled, NoSpace, StaleCreate
 from workers.exec_path import command_completed
 from workers.failures import AGENT_WAIT_S, Failures, envelope
 from workers.lifecycle import Lifecycle
+from workers.state_port import RouteStore
 from workers.tally import NodeTally
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ class CreateHost(Protocol):
     failures: Failures
     deadlines: Deadlines
     tally: NodeTally
+    routes: RouteStore
     #: Warm containers a create claims; None: always cold.
     warm: WarmPool | None
     agent_dir: Path
@@ -125,16 +128,25 @@ class Creation:
             run_dir=self.node.run_dir(request.sandbox_id),
         )
 
-    def create(self, request: CreateSandbox, restore: list[str | list[str]] | None = None) -> None:
+    def create(
+        self,
+        request: CreateSandbox,
+        restore: list[str | list[str]] | None = None,
+        key: SandboxKey | None = None,
+    ) -> None:
         """Create and start the sandbox, wait for its agent, say so.
 
         ``restore``: a trajectory's commands, replayed in order into the fresh sandbox
         before the trainer hears it is ready (rebuilding a lost sandbox's state).
+        ``key``: its direct route (app/domain/direct.py), kept before the trainer
+        hears the sandbox is ready, so its first direct command finds it.
         """
         with self.node.busy(request.sandbox_id):
-            self._create(request, restore or [])
+            self._create(request, restore or [], key)
 
-    def _create(self, request: CreateSandbox, restore: list[str | list[str]]) -> None:
+    def _create(
+        self, request: CreateSandbox, restore: list[str | list[str]], key: SandboxKey | None
+    ) -> None:
         node = self.node
         began = time.monotonic()
         spec = self.spec_for(request)
@@ -175,12 +187,15 @@ class Creation:
         )  # fmt: skip
         if restore and not self._restore(request, restore):
             return
+        if key is not None:
+            node.routes.keep(request.sandbox_id, key)
         node.courier.reply(
             request.reply_to,
             SandboxReady(
-                request_id=request.request_id, sandbox_id=request.sandbox_id, node_id=node.node_id
+                request_id=request.request_id, sandbox_id=request.sandbox_id,
+                node_id=node.node_id, direct=key is not None,
             ),
-        )
+        )  # fmt: skip
         node.tally.created(claimed is not None, time.monotonic() - began)
 
     def _restore(self, request: CreateSandbox, commands: list[str | list[str]]) -> bool:

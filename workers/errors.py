@@ -44,6 +44,14 @@ class StaleCommand(NodeError, TimeoutError):
     from further back than its position): its claim may have expired, so it must not run."""
 
 
+class SandboxNotRunning(NodeError):
+    """A direct command for a sandbox that ended or is frozen (app/domain/direct.py)."""
+
+
+class DirectRefused(NodeError, PermissionError):
+    """A direct command its sandbox's key proves, but that may not come that way."""
+
+
 class CommandInterrupted(NodeError):
     """The node's worker stopped while the command ran (its agent killed it)."""
 

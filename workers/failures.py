@@ -25,10 +25,12 @@ from workers.containers.port import ContainerDriver
 from workers.courier import Courier
 from workers.errors import (
     CommandInterrupted,
+    DirectRefused,
     EgressDisabled,
     ImageNotFound,
     NodeError,
     NoSpace,
+    SandboxNotRunning,
     StaleCommand,
     StaleCreate,
 )
@@ -46,8 +48,10 @@ def reason_for(exc: Exception) -> FailReason:
     """The reason the log and the trainer are given for a request that raised ``exc``."""
     if isinstance(exc, CommandInterrupted):
         return FailReason.INTERRUPTED
-    if isinstance(exc, EgressDisabled):
+    if isinstance(exc, EgressDisabled | DirectRefused):
         return FailReason.REFUSED
+    if isinstance(exc, SandboxNotRunning):
+        return FailReason.SANDBOX_NOT_RUNNING
     if isinstance(exc, NoSpace) or "no space left on device" in str(exc).lower():
         return FailReason.NO_SPACE
     if isinstance(exc, ImageNotFound):

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from app.config import Settings
 from app.credentials import Credential
+from app.domain.direct import SandboxKey
 from app.domain.requests import (
     CreateSandbox,
     DestroySandbox,
@@ -51,7 +52,8 @@ from workers.exec_path import Activity, ExecPath
 from workers.failures import Failures
 from workers.file_ops import FileOps
 from workers.lifecycle import Lifecycle
-from workers.state_port import ClaimStore, StepStore
+from workers.memory_state import InMemoryRoutes
+from workers.state_port import ClaimStore, RouteStore, StepStore
 from workers.tally import NodeTally, NoNodeTally
 
 if TYPE_CHECKING:
@@ -72,10 +74,11 @@ class Node:
         claims: ClaimStore,
         steps: StepStore,
         tally: NodeTally | None = None,
+        routes: RouteStore | None = None,
     ) -> None:
         """The node's adapters come built (``workers/main.py`` is where): its
         container driver, its sandboxes' agents, its courier to Kafka, and its exec
-        claims and step guard (in Redis)."""
+        claims, step guard and direct routes (in Redis)."""
         self.settings = settings
         #: Where the node counts what it does (the worker's main: its metrics).
         self.tally: NodeTally = tally or NoNodeTally()
@@ -87,6 +90,8 @@ class Node:
         self.courier = courier
         self.steps = steps
         self.claims = claims
+        #: The sandboxes' direct routes and the revoked credentials (app/domain/direct.py).
+        self.routes: RouteStore = routes if routes is not None else InMemoryRoutes()
         self.sandbox_root = settings.state_dir / "nodes" / node_id / "sandboxes"
         self.agent_dir = settings.state_dir / "agent"
         # Sandboxes being created or destroyed right now: the reconciler leaves them
@@ -163,10 +168,15 @@ class Node:
 
     # --- what the collaborators do ----------------------------------------------
 
-    def create(self, request: CreateSandbox, restore: list[str | list[str]] | None = None) -> None:
+    def create(
+        self,
+        request: CreateSandbox,
+        restore: list[str | list[str]] | None = None,
+        key: SandboxKey | None = None,
+    ) -> None:
         """Create and start the sandbox, wait for its agent, say so (``restore``: a
-        trajectory's commands replayed into it first)."""
-        self.creation.create(request, restore)
+        trajectory's commands replayed into it first; ``key``: its direct route)."""
+        self.creation.create(request, restore, key)
 
     def freeze(self, request: FreezeSandbox) -> None:
         """Stop every process of the sandbox but its agent (SIGSTOP), keeping state."""

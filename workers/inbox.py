@@ -7,6 +7,10 @@ topic per node, ``<prefix>.node.<node id>`` (one partition, so in the order the
 scheduler decided), sealed for this node exactly as a Celery task is, and is carried
 out by the same code (``workers.tasks.perform``). Lifecycle stays on Celery.
 
+Trainers write here too: a command proven under its sandbox's key comes straight from
+its trainer (the direct route, ``workers/direct.py``), told apart by the credential
+header only a trainer's record carries.
+
 Exactly once: claiming a command is the same Redis ``SET NX`` as through Celery, so a
 record read twice (after a restart) never runs twice. The position is kept in Redis
 after each batch's claims, so a restart re-reads at most one batch.
@@ -23,11 +27,13 @@ from redis import Redis
 from app.config import Settings
 from app.consuming import IDLE_POLL_MS, dead_letter
 from app.domain.codec import DeadLetterReason
-from app.domain.node_tasks import read_inbox_record
+from app.domain.direct import DirectRules
+from app.domain.node_tasks import NodeTask, read_inbox_record
+from app.domain.proof import HEADER_KEY, header
 from app.domain.records import Record
 from app.errors import ServiceUnavailable
 from app.ports import PositionedReader
-from workers import tasks
+from workers import direct, runtime, tasks
 from workers.courier import Courier
 from workers.errors import RedisFailed
 from workers.redis_state import InboxPosition
@@ -52,16 +58,19 @@ class Inbox:
         store: Redis,
         open_topic: Callable[[], PositionedReader],
         tally: NodeTally,
+        rules: DirectRules,
     ) -> None:
         """``open_topic`` opens a reader of every partition of the node's inbox topic
         (again after the broker was away; the node's root opens a Kafka consumer);
-        ``store`` keeps how far the node has read it."""
+        ``store`` keeps how far the node has read it; ``rules`` are what a direct
+        command is checked against."""
         self.settings = settings
         self.node_id = node_id
         self.topic = settings.node_topic(node_id)
         self.name = f"inbox {node_id}"
         self._courier = courier
         self._tally = tally
+        self._rules = rules
         self._position = InboxPosition(store, node_id)
         self._open_topic = open_topic
         self._stopping = threading.Event()
@@ -114,17 +123,33 @@ class Inbox:
             consumer.close()
 
     def _carry_out(self, record: Record) -> None:
-        opened = read_inbox_record(record.value or b"")
-        if isinstance(opened, str):
-            log.error("%s: refused a record: %s", self.name, opened)
-            self._tally.dead_letter(self.name, DeadLetterReason.INVALID.value)
-            dead_letter(
-                self._courier.publisher, self.settings, self.name, record,
-                DeadLetterReason.INVALID, opened,
-            )  # fmt: skip
-            return
-        task, args = opened
+        carry_out(record, self._rules, self.name)
+
+
+def carry_out(record: Record, rules: DirectRules, name: str) -> None:
+    """One inbox record: a trainer's direct command, a revocation, or a task the
+    scheduler sealed; refused (dead-lettered) if none of these. Never raises: one bad
+    record must not stop the node's inbox."""
+    node = runtime.node()
+    if header(record.headers, HEADER_KEY) is not None:
         try:
+            direct.carry_out(record, rules, name)
+        except Exception:
+            log.exception("%s: a direct command failed", name)
+        return
+    opened = read_inbox_record(record.value or b"")
+    if isinstance(opened, str):
+        log.error("%s: refused a record: %s", name, opened)
+        node.tally.dead_letter(name, DeadLetterReason.INVALID.value)
+        dead_letter(
+            node.courier.publisher, node.settings, name, record, DeadLetterReason.INVALID, opened
+        )
+        return
+    task, args = opened
+    try:
+        if task == NodeTask.REVOKE_KEYS:
+            direct.revoke(args, name)
+        else:
             tasks.perform(task, tuple(args))
-        except Exception:  # one bad task must not stop the node's inbox
-            log.exception("%s: %s failed", self.name, task.value)
+    except Exception:
+        log.exception("%s: %s failed", name, task.value)

@@ -40,6 +40,7 @@ from workers.deadlines import Deadlines, Due
 from workers.errors import NodeError
 from workers.exec_path import Activity
 from workers.failures import Failed, Failures, envelope
+from workers.state_port import RouteStore
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class LifeHost(Protocol):
     courier: Courier
     failures: Failures
     deadlines: Deadlines
+    routes: RouteStore
     #: What the node saw happen in each sandbox, for the last state its Stopped records.
     activity: dict[str, Activity]
 
@@ -109,6 +111,7 @@ class Lifecycle:
             return
         seen = node.activity.setdefault(request.sandbox_id, Activity())
         seen.frozen = event_type is SandboxFrozen
+        node.routes.frozen(request.sandbox_id, seen.frozen)
         node.courier.event(
             event_type(
                 **envelope(request, node.node_id),
@@ -150,6 +153,10 @@ class Lifecycle:
         self.node.deadlines.cancel(sandbox_id)
         last_state = self._last_state(sandbox_id)  # before its cgroups go
         self.discard(sandbox_id)
+        try:
+            self.node.routes.ended(sandbox_id, reason.value)
+        except NodeError:  # Redis away: its route is refused once the container is gone
+            log.exception("marking the direct route of %s ended", sandbox_id)
         self.node.courier.event(
             SandboxStopped(
                 event_id=derived_id(

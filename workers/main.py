@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import resource
 import threading
+from typing import cast
 
 from app import credentials, metrics
 from app.bus import Publisher
 from app.config import get_settings
 from app.consuming import PositionedConsumer
-from workers import runtime, tasks
+from app.partition_cache import PartitionCache
+from workers import direct, runtime, tasks
 from workers.agent.connection import peer_is_sandbox_init
 from workers.agent.pool import AgentPool
 from workers.celery_app import celery, restore_unacked
@@ -28,7 +30,7 @@ from workers.host.podman_service import ensure_podman_service
 from workers.host.podman_watch import PodmanWatch
 from workers.host.setup import ensure_node_user
 from workers.inbox import READY_WAIT_S, Inbox
-from workers.redis_state import Claims, StepGuard, claim_ttl_s, connect
+from workers.redis_state import Claims, Routes, StepGuard, claim_ttl_s, connect
 from workers.upkeep import Upkeep
 from workers.warm_pool import WarmPool
 
@@ -73,10 +75,13 @@ def run(node_id: str, concurrency: int = 16) -> None:
     agents = AgentPool(verify=peer_is_sandbox_init)
     store = connect(settings.celery_broker_url)
     courier = Courier(settings, credential, lambda: Publisher(settings, login=credential.kafka))
-    claims = Claims(store, node_id, credential.secret, claim_ttl_s(settings.request_max_age_s))
+    ttl_s = claim_ttl_s(settings.request_max_age_s)
+    claims = Claims(store, node_id, credential.secret, ttl_s)
+    routes = Routes(store, node_id, credential.secret, ttl_s)
     node = Node(
-        settings, node_id, driver, agents, credential, courier, claims, StepGuard(store), tally
-    )
+        settings, node_id, driver, agents, credential, courier, claims, StepGuard(store), tally,
+        routes,
+    )  # fmt: skip
     runtime.install(node)
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()
@@ -92,7 +97,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
     inbox = Inbox(
         settings, node_id, courier, store,
         lambda: PositionedConsumer(settings, topic, f"inbox {node_id}", login=credential.kafka),
-        tally,
+        tally, direct.rules(settings, PartitionCache(lambda: cast(Publisher, courier.publisher))),
     )  # fmt: skip
     inbox.start(ready=upkeep.rounds)
     upkeep.start()

@@ -7,9 +7,12 @@ expires (a test lives shorter than any claim's TTL).
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
+from app.domain.direct import SandboxKey
 from app.domain.requests import Exec
 from app.domain.trajectory import RecordedStep
+from workers.state_port import DirectRoute
 
 
 class InMemoryClaims:
@@ -89,3 +92,40 @@ class InMemoryStepGuard:
         with self._changed:
             self._changed.wait_for(lambda: key in self._results, timeout=timeout_s)
             return self._results.get(key)
+
+
+class InMemoryRoutes:
+    """Direct routes and revocations of one node, in memory; thread-safe."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, DirectRoute] = {}
+        self._revoked: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
+
+    def keep(self, sandbox_id: str, key: SandboxKey) -> None:
+        with self._lock:
+            self._routes[sandbox_id] = DirectRoute(key)
+
+    def route(self, sandbox_id: str) -> DirectRoute | None:
+        with self._lock:
+            return self._routes.get(sandbox_id)
+
+    def frozen(self, sandbox_id: str, frozen: bool) -> None:
+        with self._lock:
+            found = self._routes.get(sandbox_id)
+            if found is not None:
+                self._routes[sandbox_id] = replace(found, frozen=frozen)
+
+    def ended(self, sandbox_id: str, why: str) -> None:
+        with self._lock:
+            found = self._routes.get(sandbox_id)
+            if found is not None:
+                self._routes[sandbox_id] = replace(found, ended=why)
+
+    def revoke(self, key_ids: list[str]) -> None:
+        with self._lock:
+            self._revoked |= frozenset(key_ids)
+
+    def revoked(self) -> frozenset[str]:
+        with self._lock:
+            return self._revoked

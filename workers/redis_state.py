@@ -31,20 +31,23 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, ParamSpec, TypeVar
 
 import redis
 from pydantic import ValidationError
 
+from app.domain.direct import SandboxKey
 from app.domain.node_tasks import open_secret, seal_secret
 from app.domain.records import StoredOffset
 from app.domain.requests import Exec
 from app.domain.trajectory import RecordedStep
 from workers.errors import RedisFailed, RedisUnavailable
+from workers.state_port import DirectRoute
 
 log = logging.getLogger(__name__)
 
@@ -261,3 +264,101 @@ class InboxPosition:
         for partition, offset in offsets.items():
             pipe.hset(self._key, f"{topic_id}:{partition}", offset)
         pipe.execute()
+
+
+class Routes:
+    """A node's sandbox keys (sealed for this node: Redis is shared by every node) and
+    the credentials it was told are revoked. Read through a cache in the worker's
+    memory, as only this node's worker writes them; Redis is what a restarted worker
+    finds them in."""
+
+    def __init__(self, client: redis.Redis, node_id: str, secret: bytes, ended_ttl_s: int) -> None:
+        """``ended_ttl_s``: how long an ended sandbox's route still answers that it
+        ended (a command sent to it before is refused as stale after that)."""
+        self._redis = client
+        self._secret = secret
+        self._prefix = f"dsec:direct:{node_id}:"
+        self._revoked_key = f"dsec:revoked:{node_id}"
+        self._ended_ttl_s = ended_ttl_s
+        self._routes: dict[str, DirectRoute] = {}
+        self._revoked: frozenset[str] | None = None
+        self._lock = threading.Lock()
+
+    @_translated
+    def keep(self, sandbox_id: str, key: SandboxKey) -> None:
+        """The direct route of a sandbox created here."""
+        self._store(sandbox_id, DirectRoute(key))
+
+    @_translated
+    def route(self, sandbox_id: str) -> DirectRoute | None:
+        """The sandbox's route (from Redis, once, after a restart)."""
+        with self._lock:
+            found = self._routes.get(sandbox_id)
+        if found is not None:
+            return found
+        raw = self._redis.get(self._prefix + sandbox_id)
+        found = self._read(raw) if isinstance(raw, bytes) else None
+        if found is not None:
+            with self._lock:
+                self._routes[sandbox_id] = found
+        return found
+
+    @_translated
+    def frozen(self, sandbox_id: str, frozen: bool) -> None:
+        """The sandbox was frozen (or thawed)."""
+        found = self.route(sandbox_id)
+        if found is not None:
+            self._store(sandbox_id, replace(found, frozen=frozen))
+
+    @_translated
+    def ended(self, sandbox_id: str, why: str) -> None:
+        """The sandbox ended: its route says so for ``ended_ttl_s``, then is gone."""
+        found = self.route(sandbox_id)
+        if found is not None:
+            self._store(sandbox_id, replace(found, ended=why), self._ended_ttl_s)
+
+    @_translated
+    def revoke(self, key_ids: list[str]) -> None:
+        """Credentials revoked (kept for good: the list is short)."""
+        if key_ids:
+            self._redis.sadd(self._revoked_key, *key_ids)
+        with self._lock:
+            self._revoked = None
+
+    @_translated
+    def revoked(self) -> frozenset[str]:
+        """Every credential this node was told is revoked."""
+        with self._lock:
+            if self._revoked is not None:
+                return self._revoked
+        members: set[bytes] = self._redis.smembers(self._revoked_key)  # type: ignore[assignment]
+        found = frozenset(m.decode() for m in members)
+        with self._lock:
+            self._revoked = found
+        return found
+
+    def _store(self, sandbox_id: str, route: DirectRoute, ttl_s: int | None = None) -> None:
+        key = route.key
+        doc = {
+            "key_id": key.key_id, "sealed": seal_secret(self._secret, key.secret),
+            "tenant": key.tenant, "actor": key.actor, "ended": route.ended,
+            "frozen": route.frozen,
+        }  # fmt: skip
+        self._redis.set(self._prefix + sandbox_id, json.dumps(doc), ex=ttl_s)
+        with self._lock:
+            if ttl_s is None:
+                self._routes[sandbox_id] = route
+            else:  # an ended one is read from Redis while it is kept there
+                self._routes.pop(sandbox_id, None)
+
+    def _read(self, raw: bytes) -> DirectRoute | None:
+        try:
+            doc = json.loads(raw)
+            secret = open_secret(self._secret, doc["sealed"])
+            if secret is None:
+                return None
+            key = SandboxKey(doc["key_id"], secret, doc["tenant"], doc["actor"])
+            return DirectRoute(key, doc.get("ended"), bool(doc.get("frozen")))
+        except (ValueError, KeyError, TypeError):
+            log.warning("a direct route in Redis is unreadable; ignored")
+            return None

@@ -1,6 +1,6 @@
 """What a node keeps beyond its process, as its handlers see it: the claims that make
 each command run once (:class:`ClaimStore`) and the guard of trajectory steps
-(:class:`StepStore`).
+(:class:`StepStore`), and the sandboxes' direct routes (:class:`RouteStore`).
 
 The node's worker keeps them in Redis (:mod:`workers.redis_state`, built by
 ``workers/main.py``); unit tests keep them in memory (:mod:`workers.memory_state`).
@@ -9,8 +9,10 @@ What each call guarantees is written on the Redis adapter, which is the referenc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+from app.domain.direct import SandboxKey
 from app.domain.requests import Exec
 from app.domain.trajectory import RecordedStep
 
@@ -60,4 +62,43 @@ class StepStore(Protocol):
     ) -> RecordedStep | None:
         """The result of a step someone else claimed, once it is recorded (None if it
         is not within ``timeout_s``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DirectRoute:
+    """A sandbox's direct route as its node holds it (app/domain/direct.py)."""
+
+    key: SandboxKey
+    #: Why the sandbox ended, once it has (kept a while, so its trainer is told).
+    ended: str | None = None
+    #: Frozen: its commands are refused until it is thawed.
+    frozen: bool = False
+
+
+class RouteStore(Protocol):
+    """The node's sandbox keys and the credentials it was told are revoked."""
+
+    def keep(self, sandbox_id: str, key: SandboxKey) -> None:
+        """The direct route of a sandbox created here."""
+        ...
+
+    def route(self, sandbox_id: str) -> DirectRoute | None:
+        """The sandbox's route, if it has one here."""
+        ...
+
+    def frozen(self, sandbox_id: str, frozen: bool) -> None:
+        """The sandbox was frozen (or thawed)."""
+        ...
+
+    def ended(self, sandbox_id: str, why: str) -> None:
+        """The sandbox ended: its route answers so for a while, then is forgotten."""
+        ...
+
+    def revoke(self, key_ids: list[str]) -> None:
+        """Credentials revoked: keys derived from them prove nothing any more."""
+        ...
+
+    def revoked(self) -> frozenset[str]:
+        """Every credential this node was told is revoked."""
         ...

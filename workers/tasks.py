@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from app.domain.base import MAX_DETAIL, FailReason, event_id
 from app.domain.codec import DeadLetterReason, encode, peek
 from app.domain.dead_letter import DeadLetter
+from app.domain.direct import SandboxKey
 from app.domain.events import FailedPayload, SandboxFailed
 from app.domain.node_tasks import (
     NODE_WORK,
@@ -33,6 +34,7 @@ from app.domain.node_tasks import (
 )
 from app.domain.replies import ErrorReply
 from app.domain.requests import (
+    CreateSandbox,
     Exec,
     ReplyTo,
     RequestBase,
@@ -160,19 +162,32 @@ def _run(
 
 
 def _start_command(request: Exec, opened: Opened) -> None:
+    start_command(request, opened.reply_key)
+
+
+def start_command(request: Exec, reply_key: bytes | None) -> None:
+    """Claim a command and start it off the calling thread (answered under
+    ``reply_key``), whichever route it came by."""
     node = runtime.node()
-    key = opened.reply_key
-    job = node.admit_exec(request, key)
+    job = node.admit_exec(request, reply_key)
     if job is not None:
         node.commands.submit(
-            Running(request.request_id, request.sandbox_id, request.tenant), key, job
+            Running(request.request_id, request.sandbox_id, request.tenant), reply_key, job
         )
+
+
+def _key(request: CreateSandbox, opened: Opened) -> SandboxKey | None:
+    """The direct route's key the scheduler handed over with a create, if it did."""
+    key_id = opened.envelope.sandbox_key_id
+    if opened.sandbox_key is None or key_id is None:
+        return None
+    return SandboxKey(key_id, opened.sandbox_key, request.tenant, request.actor or request.tenant)
 
 
 #: What the node does with each task's request (the kinds and their requests:
 #: :data:`app.domain.node_tasks.NODE_WORK`).
 HANDLERS: dict[NodeTask, Callable[[Any, Opened], None]] = {
-    NodeTask.CREATE: lambda r, o: runtime.node().create(r, o.envelope.restore or []),
+    NodeTask.CREATE: lambda r, o: runtime.node().create(r, o.envelope.restore or [], _key(r, o)),
     NodeTask.EXEC: _start_command,
     NodeTask.KILL_COMMAND: lambda r, _e: runtime.node().kill_command(r),
     NodeTask.WRITE_FILE: lambda r, _e: runtime.node().write_file(r),

@@ -352,6 +352,16 @@ class Dispatcher(LogFollower):
             self.send.refuse(out, admitted, RejectReason.QUOTA, over)
         return over is None
 
+    def tell_revoked(self, out: Outbox, key_ids: Collection[str]) -> None:
+        """Tell every node alive that ``key_ids`` are revoked: commands proven under
+        the sandbox keys derived from them stop working on the direct route
+        (app/domain/direct.py) as they stop here."""
+        if not key_ids:
+            return
+        for node in self.placement.nodes.values():
+            if node.alive:
+                self.send.revocations(out, node, sorted(key_ids))
+
     # --- leases and groups ----------------------------------------------------------
 
     def _renew(self, out: Outbox, admitted: Admitted) -> None:

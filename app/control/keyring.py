@@ -119,6 +119,13 @@ class Keyring(KeyLookup):
                 if not k.revoked and k.principal.role in (Role.TENANT, Role.OPERATOR)
             }
 
+    def revoked(self) -> set[str]:
+        """Key ids revoked (read again if the cache is older than its refresh)."""
+        with self._lock:
+            if time.monotonic() - self._loaded_at > self._refresh_s:
+                self._reload(time.monotonic())
+            return {key_id for key_id, k in self._keys.items() if k.revoked}
+
     def _reload(self, now: float) -> None:
         try:
             rows = list(self._load())

@@ -24,14 +24,15 @@ from app.domain.node_tasks import (
     VIA_INBOX,
     TaskEnvelope,
     inbox_record,
+    revocation,
     seal,
     seal_secret,
 )
 from app.domain.placement import NodeView
-from app.domain.proof import KeyLookup, Role
+from app.domain.proof import KeyInfo, KeyLookup, Role, sandbox_key
 from app.domain.records import Record
 from app.domain.replies import ErrorReply, ReplyBase
-from app.domain.requests import REQUEST_TYPES, ReplyTo, RequestBase
+from app.domain.requests import REQUEST_TYPES, CreateSandbox, ReplyTo, RequestBase
 
 log = logging.getLogger(__name__)
 
@@ -121,20 +122,29 @@ class Courier:
         sender: Sender | None = None,
         restore: list[str | list[str]] | None = None,
     ) -> None:
-        """Hand ``request`` to ``node``, sealed with the node's key."""
-        key_id = self._health.key_of(node.node_id)
-        info = self._keys.lookup(key_id) if key_id is not None else None
+        """Hand ``request`` to ``node``, sealed with the node's key. A tenant's create
+        also hands over the sandbox's direct-route key (app/domain/direct.py), unless
+        the platform's settings keep every command on the scheduler."""
+        info = self._node_key(node, request.type)
         if info is None:
-            info = self._keys.current(Role.NODE, node.node_id)
-        if info is None or info.revoked:
-            log.error("scheduler: no live key for node %s: cannot hand it %s", node.node_id,
-                      request.type)  # fmt: skip
             return
         reply_key = sender.reply_key(request.request_id) if sender is not None else None
+        direct = direct_id = None
+        if (
+            isinstance(request, CreateSandbox)
+            and self._settings.direct_exec
+            and sender is not None
+            and sender.principal.role == Role.TENANT
+            and sender.principal.subject == request.tenant
+        ):
+            direct = seal_secret(info.secret, sandbox_key(sender.secret, request.sandbox_id))
+            direct_id = sender.principal.key_id
         envelope = TaskEnvelope(
             request=request.model_dump_json(),
             reply_key_sealed=seal_secret(info.secret, reply_key) if reply_key else None,
             restore=restore,
+            sandbox_key_sealed=direct,
+            sandbox_key_id=direct_id,
         )
         task = TASK_FOR_REQUEST[request.type]
         args = seal(task, envelope, info.principal.key_id, info.secret)
@@ -143,6 +153,26 @@ class Courier:
             out.inbox.append((topic, request.sandbox_id, inbox_record(task, args)))
         else:
             out.tasks.append((task, node.queue, args))
+
+    def revocations(self, out: Outbox, node: NodeView, key_ids: list[str]) -> None:
+        """Tell ``node`` that ``key_ids`` are revoked: the sandbox keys derived from
+        them stop working there (its inbox, after the commands already sent)."""
+        info = self._node_key(node, "a revocation")
+        if info is not None:
+            record = revocation(key_ids, info.principal.key_id, info.secret)
+            out.inbox.append((self._settings.node_topic(node.node_id), "", record))
+
+    def _node_key(self, node: NodeView, what: str) -> KeyInfo | None:
+        """The key ``node`` checks what it is handed against; None (logged) if it has
+        no live one."""
+        key_id = self._health.key_of(node.node_id)
+        info = self._keys.lookup(key_id) if key_id is not None else None
+        if info is None:
+            info = self._keys.current(Role.NODE, node.node_id)
+        if info is None or info.revoked:
+            log.error("scheduler: no live key for node %s: cannot hand it %s", node.node_id, what)
+            return None
+        return info
 
     def reject(self, out: Outbox, refusal: Refusal) -> None:
         """Log a refusal (or fold it into its kind's sample), count it, and answer it

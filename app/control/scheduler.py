@@ -53,6 +53,7 @@ from app.domain.base import utcnow
 from app.domain.partition_share import rebalance
 from app.domain.records import Record, StoredOffset
 from app.errors import AccessDenied
+from app.partition_cache import PartitionCache
 from app.ports import PositionedReader
 from app.taskqueue import CeleryTaskQueue
 
@@ -86,16 +87,6 @@ EVENTS_PER_READ = 2000
 PROJECTOR = "projector"
 
 
-#: How long a replies topic's partition count is believed before the producer's
-#: metadata is read again (a topic made again with another count is noticed).
-PARTITIONS_TTL_S = 5.0
-#: How long a replies topic the broker did not know stays unknown before it is asked
-#: for again, and how long asking may wait: a batch waits that long at most, once per
-#: unknown topic and period (only a proven tenant's own topic is ever asked for).
-UNKNOWN_TOPIC_TTL_S = 10.0
-UNKNOWN_TOPIC_WAIT_S = 0.5
-
-
 def round_wait_ms(events_read: int, quiet: bool, creates_waiting: bool) -> int:
     """How long a round waits for requests: not at all while the events it read fill a
     read (it is behind the log), long while it is quiet and no create waits for room,
@@ -111,21 +102,14 @@ class BrokerPartitions:
     replies topics as the producer's metadata knows them, cached briefly."""
 
     def __init__(self, publisher: bus.Publisher, requests: Callable[[], int]) -> None:
-        self._publisher = publisher
         self._requests = requests
-        self._replies: dict[str, tuple[int | None, float]] = {}
+        self._replies = PartitionCache(lambda: publisher)
 
     def requests(self) -> int:
         return self._requests()
 
     def replies(self, topic: str) -> int | None:
-        now = time.monotonic()
-        cached = self._replies.get(topic)
-        if cached is not None and now < cached[1]:
-            return cached[0]
-        count = self._publisher.partitions_of(topic, UNKNOWN_TOPIC_WAIT_S)
-        self._replies[topic] = (count, now + (PARTITIONS_TTL_S if count else UNKNOWN_TOPIC_TTL_S))
-        return count
+        return self._replies(topic)
 
 
 class Scheduler:
@@ -160,6 +144,8 @@ class Scheduler:
         self._tenants = self.keyring.tenants()
         #: Node inbox topics known to exist (see _ensure_inboxes).
         self._inboxes: set[str] = set()
+        #: Revoked key ids the nodes were told of (see _tell_revoked).
+        self._told_revoked: set[str] = set()
         self._ensure_replies(self._tenants, platform=True)
         self._topics_checked = time.monotonic()
         self._pruned = time.monotonic()
@@ -439,6 +425,18 @@ class Scheduler:
             if tenants - self._tenants:
                 self._ensure_replies(tenants)
                 self._tenants = tenants
+            self._tell_revoked()
+
+    def _tell_revoked(self) -> None:
+        """Tell the nodes of credentials revoked since this scheduler last told them
+        (all of them, once, after its start: a node keeps what it was told)."""
+        revoked = self.keyring.revoked()
+        new = revoked - self._told_revoked
+        if new:
+            out = Outbox()
+            self.dispatcher.tell_revoked(out, new)
+            self._flush(out)
+            self._told_revoked = revoked
 
     def _poll_events(self) -> list[Record]:
         return self.events.poll(timeout_ms=0, max_records=EVENTS_PER_READ)

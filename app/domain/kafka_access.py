@@ -61,7 +61,9 @@ def key_grants(prefix: str, role: Role, subject: str, principal: str) -> list[Gr
     """The ACLs of an issued key's principal.
 
     - a tenant writes requests and reads its own replies topic, nothing else (it may
-      name consumer groups under its own name, for clients that must join one);
+      name consumer groups under its own name, for clients that must join one); it
+      also writes the nodes' inboxes, where only a command proven under the key of a
+      sandbox it created is taken (the direct route, app/domain/direct.py);
     - an operator also reads the events and the dead letters;
     - a node reads its own inbox and writes events, replies and dead letters (what it
       may *say* there is bounded by the proofs, docs/security.md).
@@ -72,6 +74,7 @@ def key_grants(prefix: str, role: Role, subject: str, principal: str) -> list[Gr
         grants = [
             _topic(principal, requests, Operation.WRITE),
             _topic(principal, f"{replies}{subject}", Operation.READ),
+            _topic(principal, f"{prefix}.node.", Operation.WRITE, prefixed=True),
             Grant(principal, Resource.GROUP, f"{subject}.", True, Operation.READ),
         ]
         if role == Role.OPERATOR:

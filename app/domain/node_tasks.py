@@ -51,6 +51,9 @@ class NodeTask(StrEnum):
     DESTROY = "dsec.node.destroy"
     FREEZE = "dsec.node.freeze"
     THAW = "dsec.node.thaw"
+    #: Not a request's: the credentials revoked, whose sandbox keys stop working
+    #: (app/domain/direct.py); comes on the inbox, sealed as a task is.
+    REVOKE_KEYS = "dsec.node.revoke_keys"
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ TASK_FOR_REQUEST = {work.request_type: work.task for work in NODE_WORK}
 #: Tasks the scheduler hands a node on its inbox topic rather than through Celery;
 #: creates, destroys, freezes and file transfers stay Celery tasks.
 VIA_INBOX = frozenset(work.task for work in NODE_WORK if work.via_inbox)
+#: What a node's inbox takes: the data plane's tasks and the revocations.
+INBOX_TASKS = VIA_INBOX | {NodeTask.REVOKE_KEYS}
 
 
 def inbox_record(task: NodeTask, args: list[str]) -> bytes:
@@ -117,7 +122,7 @@ def read_inbox_record(value: bytes) -> tuple[NodeTask, list[str]] | str:
         args = doc["args"]
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         return f"not an inbox record: {str(exc)[:200]}"
-    if task not in VIA_INBOX:
+    if task not in INBOX_TASKS:
         return f"{task.value} does not come on the inbox"
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         return "inbox record arguments are not a list of strings"
@@ -137,6 +142,16 @@ class TaskEnvelope(Message):
     )
     restore: list[str | list[str]] | None = Field(
         None, description="A trajectory's commands to replay into a new sandbox first."
+    )
+    sandbox_key_sealed: str | None = Field(
+        None,
+        description=(
+            "A create's: the sandbox's direct-route key (app/domain/direct.py), encrypted"
+            " for the node; None: its commands come through the scheduler only."
+        ),
+    )
+    sandbox_key_id: str | None = Field(
+        None, description="The credential the sandbox key is derived from."
     )
 
 
@@ -178,6 +193,8 @@ class Opened:
 
     envelope: TaskEnvelope
     reply_key: bytes | None
+    #: A create's direct-route key (None: none was handed over).
+    sandbox_key: bytes | None = None
 
 
 def unseal(task: NodeTask, args: list[str], key_id: str, secret: bytes) -> Opened | str:
@@ -194,9 +211,31 @@ def unseal(task: NodeTask, args: list[str], key_id: str, secret: bytes) -> Opene
         envelope = TaskEnvelope.model_validate(json.loads(body))
     except (ValueError, RecursionError) as exc:
         return f"unreadable envelope: {str(exc)[:200]}"
-    if envelope.reply_key_sealed is None:
-        return Opened(envelope, None)
-    key = open_secret(secret, envelope.reply_key_sealed)
-    if key is None:
-        return "the reply key is not sealed for this node"
-    return Opened(envelope, key)
+    key = sandbox = None
+    if envelope.reply_key_sealed is not None:
+        key = open_secret(secret, envelope.reply_key_sealed)
+        if key is None:
+            return "the reply key is not sealed for this node"
+    if envelope.sandbox_key_sealed is not None:
+        sandbox = open_secret(secret, envelope.sandbox_key_sealed)
+        if sandbox is None:
+            return "the sandbox key is not sealed for this node"
+    return Opened(envelope, key, sandbox)
+
+
+def revocation(key_ids: list[str], key_id: str, secret: bytes) -> bytes:
+    """An inbox record telling a node that ``key_ids`` are revoked, sealed with its key
+    (the envelope's ``request`` is their JSON list)."""
+    envelope = TaskEnvelope(request=json.dumps(sorted(key_ids)))
+    return inbox_record(NodeTask.REVOKE_KEYS, seal(NodeTask.REVOKE_KEYS, envelope, key_id, secret))
+
+
+def revoked_keys(opened: Opened) -> list[str] | str:
+    """The key ids a sealed revocation names; else why not."""
+    try:
+        found = json.loads(opened.envelope.request)
+    except (ValueError, RecursionError) as exc:
+        return f"unreadable revocation: {str(exc)[:200]}"
+    if not isinstance(found, list) or not all(isinstance(k, str) for k in found):
+        return "a revocation is a list of key ids"
+    return found

@@ -54,6 +54,8 @@ class Purpose(StrEnum):
     EVENT = "event"
     REPLY = "reply"
     TASK = "task"
+    #: A request sent straight to the node that holds its sandbox (app/domain/direct.py).
+    DIRECT = "direct"
 
 
 class Role(StrEnum):
@@ -138,6 +140,13 @@ def reply_key(secret: bytes, request_id: uuid.UUID) -> bytes:
     """The key replies to one request are proven with:
     HMAC-SHA256(requester's key, "dsec-reply-v1" NUL request id as canonical text)."""
     return hmac.digest(secret, b"dsec-reply-v1\x00" + str(request_id).encode(), "sha256")
+
+
+def sandbox_key(secret: bytes, sandbox_id: str) -> bytes:
+    """The key of one sandbox's direct route (app/domain/direct.py):
+    HMAC-SHA256(creating credential's key, "dsec-sandbox-v1" NUL sandbox id). Its
+    trainer derives it; the scheduler hands it to the sandbox's node, sealed."""
+    return hmac.digest(secret, b"dsec-sandbox-v1\x00" + sandbox_id.encode(), "sha256")
 
 
 def mac(secret: bytes, purpose: Purpose, value: bytes) -> str:

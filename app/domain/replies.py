@@ -25,6 +25,13 @@ class SandboxReady(ReplyBase):
 
     kind: Literal["ready"] = "ready"
     node_id: str = Field(description="Node it runs on.")
+    direct: bool = Field(
+        False,
+        description=(
+            "Its creator's commands may go straight to the node's inbox, proven under the"
+            ' sandbox\'s key (docs/protocol.md, "The direct route").'
+        ),
+    )
 
 
 class ExecOutput(ReplyBase):

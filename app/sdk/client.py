@@ -154,10 +154,18 @@ class Client:
         )  # fmt: skip
         self.publish(renew)
 
-    def publish(self, request: RequestBase, waiting: list[Future[Reply]] | None = None) -> None:
+    def publish(
+        self,
+        request: RequestBase,
+        waiting: list[Future[Reply]] | None = None,
+        *,
+        node: str | None = None,
+    ) -> None:
         """Sign ``request`` with this client's credential and send it (no waiting); if
         the brokers never take it, the ``waiting`` futures fail with
-        :class:`ServiceUnavailable` saying why."""
+        :class:`ServiceUnavailable` saying why. With ``node``, it goes straight to that
+        node's inbox, proven under its sandbox's key (the direct route:
+        app/domain/direct.py)."""
         value = encode(request)
         cred = self.credential
         rid = request.request_id
@@ -182,9 +190,15 @@ class Client:
                 with contextlib.suppress(InvalidStateError):
                     future.set_exception(failure)
 
-        signed = proof.headers(proof.Purpose.REQUEST, cred.key_id, cred.secret, value)
+        if node is None:
+            topic = self.settings.topic_requests
+            signed = proof.headers(proof.Purpose.REQUEST, cred.key_id, cred.secret, value)
+        else:
+            topic = self.settings.node_topic(node)
+            key = proof.sandbox_key(cred.secret, request.sandbox_id)
+            signed = proof.headers(proof.Purpose.DIRECT, cred.key_id, key, value)
         self._transport.publish(
-            self.settings.topic_requests, request.sandbox_id, value, headers=signed,
+            topic, request.sandbox_id, value, headers=signed,
             on_failure=undelivered, on_stored=stored,
         )  # fmt: skip
 
@@ -226,12 +240,22 @@ class Client:
         """A future for the reply to ``request_id`` (register before sending)."""
         return self._replies.expect(request_id)
 
-    def send(self, request: RequestBase, on_output: OutputHandler | None = None) -> Future[Reply]:
+    def send(
+        self,
+        request: RequestBase,
+        on_output: OutputHandler | None = None,
+        *,
+        node: str | None = None,
+    ) -> Future[Reply]:
         """Send a request; the future completes with its reply. ``on_output`` gets the
         output chunks of an Exec with ``stream_output``, in order, on the reply reader's
-        thread (keep it quick)."""
-        future = self._replies.expect(request.request_id, on_output)
-        self.publish(request, [future])
+        thread (keep it quick). With ``node``, straight to that node (see
+        :meth:`publish`): its replies are proven under the sandbox's key."""
+        key = (
+            None if node is None else proof.sandbox_key(self.credential.secret, request.sandbox_id)
+        )
+        future = self._replies.expect(request.request_id, on_output, key)
+        self.publish(request, [future], node=node)
         return future
 
     def answer(
@@ -259,9 +283,11 @@ class Client:
         request: RequestBase,
         timeout_s: float | None = None,
         on_output: OutputHandler | None = None,
+        *,
+        node: str | None = None,
     ) -> Answer:
         """Send ``request``; the step that waits for its reply (see :meth:`send`)."""
-        return self.answer(request, self.send(request, on_output), timeout_s)
+        return self.answer(request, self.send(request, on_output, node=node), timeout_s)
 
     def ask_members(
         self, request: CreateGroup | DestroyGroup, members: list[str], timeout_s: float | None
@@ -362,7 +388,7 @@ class Client:
             try:
                 reply = yield answer
                 assert isinstance(reply, SandboxReady)
-                ready.append(Sandbox(self, sandbox_id, reply.node_id))
+                ready.append(Sandbox(self, sandbox_id, reply.node_id, reply.direct))
             except Exception as exc:
                 error = error or exc
         return ready, error

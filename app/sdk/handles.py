@@ -26,6 +26,7 @@ from app.domain.replies import (
 from app.domain.requests import (
     CreateGroup,
     DestroyGroup,
+    Exec,
     KillCommand,
     ReadFile,
     RequestBase,
@@ -59,7 +60,11 @@ class Requester(Protocol):
         ...
 
     def send(
-        self, request: RequestBase, on_output: OutputHandler | None = None
+        self,
+        request: RequestBase,
+        on_output: OutputHandler | None = None,
+        *,
+        node: str | None = None,
     ) -> Future[Reply]: ...
 
     def answer(
@@ -77,6 +82,8 @@ class Requester(Protocol):
         request: RequestBase,
         timeout_s: float | None = None,
         on_output: OutputHandler | None = None,
+        *,
+        node: str | None = None,
     ) -> Answer: ...
 
     def ask_members(
@@ -149,7 +156,9 @@ class Command:
         self.deadline = time.monotonic() + timeout_s + 30
         self._lock = threading.Lock()
         self._out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
-        self._future = sandbox.client.send(self._request, self._take)
+        self._future = sandbox.client.send(
+            self._request, self._take, node=sandbox.route(self._request)
+        )
 
     @property
     def id(self) -> uuid.UUID:
@@ -240,11 +249,22 @@ class ExecStream(Command):
 class Sandbox:
     """One sandbox; closing it destroys it."""
 
-    def __init__(self, client: Requester, sandbox_id: str, node_id: str | None) -> None:
+    def __init__(
+        self, client: Requester, sandbox_id: str, node_id: str | None, direct: bool = False
+    ) -> None:
         self.client = client
         self.id = sandbox_id
         self.node_id = node_id
+        #: Its commands may go straight to its node (its ready reply said so).
+        self.direct = direct
         self.closed = False
+
+    def route(self, request: Exec) -> str | None:
+        """The node a command goes straight to, or None: through the scheduler (a
+        sandbox created elsewhere, or a trajectory step, which the log may answer)."""
+        if not self.direct or request.trajectory_id is not None or request.step is not None:
+            return None
+        return self.node_id
 
     def exec_steps(
         self,
@@ -269,7 +289,7 @@ class Sandbox:
             stream_output=on_output is not None, env=env or {}, cwd=cwd,
             max_output_bytes=max_output_bytes, trajectory_id=trajectory_id, step=step,
         )  # fmt: skip
-        reply = yield self.client.ask(request, timeout_s + 30, on_output)
+        reply = yield self.client.ask(request, timeout_s + 30, on_output, node=self.route(request))
         assert isinstance(reply, ExecOutput)
         return ExecResult.from_reply(reply)
 

@@ -67,13 +67,17 @@ class ReplyReader:
         self._thread.start()
 
     def expect(
-        self, request_id: uuid.UUID, on_output: OutputHandler | None = None
+        self,
+        request_id: uuid.UUID,
+        on_output: OutputHandler | None = None,
+        secret: bytes | None = None,
     ) -> Future[Reply]:
         """A future for the reply to ``request_id`` (register before sending);
         ``on_output`` gets a streamed command's chunks, in order, on this reader's
-        thread."""
+        thread; ``secret``: the key its replies derive from, where it is not this
+        client's (a direct command's sandbox key)."""
         future: Future[Reply] = Future()
-        key = proof.reply_key(self._secret, request_id)
+        key = proof.reply_key(secret or self._secret, request_id)
         with self._lock:
             self._waiting[request_id] = future
             self._keys[request_id] = key

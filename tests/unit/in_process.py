@@ -21,7 +21,6 @@ from app.control.outbox import Outbox
 from app.control.sending import send_outbox
 from app.credentials import Credential
 from app.domain.events import NodeRegistered
-from app.domain.node_tasks import read_inbox_record
 from app.domain.partition_counts import FixedPartitions
 from app.domain.proof import SCHEDULER_KEY_ID
 from app.domain.records import Record
@@ -29,7 +28,7 @@ from app.memory import InMemoryBus, InMemoryPublisher, InMemoryTaskQueue, InMemo
 from app.sdk import Client
 from app.sdk.steps import Answer, Steps
 from tests.unit.signing import KEYS
-from workers import tasks
+from workers import direct, inbox, tasks
 from workers.agent.double import AgentDouble
 from workers.agent.pool import AgentPool
 from workers.containers.memory_driver import InMemoryDriver
@@ -78,6 +77,10 @@ class Platform:
         )  # fmt: skip
         self._read: dict[tuple[str, int], int] = {}
         self._clients: list[Client] = []
+        self.direct_rules = direct.rules(self.settings, self._reply_partitions)
+
+    def _reply_partitions(self, topic: str) -> int | None:
+        return self._partitions(topic)
 
     def _partitions(self, topic: str) -> int:
         if topic == self.settings.topic_requests:
@@ -147,9 +150,7 @@ class Platform:
             tasks.carry_out(task[0], tuple(task[1]))
             moved += 1
         for record in self._new(self.settings.node_topic(NODE)):
-            opened = read_inbox_record(record.value or b"")
-            assert not isinstance(opened, str), opened
-            tasks.perform(opened[0], tuple(opened[1]))
+            inbox.carry_out(record, self.direct_rules, f"inbox {NODE}")
             moved += 1
         return moved
 

@@ -30,8 +30,11 @@ def test_a_tenant_reads_its_own_replies_and_nothing_else() -> None:
     grants = key_grants("dsec", Role.TENANT, "team-a", principal_name(Role.TENANT, "team-a", "k-1"))
     assert _reads(grants) == {"dsec.replies.team-a"}
     writes = {g.name for g in grants if g.operation == Operation.WRITE}
-    assert writes == {"dsec.requests"}
-    assert not any(g.prefixed and g.resource == Resource.TOPIC for g in grants)
+    # (the nodes' inboxes: a node takes only what a sandbox key proves, app/domain/direct.py)
+    assert writes == {"dsec.requests", "dsec.node."}
+    assert {g.name for g in grants if g.prefixed and g.resource == Resource.TOPIC} == {
+        "dsec.node."
+    }
     assert all(g.principal == "tenant.team-a.k-1" for g in grants)
 
 

@@ -16,6 +16,7 @@ from workers.containers import label
 from workers.containers.memory_driver import InMemoryDriver
 from workers.containers.port import container_name
 from workers.lifecycle import Lifecycle
+from workers.memory_state import InMemoryRoutes
 
 
 class _Agents:
@@ -52,6 +53,7 @@ class _Node:
     answers: Any = None
     deadlines: _Deadlines = field(default_factory=_Deadlines)
     activity: dict[str, Any] = field(default_factory=dict)
+    routes: InMemoryRoutes = field(default_factory=InMemoryRoutes)
 
     def run_dir(self, sandbox_id: str) -> Path:
         return self.tmp / sandbox_id
