@@ -32,9 +32,7 @@ def test_a_tenant_reads_its_own_replies_and_nothing_else() -> None:
     writes = {g.name for g in grants if g.operation == Operation.WRITE}
     # (the nodes' inboxes: a node takes only what a sandbox key proves, app/domain/direct.py)
     assert writes == {"dsec.requests", "dsec.node."}
-    assert {g.name for g in grants if g.prefixed and g.resource == Resource.TOPIC} == {
-        "dsec.node."
-    }
+    assert {g.name for g in grants if g.prefixed and g.resource == Resource.TOPIC} == {"dsec.node."}
     assert all(g.principal == "tenant.team-a.k-1" for g in grants)
 
 
