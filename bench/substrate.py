@@ -29,10 +29,11 @@ from workers.containers.podman_driver import PodmanDriver
 from workers.containers.spec import SandboxSpec
 from workers.host.user import set_up_node_user
 
-#: Records a command costs on the bus: request, inbox record, CommandCompleted, reply.
-RECORDS_PER_COMMAND = 4
-#: Broker hops an exec waits on: request, the node's inbox record, reply.
-HOPS_PER_EXEC = 3
+#: Records a command costs on the bus: the request (straight to the node's inbox),
+#: CommandCompleted, the reply; through the scheduler, also the inbox record it sends.
+RECORDS_PER_COMMAND = 3
+#: Broker hops an exec waits on: the request, the reply (through the scheduler, 3).
+HOPS_PER_EXEC = 2
 #: About an exec request's size on the bus.
 VALUE = b"x" * 400
 

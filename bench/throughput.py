@@ -3,6 +3,7 @@ one command.
 
     .venv/bin/python bench/throughput.py [--sandboxes 40] [--commands 800]
                                          [--in-flight 40] [--podman 200]
+                                         [--route direct|scheduler]
 
 K sandboxes, M `true` commands spread over them, N in flight at once from SDK threads;
 prints commands/s, p50/p99 and a table of CPU milliseconds per command by process
@@ -12,8 +13,10 @@ In the same run, the same `true` through raw `podman exec` (podman-py, 8 in flig
 and through the in-sandbox agent alone (serially), for the ratios; and the floor the
 Kafka client sets: M records of an exec's size produced (acknowledged, as the platform
 does) and consumed through the platform's own Kafka adapters, N in flight, with the
-CPU of this process and of the broker per record. A command is four such records
-(request, the node's inbox record, CommandCompleted, reply). Needs `dsec up`.
+CPU of this process and of the broker per record. A command is three such records
+(request, CommandCompleted, reply), four through the scheduler (its inbox record).
+``--route scheduler`` sends every command through the scheduler instead of straight
+to the node (the direct route). Needs `dsec up`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--commands", type=int, default=800)
     parser.add_argument("--in-flight", type=int, default=40)
     parser.add_argument("--podman", type=int, default=200)
+    parser.add_argument("--route", choices=("direct", "scheduler"), default="direct")
     args = parser.parse_args()
     settings = get_settings()
     # The raw substrate first: podman exec, the agent alone, and Kafka records.
@@ -63,6 +67,7 @@ def main() -> None:
     with Client(settings, credential=tenants.local(settings, "bench"), job_id=job) as client:
         boxes = client.create_many(args.sandboxes, memory_mb=32, cpus=0.05)
         for box in boxes:  # warm every path once
+            box.direct = box.direct and args.route == "direct"
             box.exec("true")
         time.sleep(1)
         before = cpu_seconds(groups)
@@ -100,7 +105,8 @@ def main() -> None:
         f" records per command: {floor_client * RECORDS_PER_COMMAND:.2f} ms of clients"
     )
     print(
-        f"RESULT throughput commands/s={rate:.0f} p50_ms={p50:.1f} p99_ms={p99:.1f}"
+        f"RESULT throughput route={args.route} commands/s={rate:.0f}"
+        f" p50_ms={p50:.1f} p99_ms={p99:.1f}"
         f" platform_cpu_ms={platform:.2f} broker_cpu_ms={per_command['broker']:.2f}"
         f" podman_exec_commands/s={args.podman / podman_wall:.0f}"
         f" agent_commands/s={args.commands / agent_wall:.0f}"
