@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from app.control.creates import Pending, Waiting, placement_events, why_refused
 from app.control.follower import LogFollower
@@ -25,9 +25,11 @@ from app.control.life_book import Unstarted
 from app.control.outbox import Outbox
 from app.domain.base import RejectReason, utcnow
 from app.domain.codec import DeadLetterReason, DecodeError
+from app.domain.direct import DirectRules, SandboxKey, admit_direct
 from app.domain.gate import Admitted, Refusal, Sender
 from app.domain.lease import Lease, LeaseAction
 from app.domain.placement import Allocation, NodeCapacity, NodeView
+from app.domain.proof import HEADER_KEY, KEY_ID, Role, header, sandbox_key
 from app.domain.records import Record
 from app.domain.replies import Done
 from app.domain.requests import (
@@ -361,6 +363,38 @@ class Dispatcher(LogFollower):
         for node in self.placement.nodes.values():
             if node.alive:
                 self.send.revocations(out, node, sorted(key_ids))
+
+    def answer_for_lost(self, out: Outbox, record: Record) -> None:
+        """A trainer's direct command (app/domain/direct.py) read on the inbox of a node
+        declared lost, which nobody else reads now: its trainer is told here that the
+        sandbox ended, as a command routed here would be. Answered only when it is
+        proven under the sandbox key of the sandbox's owner, fresh and well addressed,
+        under that key (anything else is left unanswered, as the node would)."""
+        with self._isolated(out, record, "a lost node's command"):
+            sandbox_id = record.key.decode(errors="replace") if record.key else ""
+            ended = self.ended.get(sandbox_id)
+            key_id = header(record.headers, HEADER_KEY)
+            info = self.keys.lookup(key_id) if key_id and KEY_ID.match(key_id) else None
+            if ended is None or info is None or info.revoked:
+                return
+            who = info.principal
+            if who.role != Role.TENANT or who.subject != ended[1]:
+                return
+            key = SandboxKey(who.key_id, sandbox_key(info.secret, sandbox_id), who.subject,
+                             who.actor)  # fmt: skip
+            rules = DirectRules(
+                timedelta(seconds=self.settings.request_max_age_s),
+                self.settings.max_message_bytes, self.settings.replies_topic,
+                self.gate.partitions.replies,
+            )  # fmt: skip
+            verdict = admit_direct(record, key, (), utcnow(), rules)
+            request = verdict if isinstance(verdict, Exec) else verdict.request
+            if request is None:
+                return
+            self.send.refuse(
+                out, Admitted(request, Sender(who, key.secret)), RejectReason.SANDBOX_NOT_RUNNING,
+                f"sandbox {sandbox_id} has ended ({ended[0]})",
+            )  # fmt: skip
 
     # --- leases and groups ----------------------------------------------------------
 

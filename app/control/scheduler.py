@@ -39,6 +39,7 @@ from app.consuming import (
 from app.control.dispatch import NAME, Dispatcher, LiveSandbox
 from app.control.follower import HEARTBEAT_TIMEOUT
 from app.control.keyring import Keyring
+from app.control.lost_inboxes import FOLLOW_S, LostInboxes
 from app.control.outbox import Outbox
 from app.control.sending import send_outbox
 from app.control.stored_quotas import StoredQuotas
@@ -144,6 +145,8 @@ class Scheduler:
         self._tenants = self.keyring.tenants()
         #: Node inbox topics known to exist (see _ensure_inboxes).
         self._inboxes: set[str] = set()
+        #: The inboxes of lost nodes, read to answer their trainers' direct commands.
+        self.lost_inboxes = LostInboxes(settings)
         #: Revoked key ids the nodes were told of (see _tell_revoked).
         self._told_revoked: set[str] = set()
         self._ensure_replies(self._tenants, platform=True)
@@ -292,6 +295,8 @@ class Scheduler:
         for record in records:
             self.dispatcher.handle(out, record)
             offsets[record.partition] = record.offset + 1
+        for record in self.lost_inboxes.poll(self._lost_nodes()):
+            self.dispatcher.answer_for_lost(out, record)
         self._flush(out)
         # A waiting create holds its partition's stored offset back, so a restart
         # reads it again instead of losing it.
@@ -323,6 +328,19 @@ class Scheduler:
         self._housekeeping()
 
     # --- partition ownership ------------------------------------------------------
+
+    def _lost_nodes(self) -> list[str]:
+        """Lost nodes whose inboxes this scheduler answers for: those heard from in
+        the last hour whose id falls on a partition it owns."""
+        since = utcnow() - timedelta(seconds=FOLLOW_S)
+        return [
+            node.node_id
+            for node in self.placement.nodes.values()
+            if not node.alive
+            and node.last_seen is not None
+            and node.last_seen >= since
+            and key_partition(node.node_id, self.partition_count) in self.owner.owned
+        ]
 
     def _keeps_lease(self, lease_id: str) -> bool:
         """A lease's renewals are keyed by its id: the owner of that partition hears
@@ -462,6 +480,7 @@ class Scheduler:
         self.owner.close()
         self.requests.close()
         self.events.close()
+        self.lost_inboxes.close()
         self.bus_watch.stop()
         self.publisher.close()
 

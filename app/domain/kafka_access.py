@@ -74,9 +74,10 @@ def key_grants(prefix: str, role: Role, subject: str, principal: str) -> list[Gr
         grants = [
             _topic(principal, requests, Operation.WRITE),
             _topic(principal, f"{replies}{subject}", Operation.READ),
-            _topic(principal, f"{prefix}.node.", Operation.WRITE, prefixed=True),
             Grant(principal, Resource.GROUP, f"{subject}.", True, Operation.READ),
         ]
+        if role == Role.TENANT:  # an operator's commands go through the scheduler
+            grants += [_topic(principal, f"{prefix}.node.", Operation.WRITE, prefixed=True)]
         if role == Role.OPERATOR:
             grants += [_topic(principal, events, Operation.READ)]
             grants += [_topic(principal, dead, Operation.READ)]
@@ -102,6 +103,8 @@ def service_grants(prefix: str) -> list[Grant]:
         _topic(SCHEDULER, dead, Operation.WRITE),
         _topic(SCHEDULER, replies, Operation.WRITE, prefixed=True),
         _topic(SCHEDULER, inbox, Operation.WRITE, prefixed=True),
+        # A lost node's inbox, where trainers' direct commands are answered for it.
+        _topic(SCHEDULER, inbox, Operation.READ, prefixed=True),
         _topic(SCHEDULER, f"{prefix}.probe", Operation.WRITE),
         _topic(PROJECTOR, events, Operation.READ),
         # The ends of lives left open on lost nodes, which the projector states under

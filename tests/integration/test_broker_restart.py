@@ -76,11 +76,11 @@ def test_a_destroy_the_broker_lost_is_sent_again_and_the_sandbox_ends(
         sent = client.publish
         dropped: list[str] = []
 
-        def lossy(request: Any, waiting: Any = None) -> None:
+        def lossy(request: Any, waiting: Any = None, **route: Any) -> None:
             if request.type == "DestroySandbox" and not dropped:
                 dropped.append(str(request.request_id))
                 return
-            sent(request, waiting)
+            sent(request, waiting, **route)
 
         client.publish = lossy  # type: ignore[method-assign]
         # When the trainer destroys it, the destroy that got no answer is sent again

@@ -117,9 +117,7 @@ def test_another_tenants_key_proves_nothing_on_the_direct_route(
     # Then neither ran (the owner's command after them is read after them), and both
     # are dead letters of the node's inbox
     assert _ran(victim, "attacker") == 0 and _ran(victim, "forged") == 0
-    wait_for(
-        lambda: _refused(stack, since, "does not match the sandbox's key"), 20, "dead letters"
-    )
+    wait_for(lambda: _refused(stack, since, "does not match the sandbox's key"), 20, "dead letters")
 
 
 def test_a_direct_command_sent_twice_or_stale_does_not_run_again(

@@ -58,12 +58,18 @@ def box(carol: Client) -> Iterator[Sandbox]:
         yield sandbox
 
 
-def _send(settings: Settings, key: str, value: bytes, proof: list[tuple[str, bytes]]) -> None:
-    """Bytes on the requests topic, as any Kafka client writes them (keyed, placed by
-    the default partitioner)."""
+def _send(
+    settings: Settings,
+    key: str,
+    value: bytes,
+    proof: list[tuple[str, bytes]],
+    topic: str | None = None,
+) -> None:
+    """Bytes on the requests topic (or ``topic``), as any Kafka client writes them
+    (keyed, placed by the default partitioner)."""
     publisher = bus.Publisher(settings)
     try:
-        publisher.publish(settings.topic_requests, key, value, wait=True, headers=proof)
+        publisher.publish(topic or settings.topic_requests, key, value, wait=True, headers=proof)
     finally:
         publisher.close()
 
@@ -186,9 +192,11 @@ def test_an_upper_case_request_id_is_refused(stack: Settings, mallory: Client, d
 def test_an_altered_copy_does_not_settle_the_victims_running_command(
     stack: Settings, carol: Client, box: Sandbox
 ) -> None:
-    # Given carol's command running, and its record captured off the bus
+    # Given carol's command running, and its record captured off the bus (on the
+    # node's inbox, where the SDK sends it straight)
     consumer = bus.make_consumer(stack)
     parts = bus.partitions(consumer, stack.topic_requests)
+    parts += bus.partitions(consumer, stack.node_topic(box.node_id))
     consumer.assign(parts)
     for tp, end in bus.high_watermarks(stack, parts).items():
         consumer.seek(tp, end)
@@ -209,7 +217,7 @@ def test_an_altered_copy_does_not_settle_the_victims_running_command(
     altered = json.dumps({**body, "command": "rm -rf /workspace"}).encode()
     bare = json.dumps({"request_id": body["request_id"], "reply_to": body["reply_to"]}).encode()
     for value in (altered, bare):
-        _send(stack, box.id, value, list(captured.headers))
+        _send(stack, box.id, value, list(captured.headers), captured.topic)
     # Then carol's command finishes as it would have: nothing answered it before
     result = running.wait(timeout_s=30)
     assert result.ok and result.stdout == b"done\n"

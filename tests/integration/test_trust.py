@@ -358,8 +358,9 @@ def test_replies_go_only_to_the_senders_own_topic(
 def test_a_forged_reply_never_reaches_the_trainer(
     stack: Settings, alice: Client, box: Sandbox
 ) -> None:
-    # Given an outsider who reads alice's requests and answers on her replies partition
-    # first, with exit 0 and stdout of its choice
+    # Given an outsider who reads alice's requests (on the requests topic and on the
+    # node's inbox) and answers on her replies partition first, with exit 0 and stdout
+    # of its choice
     stop = threading.Event()
     forged = 0
 
@@ -367,6 +368,7 @@ def test_a_forged_reply_never_reaches_the_trainer(
         nonlocal forged
         consumer = bus.make_consumer(stack)
         parts = bus.partitions(consumer, stack.topic_requests)
+        parts += bus.partitions(consumer, stack.node_topic(box.node_id))
         consumer.assign(parts)
         for tp, end in bus.high_watermarks(stack, parts).items():
             consumer.seek(tp, end)

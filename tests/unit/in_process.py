@@ -143,9 +143,7 @@ class Platform:
             for request in self._new(self.settings.topic_requests, partition):
                 self.dispatcher.handle(out, request)
                 moved += 1
-        secret = KEYS.lookup(SCHEDULER_KEY_ID)
-        assert secret is not None
-        send_outbox(out, self._publisher(), self.queue, self.settings.topic_events, secret.secret)
+        self._send(out)
         while (task := self.queue.take(self.settings.node_queue(NODE), wait_s=0)) is not None:
             tasks.carry_out(task[0], tuple(task[1]))
             moved += 1
@@ -153,6 +151,22 @@ class Platform:
             inbox.carry_out(record, self.direct_rules, f"inbox {NODE}")
             moved += 1
         return moved
+
+    def _send(self, out: Outbox) -> None:
+        """What the scheduler decided, sent as its process sends it."""
+        secret = KEYS.lookup(SCHEDULER_KEY_ID)
+        assert secret is not None
+        send_outbox(out, self._publisher(), self.queue, self.settings.topic_events, secret.secret)
+
+    def node_lost(self) -> int:
+        """The node is gone: the scheduler reads its inbox instead (what came since it
+        was last read) and answers what it may. How many records it read."""
+        out = Outbox()
+        records = self._new(self.settings.node_topic(NODE))
+        for record in records:
+            self.dispatcher.answer_for_lost(out, record)
+        self._send(out)
+        return len(records)
 
     def settle(self) -> None:
         """Pump until nothing moves and no command runs on the node."""

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from app.domain.codec import decode_reply, decode_request
-from app.domain.proof import Purpose, check_mac, mac, reply_key
+from app.domain.proof import Purpose, check_mac, mac, reply_key, sandbox_key
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
@@ -36,6 +36,24 @@ def test_the_worked_example_is_what_the_platform_computes() -> None:
     reply = ex["reply"].encode()
     assert decode_reply(reply).request_id == parsed.request_id
     assert check_mac(rk, Purpose.REPLY, reply, ex["reply mac"])
+
+
+def test_the_direct_route_example_is_what_the_platform_computes() -> None:
+    ex = _example()
+    block = re.search(r"```text\n(sandbox key:.*?)```", DOC.read_text(), re.S)
+    assert block, "the direct route's example is missing from docs/protocol.md"
+    direct = dict(
+        (name.strip(), value.strip())
+        for name, _, value in (line.partition(":") for line in block.group(1).splitlines())
+    )
+    request = ex["request"].encode()
+    parsed = decode_request(request)
+    key = sandbox_key(bytes.fromhex(ex["key"]), parsed.sandbox_id)
+    assert key.hex() == direct["sandbox key"]
+    assert mac(key, Purpose.DIRECT, request) == direct["direct mac"]
+    rk = reply_key(key, parsed.request_id)
+    assert rk.hex() == direct["reply key"]
+    assert check_mac(rk, Purpose.REPLY, ex["reply"].encode(), direct["reply mac"])
 
 
 def test_the_doc_python_snippet_agrees() -> None:

@@ -16,9 +16,11 @@ import pytest
 from app.domain.base import RejectReason, StopReason
 from app.domain.codec import decode_event
 from app.domain.events import SandboxStarted, SandboxStopped
+from app.domain.replies import ErrorReply
 from app.errors import SandboxNotFound, SandboxRejectedError
-from app.sdk import Sandbox
-from tests.unit.in_process import HOST_CPUS, NODE, Platform
+from app.sdk import Client, Sandbox
+from app.sdk.results import exec_request
+from tests.unit.in_process import HOST_CPUS, NODE, PARTITIONS, Platform
 from workers import runtime
 from workers.agent.messages import ExecRequest
 
@@ -74,6 +76,52 @@ def test_an_exec_answers_its_output_and_exit_code(platform: Platform) -> None:
     assert not result.ok
     ran = [r for sid, r in platform.agent.served if isinstance(r, ExecRequest)]
     assert [r.argv for r in ran] == [("/bin/sh", "-c", "echo hello round trip; exit 3")]
+
+
+def test_a_command_goes_straight_to_the_node_unless_the_platform_keeps_it_routed(
+    platform: Platform,
+) -> None:
+    # Given a sandbox its tenant created: its ready reply says the node takes its
+    # commands straight (the direct route)
+    sandbox = _create(platform)
+    assert sandbox.direct
+    requests, partitions = platform.settings.topic_requests, range(PARTITIONS.requests_topic)
+    asked = sum(len(platform.bus.read(requests, p, 0, wait_s=0)) for p in partitions)
+    # When it runs a command, Then the command never reaches the scheduler's topic
+    assert platform.run(sandbox.exec_steps("echo direct")).stdout == b"direct\n"
+    assert sum(len(platform.bus.read(requests, p, 0, wait_s=0)) for p in partitions) == asked
+    # And with the route off, a new sandbox's commands go through the scheduler
+    platform.settings.direct_exec = False
+    routed = _create(platform)
+    assert not routed.direct
+    assert platform.run(routed.exec_steps("echo routed")).stdout == b"routed\n"
+
+
+def test_a_direct_command_to_a_lost_nodes_sandbox_is_answered_by_the_scheduler(
+    platform: Platform,
+) -> None:
+    # Given a sandbox whose node was declared lost (its life ended so)
+    sandbox = _create(platform)
+    platform.dispatcher.note_ended(sandbox.id, StopReason.NODE_LOST.value, "t")
+    # When its trainer sends it a command straight, which only the scheduler reads now
+    client = sandbox.client
+    assert isinstance(client, Client)
+    future = client.send(
+        exec_request(client.request_fields(sandbox.id), "true", timeout_s=10), node=NODE
+    )
+    assert platform.node_lost() == 1
+    # Then the trainer is told, under the sandbox's key, that its sandbox ended
+    reply = future.result(timeout=2)
+    assert isinstance(reply, ErrorReply) and reply.reason == "sandbox_not_running"
+    assert "node_lost" in reply.detail
+    # while a copy of the command under another tenant's key is answered by nobody
+    other = platform.client("u")
+    forged = other.send(
+        exec_request(other.request_fields(sandbox.id), "true", timeout_s=10), node=NODE
+    )
+    assert platform.node_lost() == 1
+    time.sleep(0.2)
+    assert not forged.done()
 
 
 def test_a_sandbox_no_node_can_hold_is_refused_with_its_reason(platform: Platform) -> None:
