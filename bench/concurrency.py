@@ -78,7 +78,8 @@ def main() -> None:
             for b in boxes
         ]
         started = time.perf_counter()
-        futures = [client.send(r) for r in requests]
+        # Each straight to its sandbox's node where it may (the direct route), as exec does.
+        futures = [client.send(r, node=b.route(r)) for r, b in zip(requests, boxes, strict=True)]
         busy_execs, busy_creates = probes(client, probe, args.probes)
         for request, future in zip(requests, futures, strict=True):
             client.wait(request, future, 600)
