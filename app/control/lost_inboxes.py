@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 #: How long after a lost node was last heard from its inbox is still read. A direct
 #: command sent to one of its sandboxes later waits out its timeout.
 FOLLOW_S = 3600.0
+#: How long the broker may hold a fetch of these inboxes when nothing comes.
+FETCH_WAIT_MS = 5000
 
 
 class LostInboxes:
@@ -57,7 +59,9 @@ class LostInboxes:
             self.close()
             return
         if self._consumer is None:
-            self._consumer = bus.make_consumer(self._settings)
+            # A held fetch is answered as soon as a record comes: the long wait costs
+            # a trainer nothing, and an idle stack little while a node stays lost.
+            self._consumer = bus.make_consumer(self._settings, fetch_max_wait_ms=FETCH_WAIT_MS)
         new = [TopicPartition(t, 0) for t in sorted(topics - self._topics)]
         kept = [TopicPartition(t, 0) for t in sorted(topics & self._topics)]
         self._consumer.assign(kept + new)
