@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from app import bus, credentials
 from app.config import Settings
@@ -24,7 +25,7 @@ from app.domain.proof import Role
 from app.domain.requests import Exec, ReplyTo
 from app.errors import SandboxError
 from app.sdk import Client
-from tests.conftest import ensure_tenant, forget_tenant, logged, wait_for
+from tests.conftest import ensure_tenant, forget_tenant, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -93,9 +94,13 @@ def test_the_owners_command_goes_straight_to_the_node_and_is_logged_under_it(
     key_id = ensure_tenant(stack, "direct-victim").key_id
 
     def actors() -> list[str]:
-        commands = logged(db, victim.id, "command", "CommandCompleted")
-        actors = logged(db, victim.id, "actor", "CommandCompleted")
-        return [a for c, a in zip(commands, actors, strict=True) if "echo direct" in c]
+        # one query: two would race the projector between them
+        query = text(
+            "SELECT payload->>'actor' FROM events WHERE sandbox_id = :s"
+            " AND type = 'CommandCompleted' AND payload->>'command' LIKE 'echo direct%'"
+        )
+        with db() as conn:
+            return list(conn.execute(query, {"s": victim.id}).scalars())
 
     assert wait_for(actors, 20, "the command in the log") == [f"direct-victim/{key_id}"]
 

@@ -4,7 +4,7 @@ scheduler hands a node for it (the sealed sandbox key, revocations)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -63,28 +63,32 @@ def test_a_fresh_exec_proven_under_its_sandbox_key_is_the_owners() -> None:
 
 
 @pytest.mark.parametrize(
-    ("record", "why"),
+    ("make", "why"),
     [
         # another tenant's key derives another sandbox key
-        (_record(_exec(), secret=sandbox_key(b"x" * 32, "sb-1")), "does not match"),
+        (lambda: _record(_exec(), secret=sandbox_key(b"x" * 32, "sb-1")), "does not match"),
         # the sandbox key of another sandbox of the same creator
-        (_record(_exec(), secret=sandbox_key(CREATOR, "sb-2")), "does not match"),
+        (lambda: _record(_exec(), secret=sandbox_key(CREATOR, "sb-2")), "does not match"),
         # the right proof under another key id
-        (_record(_exec(), key_id="k-team-a-2"), "does not match"),
+        (lambda: _record(_exec(), key_id="k-team-a-2"), "does not match"),
         # a request sent longer ago than the window, or stamped as far ahead
-        (_record(_exec(sent_at=utcnow() - timedelta(seconds=400))), "stale"),
-        (_record(_exec(sent_at=utcnow() + timedelta(seconds=400))), "stale"),
+        (lambda: _record(_exec(sent_at=utcnow() - timedelta(seconds=400))), "stale"),
+        (lambda: _record(_exec(sent_at=utcnow() + timedelta(seconds=400))), "stale"),
         # replies to another tenant's topic, or to a partition that does not exist
-        (_record(_exec(reply_to=ReplyTo(topic="dsec.replies.b", partition=0))), "replies"),
-        (_record(_exec(reply_to=ReplyTo(topic="dsec.replies.team-a", partition=4))), "replies"),
+        (lambda: _record(_exec(reply_to=ReplyTo(topic="dsec.replies.b", partition=0))), "replies"),
+        (
+            lambda: _record(_exec(reply_to=ReplyTo(topic="dsec.replies.team-a", partition=4))),
+            "replies",
+        ),
         # only commands come this way
-        (_record(WriteFile(sandbox_id="sb-1", path="/x", data_b64="")), "only an Exec"),
+        (lambda: _record(WriteFile(sandbox_id="sb-1", path="/x", data_b64="")), "only an Exec"),
     ],
 )
 def test_what_is_not_proven_fresh_and_well_addressed_is_dead_lettered(
-    record: _Record, why: str
+    make: Callable[[], _Record], why: str
 ) -> None:
-    refused = _admit(record)
+    # records are made when the test runs: made at collection, a long suite makes them stale
+    refused = _admit(make())
     assert isinstance(refused, DirectRefusal) and why in refused.detail
     # never answered: it may be someone else's request, or a copy of one that ran
     assert refused.request is None and refused.dead_letter is not None

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from app.control.projector import BatchOutcome, Lane, Prepared, split_lanes
+from app.control.lanes import BatchOutcome, Lane, Prepared, split_lanes
 from app.db.log import SourcedEvent
 from app.domain.events import NodeLost, NodeLostPayload
 from app.domain.records import Inbound, Record
