@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import threading
 import time
@@ -47,8 +48,9 @@ from app.control.keyring import Keyring, credential_for
 from app.credentials import Credential
 from app.db import credentials as stored
 from app.db.engine import transaction
-from app.domain.base import StopReason, derived_id
+from app.domain.base import StopReason, derived_id, utcnow
 from app.domain.codec import encode
+from app.domain.direct import DirectRefusal, SandboxKey, admit_direct
 from app.domain.events import (
     LastState,
     NodeHeartbeat,
@@ -61,9 +63,20 @@ from app.domain.events import (
 )
 from app.domain.lives import RECONCILER
 from app.domain.node_tasks import NodeTask, Opened, read_inbox_record, unseal
-from app.domain.proof import SCHEDULER_KEY_ID, Purpose, Role, headers
+from app.domain.proof import (
+    HEADER_KEY,
+    SCHEDULER_KEY_ID,
+    Purpose,
+    Role,
+    header,
+    headers,
+    sandbox_key,
+)
+from app.domain.records import Record
 from app.domain.replies import Done, ExecOutput, SandboxReady
 from app.domain.requests import CreateSandbox, DestroySandbox, Exec
+from app.partition_cache import PartitionCache
+from workers import direct
 from workers.agent.messages import AgentExecResult
 from workers.courier import Courier
 from workers.exec_path import command_completed
@@ -98,6 +111,12 @@ def fill_id(tag: str, node: int, j: int) -> str:
     return f"sb-{tag}{node:03d}f{j:012d}"
 
 
+def fill_index(tag: str, sandbox_id: str) -> int | None:
+    """``j`` of a fill sandbox's id (:func:`fill_id`); None for any other id."""
+    found = re.fullmatch(rf"sb-{re.escape(tag)}\d{{3}}f(\d{{12}})", sandbox_id)
+    return int(found.group(1)) if found else None
+
+
 def fill_tenant(j: int, tenants: int) -> int:
     """Which tenant owns fill sandbox ``j`` of any node."""
     return j % tenants
@@ -119,6 +138,9 @@ class SimNode:
     courier: Courier
     claims: Claims
     held: set[str] = field(default_factory=set)
+    #: Direct-route keys of the sandboxes created during the run (a fill sandbox's is
+    #: derived when asked: see :meth:`Nodes.route`).
+    routes: dict[str, SandboxKey] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     registered: bool = False
 
@@ -155,6 +177,8 @@ class Nodes:
             for node_id in node_ids(tag, n)
         }  # fmt: skip
         self.tenants = {s: c for s, c in creds.items() if c.role == Role.TENANT}
+        self._tenant_order = sorted(self.tenants)
+        self.rules = direct.rules(settings, PartitionCache(lambda: self.publisher))
         self.listing = False
         self.stopping = threading.Event()
         self.stats: Counter[str] = Counter()
@@ -285,7 +309,7 @@ class Nodes:
             # Held in Redis while it is done, as a worker holds it (workers/tasks.py).
             node.claims.hold(create.scope, task.value, args)
             with node.courier.answering(create.request_id, opened.reply_key):
-                self._create(node, create)
+                self._create(node, create, opened)
             node.claims.answered(create.scope)
         elif task == NodeTask.DESTROY:
             destroy = DestroySandbox.model_validate_json(body)
@@ -296,9 +320,14 @@ class Nodes:
         else:
             self.count(f"other tasks ({task.value})")
 
-    def _create(self, node: SimNode, request: CreateSandbox) -> None:
+    def _create(self, node: SimNode, request: CreateSandbox, opened: Opened) -> None:
+        key_id = opened.envelope.sandbox_key_id
         with node.lock:
             node.held.add(request.sandbox_id)
+            if opened.sandbox_key is not None and key_id is not None:
+                node.routes[request.sandbox_id] = SandboxKey(
+                    key_id, opened.sandbox_key, request.tenant, request.actor or request.tenant
+                )
         node.courier.event(
             SandboxStarted(
                 event_id=request.event_of("started"), **envelope(request, node.node_id),
@@ -308,7 +337,10 @@ class Nodes:
         node.courier.reply(
             request.reply_to,
             SandboxReady(
-                request_id=request.request_id, sandbox_id=request.sandbox_id, node_id=node.node_id
+                request_id=request.request_id,
+                sandbox_id=request.sandbox_id,
+                node_id=node.node_id,
+                direct=request.sandbox_id in node.routes,
             ),
         )
         self.count("creates")
@@ -317,6 +349,7 @@ class Nodes:
         with node.lock:
             known = request.sandbox_id in node.held
             node.held.discard(request.sandbox_id)
+            node.routes.pop(request.sandbox_id, None)
         if request.actor == RECONCILER:
             # The scheduler took a sandbox for an orphan: the simulation and the
             # scheduler disagree, which the run must show.
@@ -357,9 +390,38 @@ class Nodes:
                 for tp, records in consumer.poll(timeout_ms=1000, max_records=500).items():
                     node = by_topic[tp.topic]
                     for record in records:
-                        self._command(node, record.value or b"")
+                        if header(record.headers, HEADER_KEY) is not None:
+                            self._direct(node, record)
+                        else:
+                            self._command(node, record.value or b"")
         finally:
             consumer.close()
+
+    def route(self, node: SimNode, sandbox_id: str) -> SandboxKey | None:
+        """The direct-route key of a sandbox the node holds: kept at its create, or,
+        for a fill sandbox, derived from its owner's key as the scheduler would have
+        sealed it (the fill wrote no create task)."""
+        with node.lock:
+            found = node.routes.get(sandbox_id)
+        j = fill_index(self.tag, sandbox_id)
+        if found is not None or j is None:
+            return found
+        tenant = self._tenant_order[fill_tenant(j, len(self._tenant_order))]
+        cred = self.tenants[tenant]
+        return SandboxKey(
+            cred.key_id, sandbox_key(cred.secret, sandbox_id), tenant, f"{tenant}/{cred.key_id}"
+        )
+
+    def _direct(self, node: SimNode, record: Record) -> None:
+        """A trainer's command on the direct route, checked as a node checks it
+        (workers/direct.py) and answered under the sandbox's key."""
+        sandbox_id = record.key.decode(errors="replace") if record.key else ""
+        key = self.route(node, sandbox_id)
+        verdict = admit_direct(record, key, frozenset(), utcnow(), self.rules)
+        if isinstance(verdict, DirectRefusal) or key is None:
+            self.count("refused direct commands")
+            return
+        self._answer(node, verdict, key.reply_key(verdict.request_id))
 
     def _command(self, node: SimNode, value: bytes) -> None:
         opened_record = read_inbox_record(value)
@@ -373,14 +435,16 @@ class Nodes:
         if task != NodeTask.EXEC:
             self.count(f"other tasks ({task.value})")
             return
-        request = Exec.model_validate_json(opened.envelope.request)
+        self._answer(node, Exec.model_validate_json(opened.envelope.request), opened.reply_key)
+
+    def _answer(self, node: SimNode, request: Exec, reply_key: bytes | None) -> None:
         # The node's claim: a request id runs at most once (workers/redis_state.py).
-        if not node.claims.claim(request, opened.reply_key):
+        if not node.claims.claim(request, reply_key):
             self.count("commands claimed before")
             return
         with self._stats_lock:
             self.done_keys.append(f"dsec:done:{request.scope}")
-        with node.courier.answering(request.request_id, opened.reply_key):
+        with node.courier.answering(request.request_id, reply_key):
             node.courier.event(
                 command_completed(request, RESULT, node.node_id, self.settings.step_output_bytes)
             )

@@ -5,6 +5,7 @@ rising rates, and the cores a unit's control plane needs.
     .venv/bin/python bench/unit.py [--nodes 160] [--per-node 2400] [--schedulers 1]
         [--create-rates 10,20,40,80,160,320] [--command-rates 25,50,100,200,400,800,1600]
         [--step-s 20] [--baseline-s 30] [--max-p99-s 5] [--scale-to 2]
+        [--route direct|scheduler]
 
 A platform of its own beside the stack (topics under a fresh prefix, a database of
 its own dropped at the end; the stack's broker, Postgres and Redis): one projector
@@ -24,7 +25,8 @@ Measured, in order:
    (fewer than 97 % answered within the step and 5 s after, or p99 above
    ``--max-p99-s``);
 4. commands: ``true`` in random live sandboxes at each of ``--command-rates``, the
-   same way;
+   same way, each straight to its sandbox's node as the SDK sends it (the direct
+   route; ``--route scheduler``: through the scheduler);
 5. with ``--scale-to K``: a step of each kind at half its highest sustained rate,
    then K-1 more schedulers and the same step again: how a scheduler's CPU splits
    between what every process pays (each follows the whole log) and what only the
@@ -74,7 +76,7 @@ from app.db import credentials as stored
 from app.db.engine import engine_for, transaction
 from app.db.setup import drop_database, ensure_database, migrate
 from app.domain.codec import decode_event, encode
-from app.domain.proof import Purpose, Role, headers, verify
+from app.domain.proof import Purpose, Role, headers, sandbox_key, verify
 from app.domain.requests import CreateSandbox, DestroySandbox, Exec, ReplyTo, RequestBase
 from app.domain.trust import EVENT_SENDERS
 from app.stack import services as stack
@@ -325,9 +327,17 @@ class Trainers:
     """Trainers of the run's tenants: requests signed with their keys, replies read
     from their replies topics (every partition, one consumer)."""
 
-    def __init__(self, settings: Settings, tenants: dict[str, Credential]) -> None:
+    def __init__(
+        self, settings: Settings, tenants: dict[str, Credential], route: str = "direct"
+    ) -> None:
+        """``route``: ``direct`` sends a command straight to its sandbox's node, proven
+        under the sandbox's key, as the SDK does for a sandbox whose ``ready`` said so;
+        ``scheduler`` sends every command through the scheduler."""
         self.settings = settings
         self.tenants = tenants
+        self.route = route
+        #: The node of each sandbox that takes direct commands.
+        self.node_of: dict[str, str] = {}
         self.names = sorted(tenants)
         self.publisher = bus.Publisher(settings)
         self.live = Live()
@@ -364,6 +374,8 @@ class Trainers:
                 (sent.kind, now - sent.at, ok, "" if ok else str(doc.get("reason")))
             )
         if ok and sent.kind == "create":
+            if doc.get("direct") and doc.get("node_id"):
+                self.node_of[sent.sandbox_id] = str(doc["node_id"])
             self.live.add(sent.sandbox_id, sent.tenant)
 
     def send(self, request: RequestBase, tenant: str, kind: str) -> None:
@@ -373,9 +385,17 @@ class Trainers:
             self._sent[str(request.request_id)] = Sent(
                 kind, time.monotonic(), request.sandbox_id, tenant
             )
-        proof = headers(Purpose.REQUEST, cred.key_id, cred.secret, value)
+        node = self.node_of.get(request.sandbox_id) if isinstance(request, Exec) else None
+        if node is None or self.route != "direct":
+            proof = headers(Purpose.REQUEST, cred.key_id, cred.secret, value)
+            self.publisher.publish(
+                self.settings.topic_requests, request.sandbox_id, value, headers=proof
+            )
+            return
+        key = sandbox_key(cred.secret, request.sandbox_id)
+        proof = headers(Purpose.DIRECT, cred.key_id, key, value)
         self.publisher.publish(
-            self.settings.topic_requests, request.sandbox_id, value, headers=proof
+            self.settings.node_topic(node), request.sandbox_id, value, headers=proof, partition=0
         )
 
     def reply_to(self, tenant: str) -> ReplyTo:
@@ -398,6 +418,7 @@ class Trainers:
             old = self.live.take_oldest()
             if old is not None:
                 owner = self.live.owner.pop(old)
+                self.node_of.pop(old, None)
                 self.send(
                     DestroySandbox(sandbox_id=old, job_id="unit", reply_to=self.reply_to(owner)),
                     owner, "destroy",
@@ -780,6 +801,11 @@ def main() -> None:
     parser.add_argument(
         "--scale-to", type=int, default=2, help="schedulers of the scale check (0: none)"
     )
+    parser.add_argument(
+        "--route", choices=["direct", "scheduler"], default="direct",
+        help="how commands go: straight to the node (as the SDK sends them) or through"
+        " the scheduler",
+    )  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the run's database")
     args = parser.parse_args()
     console = Console()
@@ -805,11 +831,13 @@ def main() -> None:
         ingest = fill(run, args, console)
         start_schedulers(run, args.schedulers, console)
         list_sandboxes(run)
-        trainers = Trainers(settings, run.tenants)
+        trainers = Trainers(settings, run.tenants, args.route)
         # Oldest first across the nodes, so the destroys of the create steps spread.
         for j in range(args.per_node):
-            for i in range(args.nodes):
-                trainers.live.add(fill_id(tag, i, j), names[fill_tenant(j, len(names))])
+            for i, node in enumerate(nodes):
+                sandbox_id = fill_id(tag, i, j)
+                trainers.live.add(sandbox_id, names[fill_tenant(j, len(names))])
+                trainers.node_of[sandbox_id] = node
         measured = measure(run, trainers, args, console, ingest)
     finally:
         if trainers is not None:
@@ -994,6 +1022,7 @@ def report(args: argparse.Namespace, m: Measured, stats: dict[str, int], console
     unit_note = f"{total:.1f}" if k is not None else "inf"
     print(
         f"RESULT unit nodes={args.nodes} live={live} schedulers={args.schedulers}"
+        f" route={args.route}"
         f" creates/s={top_c.achieved if top_c else 0:.0f}"
         f" commands/s={top_x.achieved if top_x else 0:.0f}"
         f" cpu_ms/create={{{fmt(per_create)}}} cpu_ms/command={{{fmt(per_command)}}}"
