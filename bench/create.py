@@ -14,6 +14,8 @@ Measures the stack as it runs and prints its warm-pool configuration (the worker
   sandbox's time from its send to its SandboxReady reply. Between rounds the sandboxes
   are destroyed and the bench waits until the warm pool is full again, so each round
   starts alike; ``warm`` counts the sandboxes whose container was claimed from it;
+- create to first command, one at a time: the SDK's ``create`` and then ``exec("true")``
+  (the direct route), from a full pool each time, ``--rounds`` times;
 - throughput: a burst of B creates sent at once; creations/s = B / time to the last
   reply (a pool serves the first ones, the rest start cold);
 - raw podman: podman-py ``containers.create`` (the platform's secure defaults,
@@ -101,6 +103,22 @@ def create_at_once(client: Client, n: int) -> tuple[list[str], list[float], floa
     return ids, latencies, max(done.values()) - start
 
 
+def first_command(client: Client, driver: PodmanDriver, size: int, rounds: int) -> list[float]:
+    """Create to the first command's answer, one at a time, as a trainer sees it: the
+    SDK's ``create`` then ``exec("true")`` (which goes the direct route when the
+    sandbox's ``ready`` says so), each from a full warm pool."""
+    latencies = []
+    for _ in range(rounds):
+        wait_full(driver, size)
+        began = time.perf_counter()
+        box = client.create(**SHAPE)
+        result = box.exec("true")
+        latencies.append(time.perf_counter() - began)
+        assert result.exit_code == 0, result
+        box.close()
+    return latencies
+
+
 def destroy_all(client: Client, ids: list[str]) -> None:
     requests = [DestroySandbox(**client.request_fields(s)) for s in ids]
     futures = [client.send(r) for r in requests]
@@ -181,6 +199,10 @@ def main() -> None:
                 destroy_all(client, ids)
             print(f"platform c={c:<3} n={len(latencies):<4} {fmt(latencies)}  warm={warm}")
             headline[f"c{c}_p50"] = f"{percentile(latencies, 50) * 1000:.0f}ms"
+        first = first_command(client, driver, size, args.rounds)
+        print(f"platform create to first command c=1 n={len(first):<4} {fmt(first)}")
+        headline["first_command_p50"] = f"{percentile(first, 50) * 1000:.0f}ms"
+        headline["first_command_p99"] = f"{percentile(first, 99) * 1000:.0f}ms"
         wait_full(driver, size)
         ids, lat, wall = create_at_once(client, args.burst)
         warm = claimed(driver, ids)
