@@ -403,9 +403,11 @@ class Nodes:
         sealed it (the fill wrote no create task)."""
         with node.lock:
             found = node.routes.get(sandbox_id)
-        j = fill_index(self.tag, sandbox_id)
-        if found is not None or j is None:
+        if found is not None:
             return found
+        j = fill_index(self.tag, sandbox_id)
+        if j is None:
+            return None
         tenant = self._tenant_order[fill_tenant(j, len(self._tenant_order))]
         cred = self.tenants[tenant]
         return SandboxKey(

@@ -315,9 +315,8 @@ class Projector:
         its own connection, with up to :data:`~app.control.lanes.LANE_DEPTH` parts
         queued, while other lanes commit theirs and the next batch is read and decoded.
         A partition belongs to one lane, so every guarantee of :meth:`handle` holds per
-        partition. A part
-        that fails breaks its lane: the parts queued behind it are not committed, and
-        everything is read again from the offsets stored in Postgres.
+        partition. A part that fails breaks its lane: the parts queued behind it are not
+        committed, and everything is read again from the offsets stored in Postgres.
         """
         log.info("%s: consuming %s", self.name, list(self.consumer.partitions))
         _quiet_gc()
