@@ -175,6 +175,13 @@ class Settings(BaseSettings):
         "127.0.0.1",
         description="Address Flower serves on (behind its password; 0.0.0.0 for any).",
     )
+    hub: str = Field(
+        "127.0.0.1:5443",
+        description="host:port of the image hub, the unit's registry (docs/images.md); '': none.",
+    )
+    hub_auth_port: int = Field(
+        5444, description="Port of the hub's token service, on the hub's host (`dsec up`)."
+    )
     metrics_port: int = Field(9464, description="First Prometheus metrics port of the services.")
     log_format: Literal["text", "json"] = Field(
         "text", description="How the services log: text, or one JSON object per line."

@@ -41,6 +41,11 @@ SANDBOXES = Gauge("dsec_node_sandboxes", "Sandboxes the node runs or is creating
 WARM_READY = Gauge(
     "dsec_node_warm_ready", "Started sandboxes waiting in the node's warm pool", ["image"]
 )
+PULL_SECONDS = Histogram(
+    "dsec_node_image_pull_seconds",
+    "Time a node spent pulling an image it lacked from the hub for a create.",
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
 CREATE_SECONDS = Histogram(
     "dsec_node_create_seconds",
     "A create on the node, from its task to the sandbox ready",
@@ -197,6 +202,10 @@ class NodeMetrics:
 
     def executed(self, seconds: float) -> None:
         EXEC_SECONDS.observe(seconds)
+
+    def pulled(self, seconds: float) -> None:
+        if seconds > 0:
+            PULL_SECONDS.observe(seconds)
 
     def refused(self, reason: str) -> None:
         REFUSALS.labels("node", reason).inc()

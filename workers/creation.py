@@ -28,7 +28,7 @@ from workers.containers.port import ContainerDriver
 from workers.containers.spec import SandboxSpec
 from workers.courier import Courier
 from workers.deadlines import Deadlines, Due
-from workers.errors import EgressDisabled, NoSpace, StaleCreate
+from workers.errors import EgressDisabled, ImageNotFound, NoSpace, StaleCreate
 from workers.exec_path import command_completed
 from workers.failures import AGENT_WAIT_S, Failures, envelope
 from workers.lifecycle import Lifecycle
@@ -42,6 +42,14 @@ if TYPE_CHECKING:
 AGENT_CONNECT_S = 15.0
 #: Each replayed command of a trajectory restore gets this long.
 RESTORE_COMMAND_TIMEOUT_S = 300.0
+
+
+class ImageSource(Protocol):
+    """Where a node gets an image it lacks (workers/host/hub_client.py: the hub)."""
+
+    def pull(self, image: str, refresh: bool = True) -> float:
+        """Bring ``image`` into the node's store; raise ImageNotFound if it cannot."""
+        ...
 
 
 class CreateHost(Protocol):
@@ -58,6 +66,8 @@ class CreateHost(Protocol):
     routes: RouteStore
     #: Warm containers a create claims; None: always cold.
     warm: WarmPool | None
+    #: Where an image the node lacks comes from; None: nowhere.
+    images: ImageSource | None
     agent_dir: Path
     sandbox_root: Path
 
@@ -162,7 +172,7 @@ class Creation:
             if claimed is None:
                 spec.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
                 node.agents.register(request.sandbox_id, spec.run_dir)
-                container_id = node.driver.create_and_start(spec)
+                container_id = self._start_cold(spec)
             else:
                 container_id = claimed
             node.agents.connection(request.sandbox_id, AGENT_CONNECT_S).ping()
@@ -197,6 +207,18 @@ class Creation:
             ),
         )  # fmt: skip
         node.tally.created(claimed is not None, time.monotonic() - began)
+
+    def _start_cold(self, spec: SandboxSpec) -> str:
+        """A new container; an image the node lacks is pulled first where it can be."""
+        node = self.node
+        try:
+            return node.driver.create_and_start(spec)
+        except ImageNotFound:
+            if node.images is None:
+                raise
+        took = node.images.pull(spec.image)
+        node.tally.pulled(took)
+        return node.driver.create_and_start(spec)
 
     def _restore(self, request: CreateSandbox, commands: list[str | list[str]]) -> bool:
         """Replay a trajectory's commands into the new sandbox; False if it broke."""

@@ -46,7 +46,7 @@ from workers.commands import Commands, Job
 from workers.containers.port import ContainerDriver
 from workers.containers.spec import AGENT_SOCKET_NAME
 from workers.courier import Courier
-from workers.creation import Creation
+from workers.creation import Creation, ImageSource
 from workers.deadlines import Deadlines, Due
 from workers.exec_path import Activity, ExecPath
 from workers.failures import Failures
@@ -102,6 +102,8 @@ class Node:
         self.last_transition = 0.0
         #: Warm containers creates claim (workers/warm_pool.py); None: always cold.
         self.warm: WarmPool | None = None
+        #: Where images the node lacks come from (the hub); None: nowhere.
+        self.images: ImageSource | None = None
         #: What the node saw happen in each sandbox, for the last state its Stopped
         #: records (kept in memory: a restarted worker knows less, and says so).
         self.activity: dict[str, Activity] = {}

@@ -25,6 +25,7 @@ from workers.containers.limits import CgroupLimiter
 from workers.containers.podman_driver import PodmanDriver
 from workers.courier import Courier
 from workers.handlers import Node
+from workers.host.hub_client import HubClient
 from workers.host.layer_store import store_lock_path
 from workers.host.podman_service import ensure_podman_service
 from workers.host.podman_watch import PodmanWatch
@@ -83,6 +84,8 @@ def run(node_id: str, concurrency: int = 16) -> None:
         routes,
     )  # fmt: skip
     runtime.install(node)
+    # Images the node lacks come from the hub, logged in as this node (pull only).
+    node.images = HubClient(settings, credential) if settings.hub else None
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()
     node.deadlines.start()

@@ -31,6 +31,9 @@ class NodeTally(Protocol):
     def executed(self, seconds: float) -> None:
         """A command took ``seconds`` from its claim to its answer."""
 
+    def pulled(self, seconds: float) -> None:
+        """A create pulled its image from the hub in ``seconds`` (0: another had)."""
+
     def refused(self, reason: str) -> None:
         """A request failed or was refused with ``reason``."""
 
@@ -63,6 +66,9 @@ class NoNodeTally:
         pass
 
     def executed(self, seconds: float) -> None:
+        pass
+
+    def pulled(self, seconds: float) -> None:
         pass
 
     def refused(self, reason: str) -> None:

@@ -1,7 +1,8 @@
 """``dsec image``: the shared image-layer store, managed by operators (run as root).
 
 Every node's sandboxes start from this store's read-only layers: images are imported
-or built into it once, and no registry is ever asked. See docs/images.md.
+or built into it, pushed from it to the hub (the unit's registry), and pulled from
+the hub by a node that lacks one. See docs/images.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from app.cli.arguments import JsonOpt
 from app.config import get_settings
 
 image_cli = typer.Typer(
-    no_args_is_help=True, help="The shared image-layer store: import, build, list, remove."
+    no_args_is_help=True,
+    help="The image-layer store and the hub: import, build, push, prefetch, ls, rm.",
 )
 console = Console(soft_wrap=True)  # messages carry paths and names: never break them
 
@@ -207,3 +209,53 @@ def rm(
         console.print(f"[green]✓[/] removed {name}")
     if failed:
         raise typer.Exit(1)
+
+
+OperatorOpt = Annotated[
+    str, typer.Option("--as", help="The operator credential's name (local stack's files).")
+]
+
+
+@image_cli.command()
+def push(
+    names: Annotated[list[str], typer.Argument(help="Images in the store to copy to the hub.")],
+    operator: OperatorOpt = "operator",
+) -> None:
+    """Copy images from this host's store to the hub, where every node pulls them."""
+    from app import credentials
+    from app.errors import DsecError
+    from workers.errors import NodeError
+    from workers.host.hub_client import HubClient
+
+    settings = get_settings()
+    try:
+        client = HubClient(settings, credentials.for_client(settings, operator))
+        for name in names:
+            ref = client.push(name)
+            console.print(f"[green]✓[/] pushed {name} to {settings.hub}/{ref}")
+    except (NodeError, DsecError) as exc:
+        raise _fail(str(exc)) from exc
+
+
+@image_cli.command()
+def prefetch(
+    names: Annotated[list[str], typer.Argument(help="Images to bring from the hub.")],
+    node: Annotated[str, typer.Option(help="The node whose credential pulls.")] = "",
+) -> None:
+    """Pull images from the hub into this host's store before a create asks for them."""
+    from app import credentials
+    from app.errors import DsecError
+    from workers.errors import NodeError
+    from workers.host.hub_client import HubClient
+
+    settings = get_settings()
+    node_id = node or settings.node_id
+    try:
+        path = settings.node_credential_file or credentials.node_file(settings, node_id)
+        client = HubClient(settings, credentials.load(path))
+        for name in names:
+            took = client.pull(name)
+            said = f"pulled in {took:.1f} s" if took else "was there"
+            console.print(f"[green]✓[/] {name} {said}")
+    except (NodeError, DsecError) as exc:
+        raise _fail(str(exc)) from exc

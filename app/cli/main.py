@@ -157,6 +157,15 @@ def run_scheduler() -> None:
     scheduler.main(get_settings())
 
 
+@run_cli.command("hub-auth")
+def run_hub_auth() -> None:
+    """The image hub's token service (who may pull and push what)."""
+    from app.control import hub_auth
+
+    _logging()
+    hub_auth.main(get_settings())
+
+
 @run_cli.command("supervisor")
 def run_supervisor() -> None:
     """Restart the embedded stack's services that die (with backoff and a limit)."""

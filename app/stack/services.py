@@ -23,7 +23,7 @@ from sqlalchemy.engine import make_url
 from app.config import Settings
 from app.domain.kafka_access import PROJECTOR, SCHEDULER
 from app.errors import ServiceUnavailable
-from app.stack import broker, kafka_dist
+from app.stack import broker, hub, kafka_dist
 from app.stack.process import Service, port_open, wait_until
 
 
@@ -96,6 +96,7 @@ def services(
             config=broker.properties_file(settings),
         ),
         redis_service(settings),
+        *hub.services(settings),
         Service(
             "projector",
             [py, "-m", "app.cli", "run", "projector"],
@@ -226,6 +227,8 @@ def check_backing_services(settings: Settings) -> None:
     for tool in ("redis-server", "java", "mvn"):
         if shutil.which(tool) is None:
             raise ServiceUnavailable(f"{tool} is not installed (run `make bootstrap`)")
+    if settings.hub and shutil.which("docker-registry") is None:
+        raise ServiceUnavailable("docker-registry is not installed (run `make bootstrap`)")
     for tool in ("podman", "runc", "newuidmap"):
         if shutil.which(tool) is None:
             raise ServiceUnavailable(f"{tool} is not installed (run `make bootstrap`)")
@@ -342,6 +345,8 @@ def up(settings: Settings, nodes: int = 1, log: Callable[[str], None] = print) -
     secret_files.ensure(settings.secrets_dir / "flower.password", text=True)
     secret_files.ensure(settings.master_key_path)
     broker.prepare(settings)  # jars (fetched once), secrets, properties, formatted log
+    if settings.hub:
+        hub.prepare(settings)  # its settings, certificate and token key
     stack = services(settings, nodes)
     kafka, redis, rest = stack[0], stack[1], stack[2:]
     for backing, what in ((kafka, "Apache Kafka"), (redis, "Redis")):

@@ -1,0 +1,187 @@
+"""The hub's token service: the registry sends every client here for a token
+(Distribution's token authentication), and only what app/domain/hub_access.py grants
+goes into it.
+
+A client logs in with HTTP Basic: its key id and the hub password derived from its
+key's secret. The key is looked up in the platform's keyring (derived from the master
+key, revocations read from Postgres every few seconds), so a revoked credential gets
+no token within that time, and tokens last :data:`TOKEN_TTL_S`. A request without a
+valid login gets 401 and nothing else: no anonymous pulls.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import logging
+import ssl
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from app import secret_files
+from app.config import Settings
+from app.control.keyring import Keyring
+from app.domain.hub_access import grant, parse_scopes, password_matches
+from app.domain.proof import Role
+
+log = logging.getLogger(__name__)
+
+#: How long a token lets its holder act (a pull asks again for each image).
+TOKEN_TTL_S = 300
+#: Who the tokens say they are from, and whom they are for (the registry checks both).
+ISSUER = "dsec-hub-auth"
+AUDIENCE = "dsec-hub"
+
+
+def key_id(public_key: ec.EllipticCurvePublicKey) -> str:
+    """The registry's name for a signing key (libtrust's): the first 240 bits of the
+    SHA-256 of its DER form, base32, in twelve groups of four."""
+    der = public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    b32 = base64.b32encode(hashlib.sha256(der).digest()[:30]).decode().rstrip("=")
+    return ":".join(b32[i : i + 4] for i in range(0, len(b32), 4))
+
+
+class TokenIssuer:
+    """Checks a login and signs what it may do (pure but for the keyring)."""
+
+    def __init__(self, keyring: Keyring, key: ec.EllipticCurvePrivateKey, kid: str) -> None:
+        self.keyring = keyring
+        self.key = key
+        self.kid = kid
+
+    def role_of(self, authorization: str | None) -> tuple[str, Role] | None:
+        """Who a Basic login is (key id and role), or None."""
+        if not authorization or not authorization.startswith("Basic "):
+            return None
+        try:
+            user, _, password = (
+                base64.b64decode(authorization[6:], validate=True).decode().partition(":")
+            )
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        found = self.keyring.lookup(user)
+        if found is None or found.revoked or not password_matches(found.secret, password):
+            return None
+        return user, found.principal.role
+
+    def token(self, subject: str, role: Role, service: str, scopes: list[str]) -> str:
+        """A signed token for ``subject`` granting what its role allows of ``scopes``."""
+        now = int(time.time())
+        access = [
+            {"type": g.type, "name": g.name, "actions": list(g.actions)}
+            for g in (grant(role, s) for s in parse_scopes(scopes))
+        ]
+        claims = {
+            "iss": ISSUER,
+            "sub": subject,
+            "aud": service,
+            "iat": now,
+            "nbf": now - 5,
+            "exp": now + TOKEN_TTL_S,
+            "jti": uuid.uuid4().hex,
+            "access": access,
+        }
+        return jwt.encode(claims, self.key, algorithm="ES256", headers={"kid": self.kid})
+
+
+def _handler(issuer: TokenIssuer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            url = urlparse(self.path)
+            if url.path != "/token":
+                self._answer(404, {"errors": [{"code": "NOT_FOUND"}]})
+                return
+            who = issuer.role_of(self.headers.get("Authorization"))
+            if who is None:
+                self._answer(401, {"errors": [{"code": "UNAUTHORIZED", "message": "login"}]})
+                return
+            query = parse_qs(url.query)
+            service = query.get("service", [""])[0]
+            if service != AUDIENCE:
+                self._answer(400, {"errors": [{"code": "DENIED", "message": "unknown service"}]})
+                return
+            token = issuer.token(who[0], who[1], service, query.get("scope", []))
+            self._answer(200, {"token": token, "access_token": token, "expires_in": TOKEN_TTL_S})
+
+        def _answer(self, status: int, body: dict[str, object]) -> None:
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            if status == 401:
+                self.send_header("WWW-Authenticate", 'Basic realm="dsec hub"')
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, format: str, *args: object) -> None:
+            log.debug("hub-auth: " + format, *args)
+
+    return Handler
+
+
+class _TlsServer(ThreadingHTTPServer):
+    """Each connection's TLS handshake on its own thread, with a deadline: a client
+    that connects and says nothing holds only its own thread."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 context: ssl.SSLContext) -> None:  # fmt: skip
+        super().__init__(address, handler)
+        self.context = context
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        request.settimeout(HANDSHAKE_S)
+        with self.context.wrap_socket(request, server_side=True) as wrapped:
+            super().finish_request(wrapped, client_address)
+
+
+#: How long a client has to finish its TLS handshake and send its request.
+HANDSHAKE_S = 10.0
+
+
+def hub_dir(settings: Settings) -> Path:
+    """The hub's settings, certificates and storage (root only)."""
+    return settings.state_dir / "hub"
+
+
+def token_key_file(settings: Settings) -> Path:
+    """The key tokens are signed with (root only; `dsec up` makes it)."""
+    return hub_dir(settings) / "token-key.pem"
+
+
+def token_cert_file(settings: Settings) -> Path:
+    """Its certificate: the registry's ``rootcertbundle``."""
+    return hub_dir(settings) / "token.pem"
+
+
+def server_pem(settings: Settings) -> Path:
+    """The hub's key and certificate (the registry's and this service's)."""
+    return hub_dir(settings) / "hub.pem"
+
+
+def main(settings: Settings) -> None:
+    """Serve tokens on the hub's host at ``hub_auth_port`` (TLS, the hub's certificate)."""
+    pem = secret_files.read(token_key_file(settings))
+    key = serialization.load_pem_private_key(pem, None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    issuer = TokenIssuer(Keyring.from_settings(settings), key, key_id(key.public_key()))
+    host = settings.hub.rpartition(":")[0] or "127.0.0.1"
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(server_pem(settings))
+    server = _TlsServer((host, settings.hub_auth_port), _handler(issuer), context)
+    log.info("hub-auth: tokens for %s on %s:%d", AUDIENCE, host, settings.hub_auth_port)
+    # A long poll interval: it only sets how often an idle server checks for shutdown.
+    server.serve_forever(poll_interval=3600)

@@ -1,0 +1,151 @@
+"""The image hub of the embedded stack: Debian's Distribution registry
+(``docker-registry``), serving TLS with a certificate of the stack's CA, and the
+platform's token service in front of its door (:mod:`app.stack.hub_auth`).
+
+What `dsec up` makes once, in root-only files under ``<state_dir>/hub``: the
+registry's settings, its certificate (key and chain in one PEM, which Go reads for
+both), the secret its upload sessions are signed with, the key the token service signs
+with and its certificate (the registry's ``rootcertbundle``). Layers live once, by
+digest, in ``storage/``: images and tenants that share a layer share its blob.
+
+Decision: tokens, not the registry's htpasswd. htpasswd lets every user who logs in
+read and write everything; the token service grants per principal and repository
+(app/domain/hub_access.py), checks the platform's credentials (revocation included)
+and needs no accounts of its own. The registry's storage health check is off: it read
+the disk every 10 s of an idle stack for a report nobody asks for.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from app import secret_files
+from app.config import Settings
+from app.control.hub_auth import AUDIENCE, ISSUER, hub_dir, token_cert_file, token_key_file
+from app.stack import tls
+from app.stack.process import Service, port_open
+
+
+def address(settings: Settings) -> tuple[str, int]:
+    """The hub's host and port."""
+    host, _, port = settings.hub.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def config_file(settings: Settings) -> Path:
+    return hub_dir(settings) / "config.yml"
+
+
+def _ensure_token_key(settings: Settings) -> None:
+    key_path, cert_path = token_key_file(settings), token_cert_file(settings)
+    if key_path.exists() and cert_path.exists():
+        return
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dsec hub tokens")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=3650))
+        .sign(key, hashes.SHA256())
+    )
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    secret_files.write(key_path, pem)
+    secret_files.write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _bundle(settings: Settings) -> Path:
+    """The token certificate under a name of its content: a new key is a new name in
+    the settings file, which restarts a running registry (it reads the file once)."""
+    pem = token_cert_file(settings).read_bytes()
+    path = hub_dir(settings) / f"token-{hashlib.sha256(pem).hexdigest()[:12]}.pem"
+    if not path.exists():
+        secret_files.write(path, pem)
+    return path
+
+
+def prepare(settings: Settings) -> None:
+    """Everything the hub and its token service start with (made once; the settings
+    file is written again each time, and a change restarts the registry)."""
+    home = hub_dir(settings)
+    (home / "storage").mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(home, 0o700)
+    host, port = address(settings)
+    leaf = tls.ensure_leaf(settings.ca_dir, home, "hub", [host, "localhost"])
+    _ensure_token_key(settings)
+    secret = secret_files.ensure(home / "http.secret", text=True).decode()
+    body = {
+        "version": 0.1,
+        "log": {"level": "warn", "accesslog": {"disabled": True}},
+        "storage": {
+            "filesystem": {"rootdirectory": str(home / "storage")},
+            "delete": {"enabled": True},
+            "cache": {"blobdescriptor": "inmemory"},
+        },
+        "http": {
+            "addr": f"{host}:{port}",
+            "secret": secret,
+            "tls": {"certificate": str(leaf), "key": str(leaf)},
+        },
+        "auth": {
+            "token": {
+                "realm": token_realm(settings),
+                "service": AUDIENCE,
+                "issuer": ISSUER,
+                "rootcertbundle": str(_bundle(settings)),
+            }
+        },
+        "health": {"storagedriver": {"enabled": False}},
+    }
+    # JSON is YAML: the registry reads this as its configuration.
+    secret_files.write(config_file(settings), json.dumps(body, indent=2).encode())
+
+
+def token_realm(settings: Settings) -> str:
+    host, _ = address(settings)
+    return f"https://{host}:{settings.hub_auth_port}/token"
+
+
+def registry_service(settings: Settings) -> Service:
+    """The registry process."""
+    host, port = address(settings)
+    return Service(
+        "hub",
+        ["docker-registry", "serve", str(config_file(settings))],
+        endpoint=f"https://{host}:{port} (Distribution)",
+        ready=lambda: port_open(host, port),
+        runs_our_code=False,
+        config=config_file(settings),
+    )
+
+
+def auth_service(settings: Settings) -> Service:
+    """The token service the registry sends clients to."""
+    host, _ = address(settings)
+    return Service(
+        "hub-auth",
+        [sys.executable, "-m", "app.cli", "run", "hub-auth"],
+        endpoint=token_realm(settings),
+        ready=lambda: port_open(host, settings.hub_auth_port),
+    )
+
+
+def services(settings: Settings) -> list[Service]:
+    """The hub's processes, token service first ([] when the stack has no hub)."""
+    return [auth_service(settings), registry_service(settings)] if settings.hub else []

@@ -1,0 +1,158 @@
+"""The image hub: an operator pushes, a node that lacks an image pulls it for a create,
+and nobody else reads or writes (the attacks are performed, not described).
+
+Each image made here has a unique ``dsec-test/hub-...`` name and leaves the store
+again; the hub keeps what was pushed (its storage is the stack's).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from app import credentials
+from app.cli.main import cli
+from app.config import Settings
+from app.domain.hub_access import hub_password
+from app.errors import SandboxFailedError
+from app.images import store as image_store
+from app.metrics import sample, scrape
+from tests.conftest import ensure_tenant, forget_tenant, wait_for
+from tests.integration.test_images import _rootfs
+from workers.errors import NodeError
+from workers.host.hub_client import HubClient
+from workers.host.layer_store import image_exists
+
+pytestmark = pytest.mark.integration
+
+runner = CliRunner()
+PULLS = "dsec_node_image_pull_seconds_count"
+
+
+@pytest.fixture
+def name(stack: Settings) -> Iterator[str]:
+    image = f"dsec-test/hub-{uuid.uuid4().hex[:8]}:1"
+    yield image
+    image_store.remove_image(image, stack)
+
+
+def _pulls(settings: Settings) -> float:
+    url = (
+        f"http://{settings.metrics_host}:{settings.node_metrics_port_of(settings.node_id)}/metrics"
+    )
+    return sample(scrape(url), PULLS) or 0.0
+
+
+def _tls(settings: Settings) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(settings.ca_dir / "ca.pem"))
+
+
+def _get(settings: Settings, url: str, login: tuple[str, str] | None = None) -> Any:
+    """(status, parsed JSON body) of a GET, errors included."""
+    request = urllib.request.Request(url)
+    if login is not None:
+        raw = base64.b64encode(f"{login[0]}:{login[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {raw}")
+    try:
+        with urllib.request.urlopen(request, context=_tls(settings), timeout=10) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def _token(settings: Settings, cred: Any, scope: str) -> Any:
+    url = f"https://{settings.hub.rpartition(':')[0]}:{settings.hub_auth_port}/token"
+    login = (cred.key_id, hub_password(cred.secret)) if cred is not None else None
+    return _get(settings, f"{url}?service=dsec-hub&scope={scope}", login)
+
+
+def _granted(status_body: Any) -> list[str]:
+    status, body = status_body
+    assert status == 200, status
+    import jwt
+
+    claims = jwt.decode(body["token"], options={"verify_signature": False})
+    return [a for item in claims["access"] for a in item["actions"]]
+
+
+def test_a_node_pulls_an_image_it_lacks_and_the_second_create_is_warm(
+    stack: Settings, name: str, client: Any
+) -> None:
+    # Given an image an operator pushed to the hub, then removed from this host's store
+    marker = f"from the hub {name}"
+    assert image_store.import_rootfs_tar(name, _rootfs(marker), stack)
+    pushed = runner.invoke(cli, ["image", "push", name])
+    assert pushed.exit_code == 0, pushed.output
+    assert image_store.remove_image(name, stack)
+    assert not image_exists(name, stack)
+    before = _pulls(stack)
+
+    # When a trainer creates a sandbox of it, the node pulls it, and the sandbox runs it
+    with client.create(image=name) as sandbox:
+        assert sandbox.exec("cat /etc/marker").text == marker
+    assert image_exists(name, stack)
+    assert _pulls(stack) == before + 1
+
+    # Then a second create finds it in the store: no second pull
+    with client.create(image=name) as sandbox:
+        assert sandbox.exec("cat /etc/marker").text == marker
+    assert _pulls(stack) == before + 1
+    wait_for(lambda: not image_store.image_users(name, stack), 20, "the sandboxes to go")
+
+
+def test_an_image_the_hub_lacks_fails_image_not_found(stack: Settings, client: Any) -> None:
+    with pytest.raises(SandboxFailedError) as info:
+        client.create(image=f"dsec-test/hub-missing-{uuid.uuid4().hex[:8]}:1")
+    assert info.value.reason == "image_not_found"
+    assert "could not be pulled from the hub" in str(info.value)
+
+
+def test_a_node_and_a_tenant_cannot_write_to_the_hub(stack: Settings, name: str) -> None:
+    # Given an image in the store, and a node's and a tenant's credentials
+    assert image_store.import_rootfs_tar(name, _rootfs("forged"), stack)
+    node = credentials.load(credentials.node_file(stack, stack.node_id))
+    tenant = credentials.for_client(stack)
+    for who in (node, tenant):
+        # When either pushes it, the hub refuses (the token grants no push)
+        with pytest.raises(NodeError, match=r"push of .* to the hub failed"):
+            HubClient(stack, who).push(name)
+    # and the node's token for a repository allows pulling, nothing else
+    assert _granted(_token(stack, node, "repository:dsec/busybox:pull,push,delete")) == ["pull"]
+    assert _granted(_token(stack, tenant, "repository:dsec/busybox:pull,push")) == []
+
+
+def test_no_login_no_image(stack: Settings) -> None:
+    # Given the base image in the hub
+    assert runner.invoke(cli, ["image", "push", stack.default_image]).exit_code == 0
+    # When a client without a login asks for a token, or for the manifest straight away
+    assert _token(stack, None, "repository:dsec/busybox:pull")[0] == 401
+    manifest = f"https://{stack.hub}/v2/dsec/busybox/manifests/latest"
+    assert _get(stack, manifest)[0] == 401
+    # or logs in with a made-up key, or a real key id and a wrong password
+    node = credentials.load(credentials.node_file(stack, stack.node_id))
+    url = f"https://{stack.hub.rpartition(':')[0]}:{stack.hub_auth_port}/token?service=dsec-hub"
+    assert _get(stack, url, ("k-made-up", "x" * 64))[0] == 401
+    assert _get(stack, url, (node.key_id, hub_password(b"guess" * 8)))[0] == 401
+    # and nobody, operators included, lists the hub's repositories
+    operator = credentials.for_client(stack, "operator")
+    assert _granted(_token(stack, operator, "registry:catalog:*")) == []
+
+
+def test_a_revoked_credential_gets_no_token_within_seconds(stack: Settings) -> None:
+    # Given an operator who can push
+    who = f"hubop{uuid.uuid4().hex[:6]}"
+    cred = ensure_tenant(stack, who, "operator")
+    scope = "repository:dsec/busybox:pull,push"
+    assert _granted(_token(stack, cred, scope)) == ["pull", "push"]
+    # When its key is revoked, the token service refuses it within its keyring's refresh
+    forget_tenant(stack, who)
+    wait_for(lambda: _token(stack, cred, scope)[0] == 401, 15, "the revoked key to be refused")

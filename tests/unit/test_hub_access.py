@@ -1,0 +1,86 @@
+"""Who may do what in the image hub (app/domain/hub_access.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.domain.hub_access import (
+    HubReference,
+    Scope,
+    grant,
+    hub_password,
+    hub_reference,
+    parse_scopes,
+    password_matches,
+)
+from app.domain.proof import Role
+
+
+def test_scopes_are_read_one_or_several_per_parameter() -> None:
+    scopes = parse_scopes(["repository:a/b:pull,push repository:c:pull", "registry:catalog:*"])
+    assert scopes == [
+        Scope("repository", "a/b", ("pull", "push")),
+        Scope("repository", "c", ("pull",)),
+        Scope("registry", "catalog", ("*",)),
+    ]
+    # Malformed items are dropped whole
+    assert parse_scopes(["repository", "repository:", ":x:pull", ""]) == []
+
+
+@pytest.mark.parametrize(
+    ("role", "asked", "granted"),
+    [
+        (Role.NODE, ("pull", "push", "delete"), ("pull",)),
+        (Role.OPERATOR, ("pull", "push", "delete"), ("pull", "push", "delete")),
+        (Role.TENANT, ("pull", "push"), ()),
+        (Role.SCHEDULER, ("pull",), ()),
+        (None, ("pull",), ()),
+        (Role.OPERATOR, ("*",), ()),  # a wildcard is not an action anyone is given
+    ],
+)
+def test_each_role_gets_only_its_actions(
+    role: Role | None, asked: tuple[str, ...], granted: tuple[str, ...]
+) -> None:
+    assert grant(role, Scope("repository", "team/tools", asked)).actions == granted
+
+
+@pytest.mark.parametrize(
+    "scope",
+    [
+        Scope("registry", "catalog", ("*",)),  # listing every tenant's repositories
+        Scope("repository", "../etc", ("pull",)),
+        Scope("repository", "Team/Tools", ("pull",)),
+        Scope("repository", "a//b", ("pull",)),
+        Scope("repository", "x" * 201, ("pull",)),
+    ],
+)
+def test_nothing_outside_a_well_formed_repository_is_granted(scope: Scope) -> None:
+    assert grant(Role.OPERATOR, scope).actions == ()
+
+
+@pytest.mark.parametrize(
+    ("image", "ref"),
+    [
+        ("dsec/busybox:latest", HubReference("dsec/busybox", "latest")),
+        ("localhost/dsec/busybox:latest", HubReference("dsec/busybox", "latest")),
+        ("tools", HubReference("tools", "latest")),
+        ("team/tools:1.2-rc_3", HubReference("team/tools", "1.2-rc_3")),
+        ("docker.io/library/alpine:3", None),  # another registry
+        ("127.0.0.1:5000/x:1", None),
+        ("team/tools@sha256:" + "0" * 64, None),
+        ("Team/Tools:1", None),
+        ("team/tools:-bad", None),
+        ("--authfile=/etc/shadow", None),  # never an option to Podman
+    ],
+)
+def test_sandbox_image_names_map_to_hub_references(image: str, ref: HubReference | None) -> None:
+    assert hub_reference(image) == ref
+
+
+def test_the_hub_password_is_derived_from_the_secret_and_checked_in_constant_time() -> None:
+    secret, other = b"k" * 32, b"j" * 32
+    password = hub_password(secret)
+    assert password_matches(secret, password)
+    assert not password_matches(other, password)
+    assert not password_matches(secret, "")
+    assert password != hub_password(other)

@@ -1,0 +1,136 @@
+"""The image hub as a host's root Podman reaches it: pull an image into the shared
+layer store (what a node does for a create whose image it lacks, and `dsec image
+prefetch`), push one from it (`dsec image push`, an operator's).
+
+A client logs in with its platform credential (app/domain/hub_access.py): the login
+goes in a root-only ``containers-auth.json``, the CA that proves the hub in a root-only
+``--cert-dir``, so neither a password nor a trust decision is on a command line.
+A pulled image is also named as an imported one is (``localhost/<repository>:<tag>``):
+a sandbox names it the same way whether it came from the hub or from `dsec image
+import`. Layers the store already holds are not fetched again (Podman compares
+digests); concurrent creates of one missing image pull it once.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from app import secret_files
+from app.config import Settings
+from app.credentials import Credential
+from app.domain.hub_access import HubReference, hub_password, hub_reference
+from workers.errors import ImageNotFound, NodeError
+from workers.host.layer_store import image_exists, store_lock, store_podman
+from workers.host.podman_service import refresh_podman_services
+
+
+def client_dir(settings: Settings) -> Path:
+    """What a client of the hub on this host keeps (root only)."""
+    return settings.state_dir / "hub-client"
+
+
+def trust_dir(settings: Settings, ca_pem: bytes) -> Path:
+    """A directory as Podman's ``--cert-dir`` reads it: the CA proving the hub."""
+    path = client_dir(settings) / "certs"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    target = path / "ca.crt"
+    if not target.exists() or target.read_bytes() != ca_pem:
+        secret_files.write(target, ca_pem)
+    return path
+
+
+def auth_file(settings: Settings, credential: Credential) -> Path:
+    """A root-only login file for ``credential`` at the hub."""
+    login = f"{credential.key_id}:{hub_password(credential.secret)}"
+    doc = {"auths": {settings.hub: {"auth": base64.b64encode(login.encode()).decode()}}}
+    path = client_dir(settings) / f"auth-{credential.key_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    secret_files.write(path, json.dumps(doc).encode())
+    return path
+
+
+def ca_pem(settings: Settings, credential: Credential) -> bytes:
+    """The CA a client checks the hub with: its credential's (a node host elsewhere),
+    else the stack's own."""
+    if credential.kafka is not None and credential.kafka.ca_pem:
+        return credential.kafka.ca_pem.encode()
+    return (settings.ca_dir / "ca.pem").read_bytes()
+
+
+def local_name(ref: HubReference) -> str:
+    """How the layer store names an image that came from the hub."""
+    return f"localhost/{ref}"
+
+
+class HubClient:
+    """Root's Podman on this host, logged in to the hub as ``credential``."""
+
+    def __init__(self, settings: Settings, credential: Credential) -> None:
+        self.settings = settings
+        self.credential = credential
+        self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._guard = threading.Lock()
+
+    def _login_args(self) -> list[str]:
+        settings, credential = self.settings, self.credential
+        return [
+            "--authfile",
+            str(auth_file(settings, credential)),
+            "--cert-dir",
+            str(trust_dir(settings, ca_pem(settings, credential))),
+        ]
+
+    def _lock(self, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks[name]
+
+    def pull(self, image: str, refresh: bool = True) -> float:
+        """Bring ``image`` from the hub into the shared store unless it is there;
+        returns the seconds the pull took (0: it was there). Raises
+        :class:`ImageNotFound` for a name the hub cannot hold or does not have."""
+        if not self.settings.hub:
+            raise ImageNotFound(f"image {image!r} is not on this node (no hub to pull from)")
+        ref = hub_reference(image)
+        if ref is None:
+            raise ImageNotFound(f"image {image!r} is not on this node, nor a name the hub holds")
+        name = local_name(ref)
+        with self._lock(name):
+            if image_exists(name, self.settings):
+                return 0.0
+            began = time.monotonic()
+            remote = f"docker://{self.settings.hub}/{ref}"
+            with store_lock(self.settings):
+                done = store_podman(
+                    self.settings, "pull", "--quiet", *self._login_args(), remote, check=False
+                )
+                if done.returncode != 0:
+                    err = done.stderr.decode(errors="replace").strip().splitlines()
+                    why = err[-1] if err else f"podman exited {done.returncode}"
+                    raise ImageNotFound(f"image {image!r} could not be pulled from the hub: {why}")
+                store_podman(self.settings, "tag", f"{self.settings.hub}/{ref}", name)
+            took = time.monotonic() - began
+        if refresh:
+            refresh_podman_services(self.settings, image=name, present=True)
+        return took
+
+    def push(self, image: str) -> HubReference:
+        """Copy ``image`` from the shared store to the hub (an operator's credential:
+        nodes may not write); returns the name it has there."""
+        ref = hub_reference(image)
+        if ref is None:
+            raise NodeError(f"{image!r} is not a name the hub can hold (lower-case repository:tag)")
+        source = image if image.startswith("localhost/") else f"localhost/{ref}"
+        if not image_exists(source, self.settings):
+            raise ImageNotFound(f"image {image!r} is not in the layer store")
+        remote = f"docker://{self.settings.hub}/{ref}"
+        done = store_podman(self.settings, "push", "--quiet", *self._login_args(), source, remote,
+                            check=False)  # fmt: skip
+        if done.returncode != 0:
+            err = done.stderr.decode(errors="replace").strip().splitlines()
+            raise NodeError(f"push of {image} to the hub failed: {err[-1] if err else ''}")
+        return ref
