@@ -75,6 +75,7 @@ def stack_processes(state_dir: Path, node_id: str) -> dict[str, list[int]]:
         "node worker": _pidfile(state_dir, f"worker-{node_id}"),
         "flower": _pidfile(state_dir, "flower"),
         "supervisor": _pidfile(state_dir, "supervisor"),
+        "hub": _pidfile(state_dir, "hub") + _pidfile(state_dir, "hub-auth"),
         "redis": named("redis-server"),
         "postgres": named("postgres"),
         "podman service": named("podman"),

@@ -76,7 +76,8 @@ class HubClient:
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
 
-    def _login_args(self) -> list[str]:
+    def login_args(self) -> list[str]:
+        """Podman's options that log in to the hub and check it (no secret in them)."""
         settings, credential = self.settings, self.credential
         return [
             "--authfile",
@@ -106,13 +107,16 @@ class HubClient:
             remote = f"docker://{self.settings.hub}/{ref}"
             with store_lock(self.settings):
                 done = store_podman(
-                    self.settings, "pull", "--quiet", *self._login_args(), remote, check=False
+                    self.settings, "pull", "--quiet", *self.login_args(), remote, check=False
                 )
                 if done.returncode != 0:
                     err = done.stderr.decode(errors="replace").strip().splitlines()
                     why = err[-1] if err else f"podman exited {done.returncode}"
                     raise ImageNotFound(f"image {image!r} could not be pulled from the hub: {why}")
-                store_podman(self.settings, "tag", f"{self.settings.hub}/{ref}", name)
+                # One name, as an imported image has: removing it removes the image.
+                pulled = f"{self.settings.hub}/{ref}"
+                store_podman(self.settings, "tag", pulled, name)
+                store_podman(self.settings, "untag", name, pulled)
             took = time.monotonic() - began
         if refresh:
             refresh_podman_services(self.settings, image=name, present=True)
@@ -128,7 +132,7 @@ class HubClient:
         if not image_exists(source, self.settings):
             raise ImageNotFound(f"image {image!r} is not in the layer store")
         remote = f"docker://{self.settings.hub}/{ref}"
-        done = store_podman(self.settings, "push", "--quiet", *self._login_args(), source, remote,
+        done = store_podman(self.settings, "push", "--quiet", *self.login_args(), source, remote,
                             check=False)  # fmt: skip
         if done.returncode != 0:
             err = done.stderr.decode(errors="replace").strip().splitlines()
