@@ -179,6 +179,9 @@ class Settings(BaseSettings):
         "127.0.0.1:5443",
         description="host:port of the image hub, the unit's registry (docs/images.md); '': none.",
     )
+    node_image_budget_mb: int = Field(
+        0, ge=0, description="Store size above which pulled images go, LRU first (0: none)."
+    )
     hub_auth_port: int = Field(
         5444, description="Port of the hub's token service, on the hub's host (`dsec up`)."
     )

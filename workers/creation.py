@@ -51,6 +51,10 @@ class ImageSource(Protocol):
         """Bring ``image`` into the node's store; raise ImageNotFound if it cannot."""
         ...
 
+    def used(self, image: str) -> None:
+        """A create names ``image`` (recently used images are evicted last)."""
+        ...
+
 
 class CreateHost(Protocol):
     """What a create needs of its node (:class:`workers.handlers.Node` is one)."""
@@ -211,6 +215,8 @@ class Creation:
     def _start_cold(self, spec: SandboxSpec) -> str:
         """A new container; an image the node lacks is pulled first where it can be."""
         node = self.node
+        if node.images is not None:
+            node.images.used(spec.image)
         try:
             return node.driver.create_and_start(spec)
         except ImageNotFound:

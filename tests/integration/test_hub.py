@@ -30,7 +30,7 @@ from tests.conftest import ensure_tenant, forget_tenant, wait_for
 from tests.integration.test_images import _rootfs
 from workers.errors import NodeError
 from workers.host.hub_client import HubClient
-from workers.host.layer_store import image_exists
+from workers.host.layer_store import image_exists, list_images
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +156,39 @@ def test_a_revoked_credential_gets_no_token_within_seconds(stack: Settings) -> N
     # When its key is revoked, the token service refuses it within its keyring's refresh
     forget_tenant(stack, who)
     wait_for(lambda: _token(stack, cred, scope)[0] == 401, 15, "the revoked key to be refused")
+
+
+def test_the_budget_evicts_the_least_recently_used_pulled_image_no_sandbox_runs(
+    stack: Settings, client: Any
+) -> None:
+    # Given three images in the hub, none in the store
+    names = [f"dsec-test/hub-{uuid.uuid4().hex[:8]}:{i}" for i in range(3)]
+    for name in names:
+        assert image_store.import_rootfs_tar(name, _rootfs(name), stack)
+        assert runner.invoke(cli, ["image", "push", name]).exit_code == 0
+        assert image_store.remove_image(name, stack)
+    try:
+        # and a node whose budget holds what the store has now plus two of them
+        each = 2.2e6  # a busybox root filesystem with a marker
+        now = sum(i.size for i in list_images(stack))
+        budget_mb = int((now + 2 * each) / 2**20) + 1
+        budget = stack.model_copy(update={"node_image_budget_mb": budget_mb})
+        node = HubClient(budget, credentials.load(credentials.node_file(stack, stack.node_id)))
+        first, second, third = names
+        node.pull(first)
+        node.pull(second)
+        # When a sandbox runs the oldest, and a third image is pulled
+        with client.create(image=first) as sandbox:
+            assert sandbox.exec("cat /etc/marker").text == first
+            node.pull(third)
+            # Then the least recently used image no container uses went, and only it
+            assert not image_exists(second, stack)
+            assert image_exists(first, stack) and image_exists(third, stack)
+        # and an evicted image comes back on the next create that names it
+        with client.create(image=second) as sandbox:
+            assert sandbox.exec("cat /etc/marker").text == second
+    finally:
+        wait_for(lambda: not any(image_store.image_users(n, stack) for n in names), 20, "idle")
+        for name in names:
+            if image_exists(name, stack):
+                image_store.remove_image(name, stack)

@@ -25,6 +25,7 @@ from app.config import Settings
 from app.credentials import Credential
 from app.domain.hub_access import HubReference, hub_password, hub_reference
 from workers.errors import ImageNotFound, NodeError
+from workers.host.image_budget import ImageBudget
 from workers.host.layer_store import image_exists, store_lock, store_podman
 from workers.host.podman_service import refresh_podman_services
 
@@ -73,6 +74,8 @@ class HubClient:
     def __init__(self, settings: Settings, credential: Credential) -> None:
         self.settings = settings
         self.credential = credential
+        #: What was pulled when, and the eviction round after each pull.
+        self.budget = ImageBudget(settings, client_dir(settings) / "pulled.json")
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
 
@@ -118,9 +121,15 @@ class HubClient:
                 store_podman(self.settings, "tag", pulled, name)
                 store_podman(self.settings, "untag", name, pulled)
             took = time.monotonic() - began
+            self.budget.pulled(name)
         if refresh:
             refresh_podman_services(self.settings, image=name, present=True)
+        self.budget.enforce(keep=name)
         return took
+
+    def used(self, image: str) -> None:
+        """A create names ``image`` (its place in the eviction order)."""
+        self.budget.used(image)
 
     def push(self, image: str) -> HubReference:
         """Copy ``image`` from the shared store to the hub (an operator's credential:

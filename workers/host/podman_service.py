@@ -15,6 +15,7 @@ restarted (conmon owns them).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -121,6 +122,28 @@ def _service_reads_store(user: NodeUser, settings: Settings, timeout_s: float = 
     for a hang."""
     with file_lock(store_lock_path(settings), shared=True):
         return _http_status(user.socket_path, "/v4.0.0/libpod/images/json", timeout_s) == 200
+
+
+def container_images(socket_path: Path, timeout_s: float = 5.0) -> set[str] | None:
+    """Ids of the images of every container (running or not) the service on
+    ``socket_path`` holds; None if it does not answer."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout_s)
+            s.connect(str(socket_path))
+            s.sendall(b"GET /v4.0.0/libpod/containers/json?all=true HTTP/1.0\r\nHost: d\r\n\r\n")
+            chunks = []
+            while chunk := s.recv(1 << 16):
+                chunks.append(chunk)
+    except OSError:
+        return None
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.") or head[9:12] != b"200":
+        return None
+    try:
+        return {str(c.get("ImageID", "")) for c in json.loads(body)}
+    except (ValueError, AttributeError):
+        return None
 
 
 def _http_status(socket_path: Path, path: str, timeout_s: float) -> int | None:
