@@ -32,6 +32,7 @@ SDK_OWNS = (
     "app/domain/base.py",
     "app/domain/codec.py",
     "app/domain/events.py",
+    "app/domain/hub_access.py",
     "app/domain/proof.py",
     "app/domain/records.py",
     "app/domain/replies.py",

@@ -27,6 +27,7 @@ from app.domain.base import RejectReason, utcnow
 from app.domain.codec import DeadLetterReason, DecodeError
 from app.domain.direct import DirectRules, SandboxKey, admit_direct
 from app.domain.gate import Admitted, Refusal, Sender
+from app.domain.hub_access import may_use
 from app.domain.lease import Lease, LeaseAction
 from app.domain.placement import Allocation, NodeCapacity, NodeView
 from app.domain.proof import HEADER_KEY, KEY_ID, Role, header, sandbox_key
@@ -230,6 +231,13 @@ class Dispatcher(LogFollower):
         request = admitted.request
         assert isinstance(request, CreateSandbox | CreateGroup)
         members = expand_group(request) if isinstance(request, CreateGroup) else [request]
+        sender = admitted.sender.principal
+        if not sender.is_operator and not may_use(sender.subject, request.image):
+            # Nodes pull with a login that reads every image: the owner's check is here.
+            told = f"image {request.image} is another tenant's: a sandbox starts from its own"
+            reason = RejectReason.FORBIDDEN
+            self.send.refuse(out, admitted, reason, told, told=(reason, told))
+            return
         for m in members:
             holder = self.created_by.get(m.sandbox_id)
             allocation = self.placement.allocations.get(m.sandbox_id)

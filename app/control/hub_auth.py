@@ -61,8 +61,8 @@ class TokenIssuer:
         self.key = key
         self.kid = kid
 
-    def role_of(self, authorization: str | None) -> tuple[str, Role] | None:
-        """Who a Basic login is (key id and role), or None."""
+    def role_of(self, authorization: str | None) -> tuple[str, Role, str] | None:
+        """Who a Basic login is (key id, role, tenant or node name), or None."""
         if not authorization or not authorization.startswith("Basic "):
             return None
         try:
@@ -74,14 +74,17 @@ class TokenIssuer:
         found = self.keyring.lookup(user)
         if found is None or found.revoked or not password_matches(found.secret, password):
             return None
-        return user, found.principal.role
+        return user, found.principal.role, found.principal.subject
 
-    def token(self, subject: str, role: Role, service: str, scopes: list[str]) -> str:
-        """A signed token for ``subject`` granting what its role allows of ``scopes``."""
+    def token(
+        self, subject: str, role: Role, subject_name: str, service: str, scopes: list[str]
+    ) -> str:
+        """A signed token for key ``subject`` (of ``subject_name``, a tenant or node)
+        granting what its role allows of ``scopes``."""
         now = int(time.time())
         access = [
             {"type": g.type, "name": g.name, "actions": list(g.actions)}
-            for g in (grant(role, s) for s in parse_scopes(scopes))
+            for g in (grant(role, s, subject_name) for s in parse_scopes(scopes))
         ]
         claims = {
             "iss": ISSUER,
@@ -112,7 +115,7 @@ def _handler(issuer: TokenIssuer) -> type[BaseHTTPRequestHandler]:
             if service != AUDIENCE:
                 self._answer(400, {"errors": [{"code": "DENIED", "message": "unknown service"}]})
                 return
-            token = issuer.token(who[0], who[1], service, query.get("scope", []))
+            token = issuer.token(*who, service, query.get("scope", []))
             self._answer(200, {"token": token, "access_token": token, "expires_in": TOKEN_TTL_S})
 
         def _answer(self, status: int, body: dict[str, object]) -> None:

@@ -11,9 +11,11 @@ Decisions:
 - Nodes pull, and only pull: a node that is taken over cannot change an image every
   other node runs.
 - Operators (the platform's own CLI on a control host) pull, push and delete.
-- Tenants get nothing directly yet: what a tenant brings must be checked (path
-  escapes, device nodes, setuid files, size) before other tenants' nodes run it, so it
-  will go through the platform, not straight into the hub.
+- A tenant's images live under ``tenants/<tenant>/``: it pulls and pushes there and
+  nowhere else, and pulls the platform's images (every repository outside
+  ``tenants/``), which its images may start FROM. Another tenant's are not readable:
+  private by default. A create that names another tenant's image is refused by the
+  scheduler (:func:`may_use`) before any node pulls it with its own, wider, login.
 - Only ``repository`` scopes are granted; the catalog and other registry-wide scopes
   are refused to everyone (a listing of every tenant's repositories is nobody's).
 """
@@ -43,6 +45,11 @@ GRANTS: dict[Role, frozenset[HubAction]] = {
     Role.OPERATOR: frozenset(HubAction),
     Role.NODE: frozenset({HubAction.PULL}),
 }
+#: Where tenants' images live: ``tenants/<tenant>/<name>``.
+TENANTS = "tenants"
+#: What a tenant may do in its own namespace, and elsewhere.
+OWN = frozenset({HubAction.PULL, HubAction.PUSH})
+PLATFORM = frozenset({HubAction.PULL})
 
 #: A repository path as the OCI distribution spec allows it (lower case components).
 REPOSITORY = re.compile(
@@ -50,6 +57,8 @@ REPOSITORY = re.compile(
 )
 #: A tag.
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+#: A name Podman could take for an image id (or the start of one).
+_HEX = re.compile(r"[0-9a-f]+")
 #: Longest repository name accepted (Distribution's limit is 255 with the host).
 MAX_REPOSITORY = 200
 
@@ -76,9 +85,26 @@ def parse_scopes(values: Iterable[str]) -> list[Scope]:
     return out
 
 
-def grant(role: Role | None, scope: Scope) -> Scope:
-    """What of ``scope`` a holder of ``role`` gets: possibly no action at all."""
-    allowed = GRANTS.get(role, frozenset()) if role is not None else frozenset()
+def owner_of(repository: str) -> str | None:
+    """The tenant a repository belongs to (None: the platform's)."""
+    parts = repository.split("/")
+    return parts[1] if len(parts) >= 3 and parts[0] == TENANTS else None
+
+
+def tenant_repository(tenant: str, name: str) -> str | None:
+    """Where ``tenant`` keeps its image ``name`` (None: not a name the hub can hold)."""
+    repository = f"{TENANTS}/{tenant}/{name}"
+    return repository if valid_repository(repository) else None
+
+
+def grant(role: Role | None, scope: Scope, subject: str = "") -> Scope:
+    """What of ``scope`` the holder of ``role`` (named ``subject``) gets: possibly
+    no action at all."""
+    if role == Role.TENANT:
+        owner = owner_of(scope.name)
+        allowed = OWN if owner == subject else PLATFORM if owner is None else frozenset()
+    else:
+        allowed = GRANTS.get(role, frozenset()) if role is not None else frozenset()
     if scope.type != "repository" or not valid_repository(scope.name):
         return Scope(scope.type, scope.name, ())
     return Scope(scope.type, scope.name, tuple(a for a in scope.actions if a in allowed))
@@ -114,6 +140,19 @@ def hub_reference(image: str) -> HubReference | None:
     if not valid_repository(repository) or TAG.fullmatch(tag) is None:
         return None
     return HubReference(repository, tag)
+
+
+def may_use(tenant: str, image: str) -> bool:
+    """Whether a sandbox of ``tenant`` may start from ``image``: the platform's images
+    and the tenant's own, by name. A name that is no plain ``repository:tag`` (a
+    digest, another registry, or hex alone, which Podman may read as an image id) is
+    refused: each could reach another tenant's image in a node's store by other means
+    than its name."""
+    ref = hub_reference(image)
+    if ref is None or _HEX.fullmatch(ref.repository):
+        return False
+    owner = owner_of(ref.repository)
+    return owner is None or owner == tenant
 
 
 def hub_password(secret: bytes) -> str:

@@ -48,6 +48,7 @@ from app.errors import (
     ServiceUnavailable,
 )
 from app.sdk.handles import Group, Sandbox
+from app.sdk.images import Images
 from app.sdk.reader import ReplyReader
 
 # What a command did, and the request that runs one, are importable from here too.
@@ -109,6 +110,8 @@ class Client:
         self.credential = credential or credentials.for_client(self.settings, tenant)
         self.tenant, self.job_id = self.credential.subject, job_id
         self.timeout_s = timeout_s
+        #: The tenant's own images in the hub: ``client.images.push(name, rootfs)``.
+        self.images = Images(self.settings, self.credential)
         #: Requests sent and not yet stored by the brokers -> when their delivery ends.
         self._storing: dict[uuid.UUID, float] = {}
         self._storing_lock = threading.Lock()

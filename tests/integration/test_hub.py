@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,10 +24,10 @@ from app import credentials
 from app.cli.main import cli
 from app.config import Settings
 from app.domain.hub_access import hub_password
-from app.errors import SandboxFailedError
+from app.errors import SandboxFailedError, SandboxRejectedError
 from app.images import store as image_store
 from app.metrics import sample, scrape
-from tests.conftest import ensure_tenant, forget_tenant, wait_for
+from tests.conftest import ensure_tenant, forget_tenant, tenant_client, wait_for
 from tests.integration.test_images import _rootfs
 from workers.errors import NodeError
 from workers.host.hub_client import HubClient
@@ -127,7 +128,8 @@ def test_a_node_and_a_tenant_cannot_write_to_the_hub(stack: Settings, name: str)
             HubClient(stack, who).push(name)
     # and the node's token for a repository allows pulling, nothing else
     assert _granted(_token(stack, node, "repository:dsec/busybox:pull,push,delete")) == ["pull"]
-    assert _granted(_token(stack, tenant, "repository:dsec/busybox:pull,push")) == []
+    # and a tenant's pulls the platform's images (its own may start FROM them), no more
+    assert _granted(_token(stack, tenant, "repository:dsec/busybox:pull,push")) == ["pull"]
 
 
 def test_no_login_no_image(stack: Settings) -> None:
@@ -192,3 +194,43 @@ def test_the_budget_evicts_the_least_recently_used_pulled_image_no_sandbox_runs(
         for name in names:
             if image_exists(name, stack):
                 image_store.remove_image(name, stack)
+
+
+def test_a_tenant_pushes_its_own_image_and_only_its_sandboxes_start_from_it(
+    stack: Settings, tmp_path: Path
+) -> None:
+    owner, other = (f"hubt{uuid.uuid4().hex[:6]}" for _ in range(2))
+    rootfs = tmp_path / "rootfs.tar"
+    rootfs.write_bytes(_rootfs(f"{owner}'s own"))
+    image = ""
+    try:
+        with (
+            tenant_client(stack, owner, "hub") as mine,
+            tenant_client(stack, other, "hub") as theirs,
+        ):
+            # Given a tenant that pushed a root filesystem with nothing but the SDK
+            image = mine.images.push("tools", rootfs, tag="1")
+            assert image == f"tenants/{owner}/tools:1"
+            # When it creates a sandbox of it, the node pulls it and the sandbox runs it
+            with mine.create(image=image) as sandbox:
+                assert sandbox.exec("cat /etc/marker").text == f"{owner}'s own"
+            # Then another tenant's create of it is refused before any node pulls it
+            with pytest.raises(SandboxRejectedError) as refused:
+                theirs.create(image=image)
+            assert refused.value.reason == "forbidden"
+            # and its login reads nothing of it, nor writes there or to the platform's
+            mine_cred, theirs_cred = mine.credential, theirs.credential
+            repo = f"tenants/{owner}/tools"
+            assert _granted(_token(stack, theirs_cred, f"repository:{repo}:pull,push")) == []
+            platform = "repository:dsec/busybox:pull,push,delete"
+            assert _granted(_token(stack, theirs_cred, platform)) == ["pull"]
+            assert _granted(_token(stack, mine_cred, f"repository:{repo}:pull,push,delete")) == [
+                "pull",
+                "push",
+            ]
+    finally:
+        if image:
+            wait_for(lambda: not image_store.image_users(image, stack), 20, "the sandbox to go")
+            image_store.remove_image(image, stack)
+        forget_tenant(stack, owner)
+        forget_tenant(stack, other)

@@ -10,6 +10,8 @@ from app.domain.hub_access import (
     grant,
     hub_password,
     hub_reference,
+    may_use,
+    owner_of,
     parse_scopes,
     password_matches,
 )
@@ -32,7 +34,7 @@ def test_scopes_are_read_one_or_several_per_parameter() -> None:
     [
         (Role.NODE, ("pull", "push", "delete"), ("pull",)),
         (Role.OPERATOR, ("pull", "push", "delete"), ("pull", "push", "delete")),
-        (Role.TENANT, ("pull", "push"), ()),
+        (Role.TENANT, ("pull", "push"), ("pull",)),  # the platform's image
         (Role.SCHEDULER, ("pull",), ()),
         (None, ("pull",), ()),
         (Role.OPERATOR, ("*",), ()),  # a wildcard is not an action anyone is given
@@ -84,3 +86,44 @@ def test_the_hub_password_is_derived_from_the_secret_and_checked_in_constant_tim
     assert not password_matches(other, password)
     assert not password_matches(secret, "")
     assert password != hub_password(other)
+
+
+@pytest.mark.parametrize(
+    ("repository", "asked", "granted"),
+    [
+        ("tenants/acme/tools", ("pull", "push", "delete"), ("pull", "push")),
+        ("tenants/acme/deep/tools", ("pull", "push"), ("pull", "push")),
+        ("tenants/other/tools", ("pull", "push"), ()),  # private by default
+        ("tenants/acmex/tools", ("pull",), ()),  # a prefix of a name is not the name
+        ("dsec/busybox", ("pull", "push"), ("pull",)),  # FROM the platform's
+        ("tenants/acme", ("pull", "push"), ("pull",)),  # no name under it: the platform's
+    ],
+)
+def test_a_tenant_writes_only_under_its_own_name_and_reads_no_other_tenants(
+    repository: str, asked: tuple[str, ...], granted: tuple[str, ...]
+) -> None:
+    assert grant(Role.TENANT, Scope("repository", repository, asked), "acme").actions == granted
+
+
+def test_a_sandbox_starts_only_from_the_platforms_images_and_its_tenants_own() -> None:
+    assert owner_of("tenants/acme/tools") == "acme"
+    assert owner_of("dsec/busybox") is None
+    assert may_use("acme", "tenants/acme/tools:1")
+    assert may_use("acme", "localhost/tenants/acme/tools:1")
+    assert may_use("acme", "dsec/busybox:latest")
+    assert not may_use("acme", "tenants/other/tools:1")
+    assert not may_use("acme", "localhost/tenants/other/tools")
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "tenants/other/tools@sha256:" + "a" * 64,  # a digest of another tenant's
+        "ab04c56d280",  # an image id's start: Podman may resolve it by id
+        "ab04c56d280:latest",
+        "docker.io/tenants/other/tools:1",  # another registry
+        "Tenants/Other/tools:1",
+    ],
+)
+def test_names_that_could_reach_an_image_by_other_means_are_refused(image: str) -> None:
+    assert not may_use("acme", image)

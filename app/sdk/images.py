@@ -1,0 +1,203 @@
+"""A tenant's own images, pushed from the trainer's machine to the hub (the unit's OCI
+registry) with nothing but the SDK: ``client.images.push("tools:1", "rootfs.tar")``.
+
+The push speaks the OCI distribution protocol over HTTPS, as any registry client
+does: the hub sends it to the platform's token service, which it logs in to with the
+tenant's credential (app/domain/hub_access.py), and grants pushing only under
+``tenants/<tenant>/``. The image then belongs to the tenant: its sandboxes start from
+it (``client.create(image=ref)``), nobody else's may (the scheduler refuses them), and
+nodes pull it when a create needs it. Blobs the hub already holds are not sent again.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+import ssl
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from app.config import Settings
+from app.credentials import Credential
+from app.domain.hub_access import HubReference, hub_password, tenant_repository
+from app.errors import ConfigError
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+OCI_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+#: What a rootfs image runs when a sandbox names no command, and finds its tools by.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_CHUNK = 1 << 20
+
+
+class _Reader(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+
+class _Writer(Protocol):
+    def write(self, data: bytes, /) -> int: ...
+
+
+class PushError(Exception):
+    """The hub refused a push, or could not be reached; says which and why."""
+
+
+class Images:
+    """A tenant's images in the hub (``client.images``)."""
+
+    def __init__(self, settings: Settings, credential: Credential) -> None:
+        self.settings = settings
+        self.credential = credential
+        self._token: str | None = None
+
+    def push(
+        self, name: str, rootfs: str | os.PathLike[str], *, tag: str = "latest",
+        cmd: tuple[str, ...] = ("/bin/sh",), workdir: str = "/workspace",
+    ) -> str:  # fmt: skip
+        """Push a root filesystem tarball (plain or gzip) as the tenant's image
+        ``name:tag``; returns the name a create starts sandboxes of it by."""
+        repository = tenant_repository(self.credential.subject, name)
+        if repository is None or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", tag):
+            raise ConfigError(f"{name}:{tag} is not an image name the hub can hold")
+        ref = HubReference(repository, tag)
+        with tempfile.TemporaryDirectory(prefix="dsec-push-") as tmp:
+            layer, diff_id = _gzip_layer(Path(rootfs), Path(tmp) / "layer.tar.gz")
+            config = json.dumps(
+                {
+                    "architecture": "amd64",
+                    "os": "linux",
+                    "config": {
+                        "Cmd": list(cmd),
+                        "Env": [f"PATH={DEFAULT_PATH}"],
+                        "WorkingDir": workdir,
+                    },
+                    "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+                },
+                sort_keys=True,
+            ).encode()
+            layer_digest, layer_size = _file_digest(layer), layer.stat().st_size
+            self._blob(repository, layer_digest, layer_size, layer.open("rb"))
+            config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
+            self._blob(repository, config_digest, len(config), io.BytesIO(config))
+        manifest = json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": OCI_MANIFEST,
+                "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config)},
+                "layers": [
+                    {"mediaType": OCI_LAYER, "digest": layer_digest, "size": layer_size},
+                ],
+            }
+        ).encode()
+        self._call("PUT", f"/v2/{repository}/manifests/{tag}", repository, manifest,
+                   {"Content-Type": OCI_MANIFEST})  # fmt: skip
+        return str(ref)
+
+    # --- the protocol ---------------------------------------------------------------
+
+    def _blob(self, repository: str, digest: str, size: int, body: IO[bytes]) -> None:
+        with body:
+            head = self._call("HEAD", f"/v2/{repository}/blobs/{digest}", repository,
+                              ok=(200, 404))  # fmt: skip
+            if head[0] == 200:
+                return  # the hub has it (another image's layer, or a push done before)
+            _, headers = self._call("POST", f"/v2/{repository}/blobs/uploads/", repository,
+                                    ok=(202,))  # fmt: skip
+            location = headers.get("Location", "")
+            sep = "&" if "?" in location else "?"
+            self._call("PUT", f"{location}{sep}digest={urllib.parse.quote(digest)}", repository,
+                       body, {"Content-Type": "application/octet-stream",
+                              "Content-Length": str(size)}, ok=(201,))  # fmt: skip
+
+    def _context(self) -> ssl.SSLContext:
+        kafka = self.credential.kafka
+        if kafka is not None and kafka.ca_pem:
+            return ssl.create_default_context(cadata=kafka.ca_pem)
+        local = self.settings.ca_dir / "ca.pem"
+        if os.access(local, os.R_OK):
+            return ssl.create_default_context(cafile=str(local))
+        return ssl.create_default_context()
+
+    def _call(
+        self, method: str, path: str, repository: str, body: Any = None,
+        headers: dict[str, str] | None = None, ok: tuple[int, ...] = (200, 201, 202),
+    ) -> tuple[int, Any]:  # fmt: skip
+        url = path if path.startswith("https://") else f"https://{self.settings.hub}{path}"
+        for attempt in range(2):
+            request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+            if self._token:
+                request.add_header("Authorization", f"Bearer {self._token}")
+            try:
+                with urllib.request.urlopen(request, context=self._context(), timeout=300) as r:
+                    return r.status, r.headers
+            except urllib.error.HTTPError as exc:
+                if exc.code in ok:
+                    return exc.code, exc.headers
+                if exc.code == 401 and attempt == 0:
+                    self._token = self._login(exc.headers.get("WWW-Authenticate", ""), repository)
+                    if hasattr(body, "seek"):
+                        body.seek(0)
+                    continue
+                said = f"{method} {path}: the hub answered {exc.code} {exc.reason}"
+                raise PushError(said) from exc
+            except OSError as exc:
+                raise PushError(f"the hub at {self.settings.hub} did not answer: {exc}") from exc
+        raise PushError(f"{method} {path}: the hub refused this tenant's login")
+
+    def _login(self, challenge: str, repository: str) -> str:
+        """A token for pushing to ``repository``, from the realm the hub named."""
+        fields = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
+        realm, service = fields.get("realm"), fields.get("service", "")
+        if not challenge.startswith("Bearer ") or not realm or not realm.startswith("https://"):
+            raise PushError(f"the hub asked for an unexpected login: {challenge!r}")
+        scope = f"repository:{repository}:pull,push"
+        query = urllib.parse.urlencode({"service": service, "scope": scope})
+        login = f"{self.credential.key_id}:{hub_password(self.credential.secret)}"
+        request = urllib.request.Request(f"{realm}?{query}", headers={
+            "Authorization": "Basic " + base64.b64encode(login.encode()).decode()})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, context=self._context(), timeout=30) as r:
+                return str(json.load(r)["token"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise PushError(f"no token from the hub's token service: {exc}") from exc
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def _copy(source: _Reader, sink: _Writer, digest: Any) -> None:
+    while chunk := source.read(_CHUNK):
+        digest.update(chunk)
+        sink.write(chunk)
+
+
+def _gzip_layer(rootfs: Path, out: Path) -> tuple[Path, str]:
+    """The layer blob of a root filesystem tarball (gzip, as every registry client
+    reads) and its diff id (the digest of the uncompressed tar)."""
+    if not rootfs.is_file():
+        raise ConfigError(f"{rootfs} is not a file")
+    with rootfs.open("rb") as head:
+        gzipped = head.read(2) == b"\x1f\x8b"
+    digest = hashlib.sha256()
+    with gzip.GzipFile(out, "wb", compresslevel=1, mtime=0) as sink:
+        if gzipped:
+            with gzip.GzipFile(rootfs, "rb") as packed:
+                _copy(packed, sink, digest)
+        else:
+            with rootfs.open("rb") as plain:
+                _copy(plain, sink, digest)
+    return out, f"sha256:{digest.hexdigest()}"

@@ -1,0 +1,1 @@
+../../../app/domain/hub_access.py
