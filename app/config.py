@@ -318,7 +318,7 @@ class Settings(BaseSettings):
         100_000, ge=0, description="Trajectories per tenant being written by live sandboxes."
     )
     quota_images: int | None = Field(
-        None, ge=0, description="Images per tenant in the layer store (not enforced yet)."
+        None, ge=0, description="Image repositories per tenant in the hub (docs/images.md)."
     )
     lease_ttl_s: float = Field(30.0, description="Default trainer lease, seconds.")
     lease_grace_s: float = Field(300.0, description="Frozen this long after a lapse.")

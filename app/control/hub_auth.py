@@ -14,11 +14,14 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 import json
 import logging
 import ssl
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from app import secret_files
 from app.config import Settings
 from app.control.keyring import Keyring
+from app.control.stored_quotas import StoredQuotas
+from app.db import hub_events
+from app.db.engine import transaction
 from app.domain.hub_access import grant, parse_scopes, password_matches
+from app.domain.hub_events import HubEvent, read_envelope
 from app.domain.proof import Role
 
 log = logging.getLogger(__name__)
@@ -56,10 +63,19 @@ def key_id(public_key: ec.EllipticCurvePublicKey) -> str:
 class TokenIssuer:
     """Checks a login and signs what it may do (pure but for the keyring)."""
 
-    def __init__(self, keyring: Keyring, key: ec.EllipticCurvePrivateKey, kid: str) -> None:
+    def __init__(
+        self,
+        keyring: Keyring,
+        key: ec.EllipticCurvePrivateKey,
+        kid: str,
+        may_add: Callable[[str, str], bool] = lambda tenant, repository: True,
+    ) -> None:
+        """``may_add(tenant, repository)``: whether the tenant may push there (its
+        images quota: a repository it has, or room for one more)."""
         self.keyring = keyring
         self.key = key
         self.kid = kid
+        self.may_add = may_add
 
     def role_of(self, authorization: str | None) -> tuple[str, Role, str] | None:
         """Who a Basic login is (key id, role, tenant or node name), or None."""
@@ -82,10 +98,13 @@ class TokenIssuer:
         """A signed token for key ``subject`` (of ``subject_name``, a tenant or node)
         granting what its role allows of ``scopes``."""
         now = int(time.time())
-        access = [
-            {"type": g.type, "name": g.name, "actions": list(g.actions)}
-            for g in (grant(role, s, subject_name) for s in parse_scopes(scopes))
-        ]
+        access = []
+        for scope in parse_scopes(scopes):
+            g = grant(role, scope, subject_name)
+            actions = list(g.actions)
+            if role == Role.TENANT and "push" in actions and not self.may_add(subject_name, g.name):
+                actions.remove("push")  # over its images quota: it may still pull
+            access.append({"type": g.type, "name": g.name, "actions": actions})
         claims = {
             "iss": ISSUER,
             "sub": subject,
@@ -134,6 +153,61 @@ def _handler(issuer: TokenIssuer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def _events_handler(
+    secret: str, record: Callable[[list[HubEvent]], None]
+) -> type[BaseHTTPRequestHandler]:
+    """The registry's reports of pushes and deletions, into the audit trail."""
+    expected = f"Bearer {secret}"
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            offered = self.headers.get("Authorization") or ""
+            if self.path != "/events" or not hmac.compare_digest(offered, expected):
+                self._answer(401)
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            if not 0 < length <= MAX_REPORT_BYTES:
+                self._answer(413)
+                return
+            try:
+                events, dropped = read_envelope(json.loads(self.rfile.read(length)))
+            except ValueError:
+                events, dropped = [], 1
+            if dropped:
+                log.warning("hub-auth: %d malformed event(s) in a report from the hub", dropped)
+            try:
+                record(events)
+            except Exception as exc:  # the registry sends it again: nothing is lost
+                log.warning("hub-auth: cannot record %d hub event(s): %s", len(events), exc)
+                self._answer(503)
+                return
+            self._answer(200)
+
+        def _answer(self, status: int) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            log.debug("hub-auth events: " + format, *args)
+
+    return Handler
+
+
+#: Largest report the registry may send (it batches a few events).
+MAX_REPORT_BYTES = 1 << 20
+
+
+def events_port(settings: Settings) -> int:
+    """Where the registry reports to (loopback of the hub's host, plain HTTP behind a
+    shared secret: the registry checks no private CA for notifications)."""
+    return settings.hub_auth_port + 1
+
+
+def events_secret_file(settings: Settings) -> Path:
+    return hub_dir(settings) / "events.secret"
+
+
 class _TlsServer(ThreadingHTTPServer):
     """Each connection's TLS handshake on its own thread, with a deadline: a client
     that connects and says nothing holds only its own thread."""
@@ -180,7 +254,30 @@ def main(settings: Settings) -> None:
     pem = secret_files.read(token_key_file(settings))
     key = serialization.load_pem_private_key(pem, None)
     assert isinstance(key, ec.EllipticCurvePrivateKey)
-    issuer = TokenIssuer(Keyring.from_settings(settings), key, key_id(key.public_key()))
+    quotas = StoredQuotas.from_settings(settings)
+
+    def may_add(tenant: str, repository: str) -> bool:
+        limit = quotas.of(tenant).images
+        if limit is None:
+            return True
+        with transaction(settings.database_url) as conn:
+            held = hub_events.repositories_of(conn, tenant)
+        return repository in held or len(held) < limit
+
+    def record(events: list[HubEvent]) -> None:
+        with transaction(settings.database_url) as conn:
+            hub_events.record(conn, events)
+
+    keyring = Keyring.from_settings(settings)
+    issuer = TokenIssuer(keyring, key, key_id(key.public_key()), may_add)
+    secret = secret_files.read(events_secret_file(settings)).decode()
+    reports = ThreadingHTTPServer(
+        ("127.0.0.1", events_port(settings)), _events_handler(secret, record)
+    )
+    reports.daemon_threads = True
+    threading.Thread(
+        target=reports.serve_forever, args=(3600,), name="hub-events", daemon=True
+    ).start()
     host = settings.hub.rpartition(":")[0] or "127.0.0.1"
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(server_pem(settings))

@@ -203,6 +203,23 @@ tenant_quotas = Table(
     Column("set_by", Text, nullable=False, server_default=text("current_user")),
 )
 
+#: What was pushed to or deleted from the image hub (append-only; app/db/hub_events.py).
+hub_events = Table(
+    "hub_events",
+    metadata,
+    Column("event_id", Text, primary_key=True),
+    Column("at", DateTime(timezone=True), nullable=False),
+    Column("action", Text, nullable=False),
+    Column("actor_key", Text, nullable=False),
+    Column("tenant", Text),
+    Column("repository", Text, nullable=False),
+    Column("tag", Text),
+    Column("digest", Text, nullable=False),
+    Column("media_type", Text, nullable=False),
+    Column("size", BigInteger, nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+)
+
 #: Projection: one row per sandbox with the raw ``sandbox_lives_from_log`` view's
 #: rules (the first Requested, Started and Stopped win); ``sandbox_lives`` reads it.
 lives = Table(

@@ -56,7 +56,7 @@ class Quota(BaseModel):
     images: Limit = Field(
         None,
         ge=0,
-        description="Images in the layer store (defined; enforced with per-tenant images).",
+        description="Image repositories in the hub (the token service enforces it).",
     )
 
     def limit(self, resource: Resource) -> Limit:

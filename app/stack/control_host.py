@@ -1,6 +1,7 @@
 """A control host, brought up and down from settings alone (`dsec control up`,
-`dsec control down`): the projector, the schedulers, Flower and the supervisor that
-restarts them, against a Kafka, a Postgres and a Redis that an operator runs elsewhere.
+`dsec control down`): the projector, the schedulers, the image hub, Flower and the
+supervisor that restarts them, against a Kafka, a Postgres and a Redis that an
+operator runs elsewhere.
 
 Unlike `dsec up` it starts no broker, no Redis and no node, and it makes no database
 roles: docs/deploy.md has the operator make those. It migrates the schema (as the
@@ -19,8 +20,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from app import kafka_admin, taskqueue
 from app.config import Settings
+from app.control.hub_auth import hub_dir
 from app.errors import ServiceUnavailable, first_line
-from app.stack import broker
+from app.stack import broker, hub
 from app.stack import services as stack
 from app.stack.process import Service
 
@@ -80,6 +82,9 @@ def prepare(
     log("postgres: schema at head")
     secret_files.ensure(settings.master_key_path)
     secret_files.ensure(settings.secrets_dir / "flower.password", text=True)
+    if settings.hub:
+        hub.prepare(settings)
+        log(f"hub: settings, certificate and token key in {hub_dir(settings)}")
     tenants.ensure(settings, Role.OPERATOR, stack.OPERATOR)
     for node in nodes:
         tenants.ensure(settings, Role.NODE, node)

@@ -31,7 +31,15 @@ from cryptography.x509.oid import NameOID
 
 from app import secret_files
 from app.config import Settings
-from app.control.hub_auth import AUDIENCE, ISSUER, hub_dir, token_cert_file, token_key_file
+from app.control.hub_auth import (
+    AUDIENCE,
+    ISSUER,
+    events_port,
+    events_secret_file,
+    hub_dir,
+    token_cert_file,
+    token_key_file,
+)
 from app.stack import tls
 from app.stack.process import Service, port_open
 
@@ -90,6 +98,7 @@ def prepare(settings: Settings) -> None:
     leaf = tls.ensure_leaf(settings.ca_dir, home, "hub", [host, "localhost"])
     _ensure_token_key(settings)
     secret = secret_files.ensure(home / "http.secret", text=True).decode()
+    reports = secret_files.ensure(events_secret_file(settings), text=True).decode()
     body = {
         "version": 0.1,
         "log": {"level": "warn", "accesslog": {"disabled": True}},
@@ -112,6 +121,20 @@ def prepare(settings: Settings) -> None:
             }
         },
         "health": {"storagedriver": {"enabled": False}},
+        # Pushes and deletions, reported to the token service for the audit trail.
+        "notifications": {
+            "endpoints": [
+                {
+                    "name": "dsec-audit",
+                    "url": f"http://127.0.0.1:{events_port(settings)}/events",
+                    "headers": {"Authorization": [f"Bearer {reports}"]},
+                    "timeout": "5s",
+                    "threshold": 5,
+                    "backoff": "5s",
+                    "ignore": {"actions": ["pull"]},
+                }
+            ]
+        },
     }
     # JSON is YAML: the registry reads this as its configuration.
     secret_files.write(config_file(settings), json.dumps(body, indent=2).encode())

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 from typer.testing import CliRunner
 
 from app import credentials
@@ -27,6 +28,7 @@ from app.domain.hub_access import hub_password
 from app.errors import SandboxFailedError, SandboxRejectedError
 from app.images import store as image_store
 from app.metrics import sample, scrape
+from app.sdk.images import PushError
 from tests.conftest import ensure_tenant, forget_tenant, tenant_client, wait_for
 from tests.integration.test_images import _rootfs
 from workers.errors import NodeError
@@ -234,3 +236,48 @@ def test_a_tenant_pushes_its_own_image_and_only_its_sandboxes_start_from_it(
             image_store.remove_image(image, stack)
         forget_tenant(stack, owner)
         forget_tenant(stack, other)
+
+
+def _audit(db: Any, tenant: str) -> list[Any]:
+    with db() as conn:
+        query = (
+            "SELECT action, actor_key, repository, tag, digest, size FROM hub_events"
+            " WHERE tenant = :t ORDER BY at"
+        )
+        return list(conn.execute(text(query), {"t": tenant}))
+
+
+def test_every_push_is_in_the_audit_trail_and_the_images_quota_holds(
+    stack: Settings, db: Any, tmp_path: Path
+) -> None:
+    tenant = f"hubq{uuid.uuid4().hex[:6]}"
+    rootfs = tmp_path / "rootfs.tar"
+    rootfs.write_bytes(_rootfs(tenant))
+    try:
+        with tenant_client(stack, tenant, "hub") as client:
+            # When a tenant pushes an image, the push is in SQL: who, what, digest, size
+            client.images.push("first", rootfs, tag="1")
+            manifests = wait_for(
+                lambda: [r for r in _audit(db, tenant) if r.tag == "1"], 20, "the audit row"
+            )
+            [row] = manifests
+            assert row.action == "push" and row.actor_key == client.credential.key_id
+            assert row.repository == f"tenants/{tenant}/first"
+            assert row.digest.startswith("sha256:") and row.size > 0
+            blobs = [r for r in _audit(db, tenant) if r.tag is None]
+            assert sum(r.size for r in blobs) > 1_000_000  # the layer, gzip'd busybox
+            # And when an operator allows it one image repository (within 5 s)
+            quota = runner.invoke(cli, ["tenant", "quota", tenant, "--images", "1"])
+            assert quota.exit_code == 0, quota.output
+            second = f"repository:tenants/{tenant}/second:pull,push"
+            wait_for(
+                lambda: _granted(_token(stack, client.credential, second)) == ["pull"],
+                15,
+                "the quota to hold",
+            )
+            # Then a second repository is refused, and the first still takes tags
+            with pytest.raises(PushError, match=r"401|403"):
+                client.images.push("second", rootfs, tag="1")
+            assert client.images.push("first", rootfs, tag="2") == f"tenants/{tenant}/first:2"
+    finally:
+        forget_tenant(stack, tenant)

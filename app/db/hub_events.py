@@ -1,0 +1,49 @@
+"""The image hub's audit trail (``hub_events``): appended by the token service as
+the registry reports, read by operators (SQL) and by the token service (a tenant's
+repositories, for its images quota)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sqlalchemy import Connection, func, select
+from sqlalchemy.dialects.postgresql import insert
+
+from app.db.tables import hub_events
+from app.domain.hub_events import HubEvent
+
+
+def record(conn: Connection, events: Iterable[HubEvent]) -> int:
+    """Append ``events`` (one already there by its id is skipped); returns how many
+    were new."""
+    rows = [e.model_dump() for e in events]
+    if not rows:
+        return 0
+    done = conn.execute(
+        insert(hub_events).values(rows).on_conflict_do_nothing(index_elements=["event_id"])
+    )
+    return int(done.rowcount or 0)
+
+
+def repositories_of(conn: Connection, tenant: str) -> set[str]:
+    """The repositories ``tenant`` has pushed a manifest to."""
+    t = hub_events
+    query = (
+        select(t.c.repository)
+        .where(t.c.tenant == tenant, t.c.action == "push", t.c.tag.is_not(None))
+        .group_by(t.c.repository)
+    )
+    return {row.repository for row in conn.execute(query)}
+
+
+def stored_bytes(conn: Connection, tenant: str) -> int:
+    """Bytes of the distinct blobs ``tenant`` pushed (what its images hold in the hub,
+    shared layers counted once per tenant)."""
+    t = hub_events
+    blobs = (
+        select(t.c.digest, func.max(t.c.size).label("size"))
+        .where(t.c.tenant == tenant, t.c.action == "push", t.c.tag.is_(None))
+        .group_by(t.c.digest)
+        .subquery()
+    )
+    return int(conn.execute(select(func.coalesce(func.sum(blobs.c.size), 0))).scalar_one())
