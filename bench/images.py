@@ -12,6 +12,11 @@ cost in the hub and on a node.
   node. Raw: root's Podman pulls the same image from the same hub into the same store
   with the node's login (the image removed first), timed alone: the floor of any
   pull-based start. The ratio is what counts on these noisy machines.
+- snapshots: a sandbox writes S MB of random data into its /workspace, then
+  ``sandbox.snapshot`` keeps it as the tenant's image (stop its processes, read the
+  workspace, build one layer on its image, push it to the hub), ``--rounds`` times;
+  then ``client.create_group(F, image=snapshot)`` forks F sandboxes from it (on this
+  node the image is already in the store: no pull), timed to all ready.
 - task images: N images FROM the base, each adding a 64 KiB file of its own (as
   2,000 SWE-style task images add a repository to one environment), built and pushed;
   the hub's storage and the store's growth against the sum of the images' sizes.
@@ -147,11 +152,45 @@ def task_images(settings: Settings, count: int) -> dict[str, float]:
     }  # fmt: skip
 
 
+def snapshots(settings: Settings, changed_mb: int, rounds: int, forks: int) -> dict[str, float]:
+    """Snapshot time for ``changed_mb`` written, and a fork of ``forks`` from it."""
+    took, images = [], []
+    try:
+        with Client(settings) as client, client.create(ttl_s=600) as sandbox:
+            wrote = sandbox.exec(
+                f"head -c {changed_mb << 20} /dev/urandom > /workspace/data", timeout_s=120
+            )
+            assert wrote.ok, wrote
+            name = f"bench-snap-{uuid.uuid4().hex[:6]}"
+            for i in range(rounds):
+                began = time.monotonic()
+                images.append(sandbox.snapshot(name, tag=str(i)))
+                took.append(time.monotonic() - began)
+            began = time.monotonic()
+            shape = {"cpus": 0.1, "memory_mb": 64, "ttl_s": 600}
+            with client.create_group(forks, image=images[-1], **shape) as group:
+                fork_s = time.monotonic() - began
+                assert all(f.exec("test -s /workspace/data").ok for f in group)
+    finally:
+        for image in images:
+            _wait_unused(settings, image)
+            if image_exists(image, settings):
+                remove_image(image, settings)
+    p50 = percentile(took, 50)
+    print(
+        f"snapshot of {changed_mb} MB changed: p50 {p50:.2f} s (max {max(took):.2f});"
+        f" fork of {forks} from it: {fork_s:.2f} s to all ready"
+    )
+    return {"snapshot_s": p50, "fork_s": fork_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100", help="Layer sizes in MB, comma-separated.")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tasks", type=int, default=20)
+    parser.add_argument("--snapshot-mb", type=int, default=10)
+    parser.add_argument("--forks", type=int, default=16)
     args = parser.parse_args()
     settings = get_settings()
     if not settings.hub or shutil.which("docker-registry") is None:
@@ -163,6 +202,12 @@ def main() -> None:
         parts.append(
             f"first_command_{size}mb_s={got['first_command_s']:.2f}"
             f" raw_pull_{size}mb_s={got['raw_pull_s']:.2f} ratio_{size}mb={got['ratio']:.2f}"
+        )
+    if args.snapshot_mb:
+        got = snapshots(settings, args.snapshot_mb, args.rounds, args.forks)
+        parts.append(
+            f"snapshot_{args.snapshot_mb}mb_s={got['snapshot_s']:.2f}"
+            f" fork_{args.forks}_s={got['fork_s']:.2f}"
         )
     if args.tasks:
         got = task_images(settings, args.tasks)

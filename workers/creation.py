@@ -20,6 +20,7 @@ from app.config import Settings
 from app.domain.base import StopReason, derived_id, utcnow
 from app.domain.direct import SandboxKey
 from app.domain.events import SandboxStarted, StartedPayload
+from app.domain.hub_access import HubReference
 from app.domain.replies import SandboxReady
 from app.domain.requests import CreateSandbox, Exec
 from workers.agent.pool import AgentPool
@@ -53,6 +54,12 @@ class ImageSource(Protocol):
 
     def used(self, image: str) -> None:
         """A create names ``image`` (recently used images are evicted last)."""
+        ...
+
+    def snapshot(
+        self, base: str, workspace: Path, ref: HubReference, login: tuple[str, str]
+    ) -> None:
+        """Build ``base`` plus a sandbox's /workspace as ``ref`` and push it to the hub."""
         ...
 
 

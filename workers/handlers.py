@@ -38,6 +38,7 @@ from app.domain.requests import (
     FreezeSandbox,
     KillCommand,
     ReadFile,
+    SnapshotSandbox,
     ThawSandbox,
     WriteFile,
 )
@@ -53,6 +54,7 @@ from workers.failures import Failures
 from workers.file_ops import FileOps
 from workers.lifecycle import Lifecycle
 from workers.memory_state import InMemoryRoutes
+from workers.snapshots import Snapshots
 from workers.state_port import ClaimStore, RouteStore, StepStore
 from workers.tally import NodeTally, NoNodeTally
 
@@ -122,6 +124,7 @@ class Node:
         self.creation = Creation(self, self.lifecycle)
         self.execs = ExecPath(self, self.lifecycle)
         self.files = FileOps(node_id, self.courier, self.failures)
+        self.snapshots = Snapshots(self)
 
     @contextmanager
     def busy(self, sandbox_id: str) -> Iterator[None]:
@@ -187,6 +190,10 @@ class Node:
     def thaw(self, request: ThawSandbox) -> None:
         """Let a frozen sandbox's processes run again (SIGCONT)."""
         self.lifecycle.thaw(request)
+
+    def snapshot(self, request: SnapshotSandbox, login: tuple[str, str] | None) -> None:
+        """Keep the sandbox's files as an image of its tenant, in the hub."""
+        self.snapshots.snapshot(request, login)
 
     def expire(self, due: Due) -> bool:
         """The sandbox's time is up: kill its processes now, remove it on a reaper

@@ -194,6 +194,7 @@ HANDLERS: dict[NodeTask, Callable[[Any, Opened], None]] = {
     NodeTask.READ_FILE: lambda r, _e: runtime.node().read_file(r),
     NodeTask.FREEZE: lambda r, _e: runtime.node().freeze(r),
     NodeTask.THAW: lambda r, _e: runtime.node().thaw(r),
+    NodeTask.SNAPSHOT: lambda r, o: runtime.node().snapshot(r, o.hub_login),
     NodeTask.DESTROY: lambda r, _e: runtime.node().destroy(r),
 }
 

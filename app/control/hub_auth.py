@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from app.control.keyring import Keyring
 from app.control.stored_quotas import StoredQuotas
 from app.db import hub_events
 from app.db.engine import transaction
-from app.domain.hub_access import grant, parse_scopes, password_matches
+from app.domain.hub_access import TICKET, grant, parse_scopes, password_matches, read_ticket
 from app.domain.hub_events import HubEvent, read_envelope
 from app.domain.proof import Role
 
@@ -60,6 +61,19 @@ def key_id(public_key: ec.EllipticCurvePublicKey) -> str:
     return ":".join(b32[i : i + 4] for i in range(0, len(b32), 4))
 
 
+@dataclass(frozen=True)
+class Login:
+    """Who asks for a token."""
+
+    #: The key id (what the audit trail names), or ``ticket:<node>``.
+    key: str
+    role: Role
+    #: The tenant or node it belongs to.
+    subject: str
+    #: A snapshot ticket's one repository the node may push to.
+    push_to: str | None = None
+
+
 class TokenIssuer:
     """Checks a login and signs what it may do (pure but for the keyring)."""
 
@@ -77,8 +91,9 @@ class TokenIssuer:
         self.kid = kid
         self.may_add = may_add
 
-    def role_of(self, authorization: str | None) -> tuple[str, Role, str] | None:
-        """Who a Basic login is (key id, role, tenant or node name), or None."""
+    def role_of(self, authorization: str | None) -> Login | None:
+        """Who a Basic login is, or None: a platform credential's key, or a snapshot's
+        ticket (checked under the platform's ticket key, unexpired)."""
         if not authorization or not authorization.startswith("Basic "):
             return None
         try:
@@ -87,27 +102,33 @@ class TokenIssuer:
             )
         except (binascii.Error, UnicodeDecodeError):
             return None
+        if user.startswith(TICKET):
+            found_ticket = read_ticket(self.keyring.ticket_key(), user, password, time.time())
+            if found_ticket is None:
+                return None
+            node, repository = found_ticket
+            return Login(f"ticket:{node}", Role.NODE, node, push_to=repository)
         found = self.keyring.lookup(user)
         if found is None or found.revoked or not password_matches(found.secret, password):
             return None
-        return user, found.principal.role, found.principal.subject
+        return Login(user, found.principal.role, found.principal.subject)
 
-    def token(
-        self, subject: str, role: Role, subject_name: str, service: str, scopes: list[str]
-    ) -> str:
-        """A signed token for key ``subject`` (of ``subject_name``, a tenant or node)
-        granting what its role allows of ``scopes``."""
+    def token(self, login: Login, service: str, scopes: list[str]) -> str:
+        """A signed token for ``login`` granting what it may do of ``scopes``."""
         now = int(time.time())
         access = []
         for scope in parse_scopes(scopes):
-            g = grant(role, scope, subject_name)
+            g = grant(login.role, scope, login.subject)
             actions = list(g.actions)
-            if role == Role.TENANT and "push" in actions and not self.may_add(subject_name, g.name):
+            if login.push_to is not None and g.name == login.push_to and "push" in scope.actions:
+                actions.append("push")  # a snapshot's ticket: this repository only
+            tenant = login.role == Role.TENANT
+            if tenant and "push" in actions and not self.may_add(login.subject, g.name):
                 actions.remove("push")  # over its images quota: it may still pull
             access.append({"type": g.type, "name": g.name, "actions": actions})
         claims = {
             "iss": ISSUER,
-            "sub": subject,
+            "sub": login.key,
             "aud": service,
             "iat": now,
             "nbf": now - 5,
@@ -134,7 +155,7 @@ def _handler(issuer: TokenIssuer) -> type[BaseHTTPRequestHandler]:
             if service != AUDIENCE:
                 self._answer(400, {"errors": [{"code": "DENIED", "message": "unknown service"}]})
                 return
-            token = issuer.token(*who, service, query.get("scope", []))
+            token = issuer.token(who, service, query.get("scope", []))
             self._answer(200, {"token": token, "access_token": token, "expires_in": TOKEN_TTL_S})
 
         def _answer(self, status: int, body: dict[str, object]) -> None:

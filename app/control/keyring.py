@@ -29,6 +29,7 @@ from app.domain.proof import (
     Principal,
     Role,
     derive_secret,
+    derive_ticket_key,
     kafka_password,
 )
 from app.errors import ConfigError
@@ -72,6 +73,9 @@ class Keyring(KeyLookup):
             lambda: _load_rows(settings),
             load_one=lambda key_id: _load_row(settings, key_id),
         )
+
+    def ticket_key(self) -> bytes:
+        return derive_ticket_key(self._master)
 
     def lookup(self, key_id: str) -> KeyInfo | None:
         if key_id == SCHEDULER_KEY_ID:

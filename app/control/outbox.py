@@ -19,6 +19,7 @@ from app.domain.base import MAX_DETAIL, RejectReason, derived_id
 from app.domain.codec import DecodeError, encode
 from app.domain.events import EventBase, RejectedPayload, SandboxRejected
 from app.domain.gate import Admitted, Refusal, Sender
+from app.domain.hub_access import TICKET_TTL_S, tenant_repository, ticket_password, ticket_user
 from app.domain.node_tasks import (
     TASK_FOR_REQUEST,
     VIA_INBOX,
@@ -32,7 +33,7 @@ from app.domain.placement import NodeView
 from app.domain.proof import KeyInfo, KeyLookup, Role, sandbox_key
 from app.domain.records import Record
 from app.domain.replies import ErrorReply, ReplyBase
-from app.domain.requests import REQUEST_TYPES, CreateSandbox, ReplyTo, RequestBase
+from app.domain.requests import REQUEST_TYPES, CreateSandbox, ReplyTo, RequestBase, SnapshotSandbox
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class Courier:
             restore=restore,
             sandbox_key_sealed=direct,
             sandbox_key_id=direct_id,
+            hub_login=self._hub_login(node, request, info.secret),
         )
         task = TASK_FOR_REQUEST[request.type]
         args = seal(task, envelope, info.principal.key_id, info.secret)
@@ -153,6 +155,18 @@ class Courier:
             out.inbox.append((topic, request.sandbox_id, inbox_record(task, args)))
         else:
             out.tasks.append((task, node.queue, args))
+
+    def _hub_login(self, node: NodeView, request: RequestBase, secret: bytes) -> str | None:
+        """A snapshot's login to the hub, sealed for its node: push to the owner's one
+        repository, for a few minutes (a node's own login only pulls)."""
+        if not isinstance(request, SnapshotSandbox):
+            return None
+        repository = tenant_repository(request.tenant, request.name)
+        if repository is None:
+            return None
+        user = ticket_user(node.node_id, repository, int(time.time()) + TICKET_TTL_S)
+        password = ticket_password(self._keys.ticket_key(), user)
+        return f"{user} {seal_secret(secret, password.encode())}"
 
     def revocations(self, out: Outbox, node: NodeView, key_ids: list[str]) -> None:
         """Tell ``node`` that ``key_ids`` are revoked: the sandbox keys derived from

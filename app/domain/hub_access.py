@@ -22,8 +22,10 @@ Decisions:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -153,6 +155,42 @@ def may_use(tenant: str, image: str) -> bool:
         return False
     owner = owner_of(ref.repository)
     return owner is None or owner == tenant
+
+
+#: How a snapshot's login to the hub starts (the rest names the node, the repository
+#: and when it lapses).
+TICKET = "ticket."
+#: How long a snapshot's login lets its node push.
+TICKET_TTL_S = 600
+
+
+def ticket_user(node: str, repository: str, expires: int) -> str:
+    """The user name of a one-repository hub login the scheduler hands a node for a
+    snapshot: the node may push there, and only there, until ``expires``."""
+    raw = json.dumps([node, repository, expires], separators=(",", ":")).encode()
+    return TICKET + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def ticket_password(key: bytes, user: str) -> str:
+    """Its password: a MAC of the user name under the platform's ticket key (derived
+    from the master key by the scheduler and the token service alike)."""
+    return hmac.new(key, user.encode(), hashlib.sha256).hexdigest()
+
+
+def read_ticket(key: bytes, user: str, password: str, now: float) -> tuple[str, str] | None:
+    """The node and repository of a valid, unexpired ticket login; else None."""
+    if not user.startswith(TICKET) or not hmac.compare_digest(ticket_password(key, user), password):
+        return None
+    body = user[len(TICKET) :]
+    try:
+        node, repository, expires = json.loads(
+            base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+        )
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(node, str) or not isinstance(repository, str) or not isinstance(expires, int):
+        return None
+    return (node, repository) if expires > now else None
 
 
 def hub_password(secret: bytes) -> str:

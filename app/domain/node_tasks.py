@@ -35,6 +35,7 @@ from app.domain.requests import (
     KillCommand,
     ReadFile,
     RequestBase,
+    SnapshotSandbox,
     ThawSandbox,
     WriteFile,
 )
@@ -51,6 +52,7 @@ class NodeTask(StrEnum):
     DESTROY = "dsec.node.destroy"
     FREEZE = "dsec.node.freeze"
     THAW = "dsec.node.thaw"
+    SNAPSHOT = "dsec.node.snapshot"
     #: Not a request's: the credentials revoked, whose sandbox keys stop working
     #: (app/domain/direct.py); comes on the inbox, sealed as a task is.
     REVOKE_KEYS = "dsec.node.revoke_keys"
@@ -96,6 +98,8 @@ NODE_WORK: tuple[NodeWork, ...] = (
     NodeWork(NodeTask.FREEZE, FreezeSandbox,
              "Freeze a sandbox (its trainer's lease lapsed, or it was asked)."),
     NodeWork(NodeTask.THAW, ThawSandbox, "Thaw a frozen sandbox."),
+    NodeWork(NodeTask.SNAPSHOT, SnapshotSandbox,
+             "Keep a sandbox's files as an image of its tenant, in the hub."),
 )  # fmt: skip
 
 #: Each task's declaration.
@@ -150,6 +154,13 @@ class TaskEnvelope(Message):
             " for the node; None: its commands come through the scheduler only."
         ),
     )
+    hub_login: str | None = Field(
+        None,
+        description=(
+            "A snapshot's hub login (app/domain/hub_access.py, tickets): the user in clear,"
+            " then its password sealed for the node, space-separated."
+        ),
+    )
     sandbox_key_id: str | None = Field(
         None, description="The credential the sandbox key is derived from."
     )
@@ -195,6 +206,8 @@ class Opened:
     reply_key: bytes | None
     #: A create's direct-route key (None: none was handed over).
     sandbox_key: bytes | None = None
+    #: A snapshot's hub login, user and password (None: none was handed over).
+    hub_login: tuple[str, str] | None = None
 
 
 def unseal(task: NodeTask, args: list[str], key_id: str, secret: bytes) -> Opened | str:
@@ -220,7 +233,14 @@ def unseal(task: NodeTask, args: list[str], key_id: str, secret: bytes) -> Opene
         sandbox = open_secret(secret, envelope.sandbox_key_sealed)
         if sandbox is None:
             return "the sandbox key is not sealed for this node"
-    return Opened(envelope, key, sandbox)
+    login = None
+    if envelope.hub_login is not None:
+        user, _, sealed = envelope.hub_login.partition(" ")
+        password = open_secret(secret, sealed) if sealed else None
+        if password is None:
+            return "the hub login is not sealed for this node"
+        login = (user, password.decode(errors="replace"))
+    return Opened(envelope, key, sandbox, login)
 
 
 def revocation(key_ids: list[str], key_id: str, secret: bytes) -> bytes:

@@ -197,6 +197,16 @@ class KeyLookup:
         """The newest live key of ``subject`` in ``role`` (a node's, to seal its tasks)."""
         raise NotImplementedError
 
+    def ticket_key(self) -> bytes:  # pragma: no cover - interface
+        """The key snapshot logins to the image hub are proven with (the scheduler
+        makes them, the hub's token service checks them: app/domain/hub_access.py)."""
+        raise NotImplementedError
+
+
+def derive_ticket_key(master: bytes) -> bytes:
+    """The hub ticket key, from the master key."""
+    return hmac.new(master, b"dsec hub tickets", hashlib.sha256).digest()
+
 
 class InMemoryKeys(KeyLookup):
     """Keys held in a dict, all derived from one master key (tests, benchmarks)."""
@@ -205,6 +215,9 @@ class InMemoryKeys(KeyLookup):
         self.master = master
         self.keys: dict[str, KeyInfo] = {}
         self.add(SCHEDULER_KEY_ID, Role.SCHEDULER, "scheduler")
+
+    def ticket_key(self) -> bytes:
+        return derive_ticket_key(self.master)
 
     def add(self, key_id: str, role: Role, subject: str) -> KeyInfo:
         """A new key (its secret derived as the platform derives it)."""

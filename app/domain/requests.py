@@ -287,6 +287,22 @@ class ThawSandbox(RequestBase):
     type: Literal["ThawSandbox"] = "ThawSandbox"
 
 
+class SnapshotSandbox(RequestBase):
+    """Keep a sandbox's files as an image of its tenant: its image with what its
+    /workspace holds now, pushed to the hub as ``tenants/<tenant>/<name>:<tag>``
+    (answered ``done`` with that name, which creates then start sandboxes from)."""
+
+    type: Literal["SnapshotSandbox"] = "SnapshotSandbox"
+    name: str = Field(
+        pattern=r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$",
+        max_length=100,
+        description="Image name within the tenant's namespace (lower case, / between parts).",
+    )
+    tag: str = Field(
+        "latest", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$", description="Image tag."
+    )
+
+
 class RenewLease(RequestBase):
     """A trainer is alive: ``sandbox_id`` names its lease (and keys the message)."""
 
@@ -308,6 +324,7 @@ Request = Annotated[
     | DestroySandbox
     | FreezeSandbox
     | ThawSandbox
+    | SnapshotSandbox
     | RenewLease,
     Field(discriminator="type"),
 ]

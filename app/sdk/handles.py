@@ -30,6 +30,7 @@ from app.domain.requests import (
     KillCommand,
     ReadFile,
     RequestBase,
+    SnapshotSandbox,
     WriteFile,
 )
 from app.errors import (
@@ -412,6 +413,20 @@ class Sandbox:
                 reason=TransferReason.INCOMPLETE,
             )
         return data
+
+    def snapshot_steps(
+        self, name: str, tag: str = "latest", timeout_s: float = 300.0
+    ) -> Steps[str]:
+        """Keep this sandbox's files (its image with what its /workspace holds now) as
+        an image of its tenant, and return its name: ``client.create(image=...)`` and
+        ``client.create_group(n, image=...)`` start copies of it. The sandbox's
+        processes are stopped while its files are read (docs/images.md)."""
+        request = SnapshotSandbox(name=name, tag=tag, **self.client.request_fields(self.id))
+        reply = yield self.client.ask(request, timeout_s)
+        assert isinstance(reply, Done)
+        return reply.detail
+
+    snapshot = blocking(snapshot_steps)
 
     def close_steps(self, timeout_s: float | None = None) -> Steps[None]:
         """Destroy the sandbox (idempotent)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import ssl
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -281,3 +282,75 @@ def test_every_push_is_in_the_audit_trail_and_the_images_quota_holds(
             assert client.images.push("first", rootfs, tag="2") == f"tenants/{tenant}/first:2"
     finally:
         forget_tenant(stack, tenant)
+
+
+def test_a_snapshot_keeps_the_workspace_and_a_group_forks_from_it(
+    stack: Settings, client: Any
+) -> None:
+    name, tag = f"snap{uuid.uuid4().hex[:6]}", "1"
+    image = f"tenants/{client.tenant}/{name}:{tag}"
+    try:
+        with client.create() as sandbox:
+            # Given a sandbox that wrote files, a directory and a link to /
+            made = sandbox.exec(
+                "echo hi > /workspace/a && mkdir /workspace/d && echo x > /workspace/d/b"
+                " && ln -s / /workspace/up && chmod 4755 /workspace/a"
+            )
+            assert made.ok, made
+            # When it is snapshotted, the answer names the tenant's image
+            assert sandbox.snapshot(name, tag=tag) == image
+            # and the sandbox goes on running (its processes were only stopped)
+            assert sandbox.exec("cat /workspace/a").text == "hi\n"
+        # Then a group forked from the snapshot holds the files, the link as a link
+        with client.create_group(2, image=image) as group:
+            for fork in group:
+                seen = fork.exec("cat /workspace/a /workspace/d/b; readlink /workspace/up")
+                assert seen.text == "hi\nx\n/\n", seen
+                # and nothing came back setuid
+                assert fork.exec("stat -c %a /workspace/a").text == "755\n"
+        # and the hub's audit trail has the push, by the node's ticket, for the tenant
+        pushed = [r for r in _audit_where(stack, f"tenants/{client.tenant}/{name}") if r.tag]
+        assert pushed and pushed[0].actor_key == f"ticket:{stack.node_id}"
+    finally:
+        wait_for(lambda: not image_store.image_users(image, stack), 20, "the forks to go")
+        if image_exists(image, stack):
+            image_store.remove_image(image, stack)
+
+
+def _audit_where(settings: Settings, repository: str) -> list[Any]:
+    from app.db.engine import transaction
+
+    def rows() -> list[Any]:
+        with transaction(settings.database_url) as conn:
+            query = "SELECT actor_key, tag FROM hub_events WHERE repository = :r"
+            return list(conn.execute(text(query), {"r": repository}))
+
+    return list(wait_for(lambda: [r for r in rows() if r.tag], 20, "the audit rows"))
+
+
+def test_a_snapshot_ticket_pushes_to_its_one_repository_and_cannot_be_forged(
+    stack: Settings,
+) -> None:
+    from app.control.keyring import read_master
+    from app.domain.hub_access import ticket_password, ticket_user
+    from app.domain.proof import derive_ticket_key
+
+    key = derive_ticket_key(read_master(stack))
+    url = f"https://{stack.hub.rpartition(':')[0]}:{stack.hub_auth_port}/token?service=dsec-hub"
+
+    def granted(user: str, password: str, repository: str) -> Any:
+        status, body = _get(
+            stack, f"{url}&scope=repository:{repository}:pull,push", (user, password)
+        )
+        return _granted((status, body)) if status == 200 else status
+
+    # Given a ticket the scheduler would hand node0 for one repository
+    user = ticket_user(stack.node_id, "tenants/acme/snap", int(time.time()) + 60)
+    assert granted(user, ticket_password(key, user), "tenants/acme/snap") == ["pull", "push"]
+    # Then it pushes nowhere else, and a guessed, altered or expired one gets nothing
+    assert granted(user, ticket_password(key, user), "tenants/acme/other") == ["pull"]
+    assert granted(user, ticket_password(b"guess" * 8, user), "tenants/acme/snap") == 401
+    other = ticket_user(stack.node_id, "tenants/victim/snap", int(time.time()) + 60)
+    assert granted(other, ticket_password(key, user), "tenants/victim/snap") == 401
+    stale = ticket_user(stack.node_id, "tenants/acme/snap", int(time.time()) - 1)
+    assert granted(stale, ticket_password(key, stale), "tenants/acme/snap") == 401

@@ -96,6 +96,7 @@ def from_list(attrs: dict[str, Any], oom_killed: bool) -> SandboxContainer:
         exit_code=None if state in ("running", "created") else int(attrs.get("ExitCode") or 0),
         oom_killed=oom_killed,
         labels=labels,
+        pid=int(attrs.get("Pid") or 0) or None,
     )
 
 
@@ -113,4 +114,5 @@ def from_inspect(data: dict[str, Any]) -> SandboxContainer:
         exit_code=None if state in ("running", "created") else int(st.get("ExitCode") or 0),
         oom_killed=bool(st.get("OOMKilled")),
         labels=labels,
+        pid=int(st.get("Pid") or 0) or None,
     )

@@ -44,6 +44,8 @@ class SandboxContainer:
     #: flag, or the sandbox cgroup's OOM kill counter; may be set while it runs).
     oom_killed: bool
     labels: dict[str, str] = field(default_factory=dict)
+    #: Its init process on the host (None: not running, or not known).
+    pid: int | None = None
 
     @property
     def running(self) -> bool:

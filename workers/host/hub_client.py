@@ -131,6 +131,39 @@ class HubClient:
         """A create names ``image`` (its place in the eviction order)."""
         self.budget.used(image)
 
+    def snapshot(
+        self, base: str, workspace: Path, ref: HubReference, login: tuple[str, str]
+    ) -> None:
+        """Build ``base`` plus ``workspace`` (a tar of a sandbox's /workspace) into the
+        store as ``ref``'s local name, and push it to the hub with ``login`` (a
+        snapshot's ticket: that repository only)."""
+        name = local_name(ref)
+        context = workspace.parent
+        (context / "Containerfile").write_text(f"FROM {base}\nADD {workspace.name} /workspace/\n")
+        with store_lock(self.settings):
+            built = store_podman(
+                self.settings, "build", "--pull=never", "--network=none", "--layers=false",
+                "--quiet", "--tag", name, "--file", str(context / "Containerfile"), str(context),
+                check=False,
+            )  # fmt: skip
+        if built.returncode != 0:
+            err = built.stderr.decode(errors="replace").strip().splitlines()
+            raise NodeError(f"snapshot build failed: {err[-1] if err else built.returncode}")
+        user, password = login
+        auth = context / "auth.json"
+        raw = base64.b64encode(f"{user}:{password}".encode()).decode()
+        secret_files.write(auth, json.dumps({"auths": {self.settings.hub: {"auth": raw}}}).encode())
+        trust = trust_dir(self.settings, ca_pem(self.settings, self.credential))
+        pushed = store_podman(
+            self.settings, "push", "--quiet", "--authfile", str(auth), "--cert-dir", str(trust),
+            name, f"docker://{self.settings.hub}/{ref}", check=False,
+        )  # fmt: skip
+        if pushed.returncode != 0:
+            err = pushed.stderr.decode(errors="replace").strip().splitlines()
+            raise NodeError(f"snapshot push to the hub failed: {err[-1] if err else ''}")
+        # The hub holds it: this host's copy may go when the disk budget needs room.
+        self.budget.pulled(name)
+
     def push(self, image: str) -> HubReference:
         """Copy ``image`` from the shared store to the hub (an operator's credential:
         nodes may not write); returns the name it has there."""
