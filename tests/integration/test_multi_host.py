@@ -31,8 +31,11 @@ from sqlalchemy.engine import Engine
 
 from app import secret_files
 from app.config import Settings
+from app.images import store as image_store
+from app.metrics import sample, scrape
 from app.stack.process import port_open
 from tests.conftest import flower_workers, wait_for
+from tests.integration.test_images import _rootfs
 from tests.pg_cluster import own_cluster
 from workers.host.mounts import remove_tree
 
@@ -62,6 +65,17 @@ from app.config import get_settings
 from app.sdk import Client
 out = []
 with Client(get_settings(), job_id="multi-host") as client:
+    if os.environ.get("MH_ROOTFS"):
+        # The tenant's own image, pushed from here to the hub; two sandboxes of it at once
+        image = client.images.push("mhtools", os.environ["MH_ROOTFS"], tag="1")
+        a = client.create(image=image, timeout_s=120)
+        b = client.create(image=image, timeout_s=120)
+        with a, b:
+            for box in (a, b):
+                out.append({"id": box.id, "node": box.node_id, "image": image,
+                            "stdout": box.exec("cat /etc/marker").text})
+        print(json.dumps(out))
+        raise SystemExit(0)
     if os.environ.get("MH_CREATE"):
         boxes = [client.create(timeout_s=120) for _ in range(int(os.environ["MH_CREATE"]))]
     else:
@@ -186,6 +200,8 @@ def _env(host: str, root: Path, redis_url: str, **more: str) -> dict[str, str]:
         ),
         "DSEC_METRICS_HOST": ADDRESS[host],
         "DSEC_FLOWER_HOST": ADDRESS[host],
+        # The unit's image hub, on the control host (`dsec control up` runs it).
+        "DSEC_HUB": f"{ADDRESS[CONTROL]}:5443",
         **more,
     }
 
@@ -206,6 +222,12 @@ def _dsec(host: str, env: dict[str, str], *args: str) -> str:
 def _trainer(env: dict[str, str], **more: str) -> list[dict[str, Any]]:
     out = _run(TRAINER, [sys.executable, "-c", TRAINER_SCRIPT], {**env, **more})
     return list(json.loads(out.strip().splitlines()[-1]))
+
+
+def _pulls(settings: Settings, node: str) -> float:
+    """Images node ``node`` pulled from the hub (its metrics, over the bridge)."""
+    url = f"http://{ADDRESS[node]}:{settings.node_metrics_port_of(node)}/metrics"
+    return sample(scrape(url), "dsec_node_image_pull_seconds_count") or 0.0
 
 
 def _query(engine: Engine, sql: str, **params: Any) -> list[Any]:
@@ -302,6 +324,20 @@ def test_nodes_on_other_hosts_serve_a_trainer_on_another_and_a_lost_host_ends_it
                 return all(any(n.startswith(f"{node}@") for n in names) for node in NODES)
 
             wait_for(both_in_flower, 60, "both node workers in Flower")
+
+            # And a trainer on a fourth host pushes its own image to the control host's hub
+            rootfs = root / TRAINER / "rootfs.tar"
+            rootfs.write_bytes(_rootfs("through the hub"))
+            image = "tenants/mhtrainer/mhtools:1"
+            try:
+                pulled = _trainer(envs[TRAINER], MH_ROOTFS=str(rootfs))
+                # Then both node hosts start sandboxes of it, fetched from the hub once
+                assert {box["node"] for box in pulled} == {NODE_A, NODE_B}, pulled
+                assert all(box["stdout"] == "through the hub" for box in pulled), pulled
+                assert sum(_pulls(stack, node) for node in NODES) == 1
+            finally:
+                wait_for(lambda: not image_store.image_users(image, stack), 30, "sandboxes gone")
+                image_store.remove_image(image, stack)
 
             # Then a trainer on a fourth host gets sandboxes on both, and they answer
             made = _trainer(envs[TRAINER], MH_CREATE="4")
