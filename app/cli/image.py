@@ -259,3 +259,33 @@ def prefetch(
             console.print(f"[green]✓[/] {name} {said}")
     except (NodeError, DsecError) as exc:
         raise _fail(str(exc)) from exc
+
+
+@image_cli.command()
+def share(
+    repository: Annotated[str, typer.Argument(help="A tenant's image repository.")],
+    with_: Annotated[
+        list[str] | None, typer.Option("--with", help="A tenant to share it with, repeatable.")
+    ] = None,
+    public: Annotated[bool, typer.Option("--public", help="Every tenant may use it.")] = False,
+    remove: Annotated[bool, typer.Option("--remove", help="Take the share back.")] = False,
+) -> None:
+    """Let tenants start sandboxes from a tenant's image (an operator's; owners share
+    their own with `client.images.share`). Takes effect within seconds."""
+    from app.db import hub_events
+    from app.db.engine import transaction
+    from app.domain.hub_access import PUBLIC, share_refusal
+    from app.domain.proof import Role
+
+    readers = [*(with_ or []), *([PUBLIC] if public else [])]
+    refused = share_refusal(Role.OPERATOR, "operator", repository, readers)
+    if refused is not None:
+        raise _fail(refused)
+    settings = get_settings()
+    with transaction(settings.database_url) as conn:
+        if remove:
+            hub_events.unshare(conn, repository, readers)
+        else:
+            hub_events.share(conn, repository, readers, "operator (cli)")
+    said = "no longer shared with" if remove else "shared with"
+    console.print(f"[green]✓[/] {repository} {said} {', '.join(readers)}")

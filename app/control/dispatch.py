@@ -232,7 +232,9 @@ class Dispatcher(LogFollower):
         assert isinstance(request, CreateSandbox | CreateGroup)
         members = expand_group(request) if isinstance(request, CreateGroup) else [request]
         sender = admitted.sender.principal
-        if not sender.is_operator and not may_use(sender.subject, request.image):
+        if not sender.is_operator and not may_use(
+            sender.subject, request.image, self.image_readers
+        ):
             # Nodes pull with a login that reads every image: the owner's check is here.
             told = f"image {request.image} is another tenant's: a sandbox starts from its own"
             reason = RejectReason.FORBIDDEN

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 
@@ -79,8 +79,11 @@ class LogFollower:
         trajectory: TrajectoryLog | None = None,
         tally: Tally | None = None,
         quotas: QuotaLookup | None = None,
+        image_readers: Callable[[str], Collection[str]] | None = None,
     ) -> None:
         self.settings = settings
+        #: Who else may use a tenant's image (app/control/image_shares.py).
+        self.image_readers: Callable[[str], Collection[str]] = image_readers or _nobody
         self.keys = keys
         self.trajectory = trajectory
         self.tally: Tally = tally or NoTally()
@@ -422,3 +425,8 @@ class LogFollower:
             self.send.emit(out, declared_end(entry.life(), StopReason.CREATE_LOST, detail,
                                              utcnow()))  # fmt: skip
             self._forget(entry.sandbox_id, StopReason.CREATE_LOST.value)
+
+
+def _nobody(repository: str) -> frozenset[str]:
+    """No image is shared (tests and tools that keep no shares)."""
+    return frozenset()

@@ -21,7 +21,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -34,11 +34,19 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from app import secret_files
 from app.config import Settings
+from app.control.image_shares import StoredShares
 from app.control.keyring import Keyring
 from app.control.stored_quotas import StoredQuotas
 from app.db import hub_events
 from app.db.engine import transaction
-from app.domain.hub_access import TICKET, grant, parse_scopes, password_matches, read_ticket
+from app.domain.hub_access import (
+    TICKET,
+    grant,
+    parse_scopes,
+    password_matches,
+    read_ticket,
+    share_refusal,
+)
 from app.domain.hub_events import HubEvent, read_envelope
 from app.domain.proof import Role
 
@@ -83,6 +91,7 @@ class TokenIssuer:
         key: ec.EllipticCurvePrivateKey,
         kid: str,
         may_add: Callable[[str, str], bool] = lambda tenant, repository: True,
+        readers: Callable[[str], Collection[str]] = lambda repository: (),
     ) -> None:
         """``may_add(tenant, repository)``: whether the tenant may push there (its
         images quota: a repository it has, or room for one more)."""
@@ -90,6 +99,8 @@ class TokenIssuer:
         self.key = key
         self.kid = kid
         self.may_add = may_add
+        #: Who else may read a tenant's repository (app/control/image_shares.py).
+        self.readers = readers
 
     def role_of(self, authorization: str | None) -> Login | None:
         """Who a Basic login is, or None: a platform credential's key, or a snapshot's
@@ -118,7 +129,7 @@ class TokenIssuer:
         now = int(time.time())
         access = []
         for scope in parse_scopes(scopes):
-            g = grant(login.role, scope, login.subject)
+            g = grant(login.role, scope, login.subject, self.readers(scope.name))
             actions = list(g.actions)
             if login.push_to is not None and g.name == login.push_to and "push" in scope.actions:
                 actions.append("push")  # a snapshot's ticket: this repository only
@@ -139,8 +150,35 @@ class TokenIssuer:
         return jwt.encode(claims, self.key, algorithm="ES256", headers={"kid": self.kid})
 
 
-def _handler(issuer: TokenIssuer) -> type[BaseHTTPRequestHandler]:
+Share = Callable[[str, list[str], str, bool], None]
+
+
+def _handler(issuer: TokenIssuer, share: Share) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            """``/share``: an owner (or an operator) lets tenants use an image
+            repository, or takes them back: ``{"repository", "readers", "remove"}``."""
+            who = issuer.role_of(self.headers.get("Authorization"))
+            if self.path != "/share" or who is None or who.push_to is not None:
+                self._answer(401, {"errors": [{"code": "UNAUTHORIZED", "message": "login"}]})
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                if not 0 < length <= MAX_REPORT_BYTES:
+                    raise ValueError("no body, or too large")
+                body = json.loads(self.rfile.read(length))
+                repository, readers = str(body["repository"]), [str(r) for r in body["readers"]]
+                remove = bool(body.get("remove", False))
+            except (ValueError, KeyError, TypeError) as exc:
+                self._answer(400, {"errors": [{"code": "INVALID", "message": str(exc)[:200]}]})
+                return
+            refused = share_refusal(who.role, who.subject, repository, readers)
+            if refused is not None:
+                self._answer(403, {"errors": [{"code": "DENIED", "message": refused}]})
+                return
+            share(repository, readers, who.key, remove)
+            self._answer(200, {"repository": repository, "readers": readers, "removed": remove})
+
         def do_GET(self) -> None:
             url = urlparse(self.path)
             if url.path != "/token":
@@ -290,7 +328,19 @@ def main(settings: Settings) -> None:
             hub_events.record(conn, events)
 
     keyring = Keyring.from_settings(settings)
-    issuer = TokenIssuer(keyring, key, key_id(key.public_key()), may_add)
+    shares = StoredShares.from_settings(settings)
+    issuer = TokenIssuer(keyring, key, key_id(key.public_key()), may_add, shares.readers)
+
+    def share(repository: str, readers: list[str], by: str, remove: bool) -> None:
+        with transaction(settings.database_url) as conn:
+            if remove:
+                hub_events.unshare(conn, repository, readers)
+            else:
+                hub_events.share(conn, repository, readers, by)
+        log.info(
+            "hub-auth: %s %s %s %s", by, "unshared" if remove else "shared", repository, readers
+        )
+
     secret = secret_files.read(events_secret_file(settings)).decode()
     reports = ThreadingHTTPServer(
         ("127.0.0.1", events_port(settings)), _events_handler(secret, record)
@@ -302,7 +352,7 @@ def main(settings: Settings) -> None:
     host = settings.hub.rpartition(":")[0] or "127.0.0.1"
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(server_pem(settings))
-    server = _TlsServer((host, settings.hub_auth_port), _handler(issuer), context)
+    server = _TlsServer((host, settings.hub_auth_port), _handler(issuer, share), context)
     log.info("hub-auth: tokens for %s on %s:%d", AUDIENCE, host, settings.hub_auth_port)
     # A long poll interval: it only sets how often an idle server checks for shutdown.
     server.serve_forever(poll_interval=3600)

@@ -38,6 +38,7 @@ from app.consuming import (
 )
 from app.control.dispatch import NAME, Dispatcher, LiveSandbox
 from app.control.follower import HEARTBEAT_TIMEOUT
+from app.control.image_shares import StoredShares
 from app.control.keyring import Keyring
 from app.control.lost_inboxes import FOLLOW_S, LostInboxes
 from app.control.outbox import Outbox
@@ -138,6 +139,7 @@ class Scheduler:
             PostgresTrajectoryLog(settings.database_url),
             metrics.SchedulerTally(),
             StoredQuotas.from_settings(settings),
+            StoredShares.from_settings(settings).readers,
         )
         self.placement = self.dispatcher.placement
         # Every tenant's replies topic exists before its first answer is sent (a send to

@@ -1,15 +1,16 @@
-"""The image hub's audit trail (``hub_events``): appended by the token service as
-the registry reports, read by operators (SQL) and by the token service (a tenant's
-repositories, for its images quota)."""
+"""The image hub's tables: its audit trail (``hub_events``), appended by the token
+service as the registry reports and read by operators (SQL) and by the token service
+(a tenant's repositories, for its images quota); and who else may use a tenant's
+images (``image_shares``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 
-from app.db.tables import hub_events
+from app.db.tables import hub_events, image_shares
 from app.domain.hub_events import HubEvent
 
 
@@ -47,3 +48,25 @@ def stored_bytes(conn: Connection, tenant: str) -> int:
         .subquery()
     )
     return int(conn.execute(select(func.coalesce(func.sum(blobs.c.size), 0))).scalar_one())
+
+
+def readers(conn: Connection) -> dict[str, frozenset[str]]:
+    """Every shared repository's readers (``*``: every tenant)."""
+    found: dict[str, set[str]] = {}
+    for row in conn.execute(select(image_shares.c.repository, image_shares.c.reader)):
+        found.setdefault(row.repository, set()).add(row.reader)
+    return {repository: frozenset(names) for repository, names in found.items()}
+
+
+def share(conn: Connection, repository: str, readers_: list[str], by: str) -> None:
+    """Let ``readers_`` use ``repository``'s images (already allowed: unchanged)."""
+    if readers_:
+        rows = [{"repository": repository, "reader": r, "shared_by": by} for r in readers_]
+        conn.execute(insert(image_shares).values(rows).on_conflict_do_nothing())
+
+
+def unshare(conn: Connection, repository: str, readers_: list[str]) -> int:
+    """Take ``readers_`` back; returns how many were there."""
+    t = image_shares
+    done = conn.execute(delete(t).where(t.c.repository == repository, t.c.reader.in_(readers_)))
+    return int(done.rowcount or 0)

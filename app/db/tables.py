@@ -220,6 +220,16 @@ hub_events = Table(
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
 )
 
+#: Who besides its owner may use a tenant's image (app/db/hub_events.py).
+image_shares = Table(
+    "image_shares",
+    metadata,
+    Column("repository", Text, primary_key=True),
+    Column("reader", Text, primary_key=True),
+    Column("shared_by", Text, nullable=False),
+    Column("shared_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+)
+
 #: Projection: one row per sandbox with the raw ``sandbox_lives_from_log`` view's
 #: rules (the first Requested, Started and Stopped win); ``sandbox_lives`` reads it.
 lives = Table(

@@ -27,11 +27,11 @@ import hashlib
 import hmac
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from app.domain.proof import Role
+from app.domain.proof import SUBJECT, Role
 
 
 class HubAction(StrEnum):
@@ -47,6 +47,8 @@ GRANTS: dict[Role, frozenset[HubAction]] = {
     Role.OPERATOR: frozenset(HubAction),
     Role.NODE: frozenset({HubAction.PULL}),
 }
+#: A reader of a tenant's image that means every tenant (public: an operator's decision).
+PUBLIC = "*"
 #: Where tenants' images live: ``tenants/<tenant>/<name>``.
 TENANTS = "tenants"
 #: What a tenant may do in its own namespace, and elsewhere.
@@ -99,12 +101,19 @@ def tenant_repository(tenant: str, name: str) -> str | None:
     return repository if valid_repository(repository) else None
 
 
-def grant(role: Role | None, scope: Scope, subject: str = "") -> Scope:
-    """What of ``scope`` the holder of ``role`` (named ``subject``) gets: possibly
-    no action at all."""
+def grant(
+    role: Role | None, scope: Scope, subject: str = "", readers: Collection[str] = ()
+) -> Scope:
+    """What of ``scope`` the holder of ``role`` (named ``subject``) gets, given who
+    else may read that repository (``readers``): possibly no action at all."""
     if role == Role.TENANT:
         owner = owner_of(scope.name)
-        allowed = OWN if owner == subject else PLATFORM if owner is None else frozenset()
+        if owner == subject:
+            allowed = OWN
+        elif owner is None or subject in readers or PUBLIC in readers:
+            allowed = PLATFORM  # the platform's images, or one shared with it: pull
+        else:
+            allowed = frozenset()
     else:
         allowed = GRANTS.get(role, frozenset()) if role is not None else frozenset()
     if scope.type != "repository" or not valid_repository(scope.name):
@@ -144,17 +153,22 @@ def hub_reference(image: str) -> HubReference | None:
     return HubReference(repository, tag)
 
 
-def may_use(tenant: str, image: str) -> bool:
-    """Whether a sandbox of ``tenant`` may start from ``image``: the platform's images
-    and the tenant's own, by name. A name that is no plain ``repository:tag`` (a
-    digest, another registry, or hex alone, which Podman may read as an image id) is
-    refused: each could reach another tenant's image in a node's store by other means
-    than its name."""
+def may_use(
+    tenant: str, image: str, readers_of: Callable[[str], Collection[str]] = lambda _: ()
+) -> bool:
+    """Whether a sandbox of ``tenant`` may start from ``image``: the platform's images,
+    the tenant's own and those shared with it (``readers_of(repository)``), by name.
+    A name that is no plain ``repository:tag`` (a digest, another registry, or hex
+    alone, which Podman may read as an image id) is refused: each could reach another
+    tenant's image in a node's store by other means than its name."""
     ref = hub_reference(image)
     if ref is None or _HEX.fullmatch(ref.repository):
         return False
     owner = owner_of(ref.repository)
-    return owner is None or owner == tenant
+    if owner is None or owner == tenant:
+        return True
+    readers = readers_of(ref.repository)
+    return tenant in readers or PUBLIC in readers
 
 
 #: How a snapshot's login to the hub starts (the rest names the node, the repository
@@ -191,6 +205,30 @@ def read_ticket(key: bytes, user: str, password: str, now: float) -> tuple[str, 
     if not isinstance(node, str) or not isinstance(repository, str) or not isinstance(expires, int):
         return None
     return (node, repository) if expires > now else None
+
+
+def share_refusal(role: Role, subject: str, repository: str, readers: list[str]) -> str | None:
+    """Why ``subject`` (of ``role``) may not share ``repository`` with ``readers``
+    (or take them back); None if it may. An owner shares its own images with named
+    tenants; making one public (``*``) is an operator's decision."""
+    owner = owner_of(repository) if valid_repository(repository) else None
+    if owner is None:
+        return f"{repository!r} is not a tenant's image repository"
+    if not readers or len(readers) > MAX_READERS:
+        return f"name 1 to {MAX_READERS} readers"
+    for reader in readers:
+        if reader == PUBLIC:
+            if role != Role.OPERATOR:
+                return "only an operator makes an image public"
+        elif SUBJECT.match(reader) is None:
+            return f"{reader!r} is not a tenant name"
+    if role == Role.OPERATOR or (role == Role.TENANT and owner == subject):
+        return None
+    return f"{repository} is not {subject}'s"
+
+
+#: Most readers one share names.
+MAX_READERS = 100
 
 
 def hub_password(secret: bytes) -> str:

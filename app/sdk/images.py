@@ -102,6 +102,45 @@ class Images:
                    {"Content-Type": OCI_MANIFEST})  # fmt: skip
         return str(ref)
 
+    def share(self, name: str, tenants: list[str], *, remove: bool = False) -> None:
+        """Let ``tenants`` start sandboxes from this tenant's image ``name`` (every
+        tag), or with ``remove`` take that back; effective within seconds. Making an
+        image public is an operator's decision (`dsec image share --public`)."""
+        repository = tenant_repository(self.credential.subject, name)
+        if repository is None:
+            raise ConfigError(f"{name} is not an image name the hub can hold")
+        body = json.dumps({"repository": repository, "readers": tenants, "remove": remove})
+        login = f"{self.credential.key_id}:{hub_password(self.credential.secret)}"
+        request = urllib.request.Request(
+            self._service_url("/share"), data=body.encode(), method="POST",
+            headers={"Content-Type": "application/json",
+                     "Authorization": "Basic " + base64.b64encode(login.encode()).decode()},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, context=self._context(), timeout=30):
+                return
+        except urllib.error.HTTPError as exc:
+            said = exc.read().decode(errors="replace")[:300]
+            raise PushError(f"sharing {name} was refused ({exc.code}): {said}") from exc
+        except OSError as exc:
+            raise PushError(f"the hub's token service did not answer: {exc}") from exc
+
+    def _service_url(self, path: str) -> str:
+        """A path on the hub's token service, found where the hub sends logins."""
+        try:
+            urllib.request.urlopen(
+                f"https://{self.settings.hub}/v2/", context=self._context(), timeout=30
+            ).close()
+        except urllib.error.HTTPError as exc:
+            challenge = str(exc.headers.get("WWW-Authenticate", ""))
+            fields: dict[str, str] = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
+            realm = fields.get("realm", "")
+            if realm.startswith("https://") and realm.endswith("/token"):
+                return realm[: -len("/token")] + path
+        except OSError as exc:
+            raise PushError(f"the hub at {self.settings.hub} did not answer: {exc}") from exc
+        raise PushError("the hub names no token service")
+
     # --- the protocol ---------------------------------------------------------------
 
     def _blob(self, repository: str, digest: str, size: int, body: IO[bytes]) -> None:

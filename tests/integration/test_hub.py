@@ -354,3 +354,66 @@ def test_a_snapshot_ticket_pushes_to_its_one_repository_and_cannot_be_forged(
     assert granted(other, ticket_password(key, user), "tenants/victim/snap") == 401
     stale = ticket_user(stack.node_id, "tenants/acme/snap", int(time.time()) - 1)
     assert granted(stale, ticket_password(key, stale), "tenants/acme/snap") == 401
+
+
+def test_an_owner_shares_an_image_with_a_named_tenant_and_takes_it_back(
+    stack: Settings, tmp_path: Path
+) -> None:
+    owner, reader, third = (f"hubs{uuid.uuid4().hex[:6]}" for _ in range(3))
+    rootfs = tmp_path / "rootfs.tar"
+    rootfs.write_bytes(_rootfs("shared"))
+    image = ""
+
+    def starts(client: Any) -> bool:
+        try:
+            with client.create(image=image) as sandbox:
+                return bool(sandbox.exec("cat /etc/marker").text == "shared")
+        except SandboxRejectedError:
+            return False
+
+    try:
+        with (
+            tenant_client(stack, owner, "hub") as mine,
+            tenant_client(stack, reader, "hub") as theirs,
+            tenant_client(stack, third, "hub") as others,
+        ):
+            image = mine.images.push("shared", rootfs, tag="1")
+            repo = f"repository:tenants/{owner}/shared:pull"
+            assert not starts(theirs)
+            # When its owner shares it with one tenant, that tenant's sandboxes start from it
+            mine.images.share("shared", [reader])
+            wait_for(lambda: starts(theirs), 20, "the share to hold")
+            assert _granted(_token(stack, theirs.credential, repo)) == ["pull"]
+            # and nobody else's: a third tenant, or the reader sharing it further
+            assert _granted(_token(stack, others.credential, repo)) == []
+            assert not starts(others)
+            with pytest.raises(PushError, match="403"):
+                _post_share(stack, theirs.credential, f"tenants/{owner}/shared", [third])
+            with pytest.raises(PushError, match="only an operator makes an image public"):
+                mine.images.share("shared", ["*"])
+            # When it takes the share back, the reader's creates are refused again
+            mine.images.share("shared", [reader], remove=True)
+            wait_for(lambda: not starts(theirs), 20, "the unshare to hold")
+            # and an operator may make it public
+            done = runner.invoke(cli, ["image", "share", f"tenants/{owner}/shared", "--public"])
+            assert done.exit_code == 0, done.output
+            wait_for(lambda: _granted(_token(stack, others.credential, repo)) == ["pull"], 20, "")
+    finally:
+        if image:
+            wait_for(lambda: not image_store.image_users(image, stack), 20, "the sandboxes to go")
+            image_store.remove_image(image, stack)
+        for name in (owner, reader, third):
+            forget_tenant(stack, name)
+
+
+def _post_share(settings: Settings, cred: Any, repository: str, readers: list[str]) -> None:
+    """A share asked for with ``cred``'s login, whoever owns ``repository``."""
+    url = f"https://{settings.hub.rpartition(':')[0]}:{settings.hub_auth_port}/share"
+    login = base64.b64encode(f"{cred.key_id}:{hub_password(cred.secret)}".encode()).decode()
+    body = json.dumps({"repository": repository, "readers": readers}).encode()
+    request = urllib.request.Request(url, data=body, method="POST")
+    request.add_header("Authorization", f"Basic {login}")
+    try:
+        urllib.request.urlopen(request, context=_tls(settings), timeout=10).close()
+    except urllib.error.HTTPError as exc:
+        raise PushError(f"refused {exc.code}") from exc

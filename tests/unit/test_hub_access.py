@@ -14,6 +14,7 @@ from app.domain.hub_access import (
     owner_of,
     parse_scopes,
     password_matches,
+    share_refusal,
 )
 from app.domain.proof import Role
 
@@ -127,3 +128,33 @@ def test_a_sandbox_starts_only_from_the_platforms_images_and_its_tenants_own() -
 )
 def test_names_that_could_reach_an_image_by_other_means_are_refused(image: str) -> None:
     assert not may_use("acme", image)
+
+
+def test_a_shared_repository_is_readable_by_its_readers_only() -> None:
+    scope = Scope("repository", "tenants/acme/tools", ("pull", "push"))
+    assert grant(Role.TENANT, scope, "bob", readers={"bob"}).actions == ("pull",)
+    assert grant(Role.TENANT, scope, "eve", readers={"bob"}).actions == ()
+    assert grant(Role.TENANT, scope, "eve", readers={"*"}).actions == ("pull",)
+    assert may_use("bob", "tenants/acme/tools:1", lambda repo: {"bob"})
+    assert not may_use("eve", "tenants/acme/tools:1", lambda repo: {"bob"})
+    assert may_use("eve", "tenants/acme/tools:1", lambda repo: {"*"})
+
+
+@pytest.mark.parametrize(
+    ("role", "subject", "repository", "readers", "refused"),
+    [
+        (Role.TENANT, "acme", "tenants/acme/tools", ["bob"], None),
+        (Role.TENANT, "bob", "tenants/acme/tools", ["eve"], "not bob's"),
+        (Role.TENANT, "acme", "tenants/acme/tools", ["*"], "only an operator"),
+        (Role.OPERATOR, "ops", "tenants/acme/tools", ["*"], None),
+        (Role.OPERATOR, "ops", "dsec/busybox", ["bob"], "not a tenant's"),
+        (Role.TENANT, "acme", "tenants/acme/tools", [], "readers"),
+        (Role.TENANT, "acme", "tenants/acme/tools", ["Bad Name"], "not a tenant name"),
+        (Role.NODE, "node0", "tenants/acme/tools", ["bob"], "not node0's"),
+    ],
+)
+def test_who_may_share_what(
+    role: Role, subject: str, repository: str, readers: list[str], refused: str | None
+) -> None:
+    said = share_refusal(role, subject, repository, readers)
+    assert said is None if refused is None else said is not None and refused in said
