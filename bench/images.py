@@ -176,12 +176,37 @@ def snapshots(settings: Settings, changed_mb: int, rounds: int, forks: int) -> d
             _wait_unused(settings, image)
             if image_exists(image, settings):
                 remove_image(image, settings)
+    pause_s, resume_s = pause_and_resume(settings, changed_mb)
     p50 = percentile(took, 50)
     print(
         f"snapshot of {changed_mb} MB changed: p50 {p50:.2f} s (max {max(took):.2f});"
-        f" fork of {forks} from it: {fork_s:.2f} s to all ready"
+        f" fork of {forks} from it: {fork_s:.2f} s to all ready;"
+        f" pause {pause_s:.2f} s, resume to first command {resume_s:.2f} s"
     )
-    return {"snapshot_s": p50, "fork_s": fork_s}
+    return {"snapshot_s": p50, "fork_s": fork_s, "pause_s": pause_s, "resume_s": resume_s}
+
+
+def pause_and_resume(settings: Settings, changed_mb: int) -> tuple[float, float]:
+    """A sandbox with ``changed_mb`` written paused (snapshot, destroy), then resumed
+    (a create from its image) to its first command."""
+    image = ""
+    try:
+        with Client(settings) as client:
+            box = client.create(ttl_s=600)
+            box.exec(f"head -c {changed_mb << 20} /dev/urandom > /workspace/data", timeout_s=120)
+            began = time.monotonic()
+            image = box.pause()
+            paused = time.monotonic() - began
+            began = time.monotonic()
+            with client.create(image=image, ttl_s=600) as back:
+                assert back.exec("test -s /workspace/data").ok
+                resumed = time.monotonic() - began
+    finally:
+        if image:
+            _wait_unused(settings, image)
+            if image_exists(image, settings):
+                remove_image(image, settings)
+    return paused, resumed
 
 
 def main() -> None:
@@ -207,7 +232,8 @@ def main() -> None:
         got = snapshots(settings, args.snapshot_mb, args.rounds, args.forks)
         parts.append(
             f"snapshot_{args.snapshot_mb}mb_s={got['snapshot_s']:.2f}"
-            f" fork_{args.forks}_s={got['fork_s']:.2f}"
+            f" fork_{args.forks}_s={got['fork_s']:.2f} pause_s={got['pause_s']:.2f}"
+            f" resume_s={got['resume_s']:.2f}"
         )
     if args.tasks:
         got = task_images(settings, args.tasks)

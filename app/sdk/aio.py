@@ -38,6 +38,8 @@ class AsyncClient:
     def __init__(self, settings: Settings | None = None, **options: Any) -> None:
         #: The sync client whose operations this one awaits.
         self.sync = Client(settings, **options)
+        #: The tenant's images in the hub (blocking calls: run them in a thread).
+        self.images = self.sync.images
 
     async def call(
         self,
@@ -121,6 +123,8 @@ class AsyncSandbox:
     read_file = awaited(Sandbox.read_file_steps)
     upload = awaited(Sandbox.upload_steps)
     download = awaited(Sandbox.download_steps)
+    snapshot = awaited(Sandbox.snapshot_steps)
+    pause = awaited(Sandbox.pause_steps)
     close = awaited(Sandbox.close_steps)
 
     def stream(

@@ -428,6 +428,17 @@ class Sandbox:
 
     snapshot = blocking(snapshot_steps)
 
+    def pause_steps(self, name: str | None = None, timeout_s: float = 300.0) -> Steps[str]:
+        """Give the sandbox's memory, CPUs and place back and keep its files: a snapshot
+        (:meth:`snapshot`), then a destroy. Returns the image ``client.create(image=...)``
+        resumes it from, with its /workspace as it was (not its processes: a freeze
+        keeps those, and holds its memory)."""
+        image = yield from self.snapshot_steps(name or f"paused-{self.id}", "paused", timeout_s)
+        yield from self.close_steps()
+        return image
+
+    pause = blocking(pause_steps)
+
     def close_steps(self, timeout_s: float | None = None) -> Steps[None]:
         """Destroy the sandbox (idempotent)."""
         if self.closed:

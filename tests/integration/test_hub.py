@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from app import credentials
 from app.cli.main import cli
 from app.config import Settings
+from app.db.engine import transaction
 from app.domain.hub_access import hub_password
 from app.errors import SandboxFailedError, SandboxRejectedError
 from app.images import store as image_store
@@ -318,8 +319,6 @@ def test_a_snapshot_keeps_the_workspace_and_a_group_forks_from_it(
 
 
 def _audit_where(settings: Settings, repository: str) -> list[Any]:
-    from app.db.engine import transaction
-
     def rows() -> list[Any]:
         with transaction(settings.database_url) as conn:
             query = "SELECT actor_key, tag FROM hub_events WHERE repository = :r"
@@ -417,3 +416,39 @@ def _post_share(settings: Settings, cred: Any, repository: str, readers: list[st
         urllib.request.urlopen(request, context=_tls(settings), timeout=10).close()
     except urllib.error.HTTPError as exc:
         raise PushError(f"refused {exc.code}") from exc
+
+
+def test_a_paused_sandbox_gives_its_room_back_and_resumes_with_its_files(
+    stack: Settings,
+) -> None:
+    from app.sdk.aio import AsyncClient
+    from tests.integration.test_sdk_async import scenario
+
+    async def body(client: AsyncClient) -> tuple[str, str, str]:
+        box = await client.create()
+        await box.exec("echo kept > /workspace/f")
+        # When it is paused, it is kept as an image and destroyed
+        image = await box.pause()
+        # Then a sandbox resumed from that image has its files
+        back = await client.create(image=image)
+        try:
+            seen = (await back.exec("cat /workspace/f")).text
+        finally:
+            await back.close()
+        return image, box.sync.id, seen
+
+    image, paused_id, seen = scenario(stack, body)
+    try:
+        assert image == f"tenants/tests/paused-{paused_id}:paused"
+        assert seen == "kept\n"
+
+        # and the paused sandbox ended, its room given back
+        def state() -> Any:
+            with transaction(stack.database_url) as conn:
+                query = "SELECT state FROM sandboxes WHERE sandbox_id = :s"
+                return conn.execute(text(query), {"s": paused_id}).scalar()
+
+        wait_for(lambda: state() == "stopped", 20, "the paused sandbox to stop")
+    finally:
+        wait_for(lambda: not image_store.image_users(image, stack), 20, "the sandbox to go")
+        image_store.remove_image(image, stack)
