@@ -46,6 +46,7 @@ from app.domain.hub_access import (
     password_matches,
     read_ticket,
     share_refusal,
+    ticket_actor,
 )
 from app.domain.hub_events import HubEvent, read_envelope
 from app.domain.proof import Role
@@ -73,7 +74,7 @@ def key_id(public_key: ec.EllipticCurvePublicKey) -> str:
 class Login:
     """Who asks for a token."""
 
-    #: The key id (what the audit trail names), or ``ticket:<node>``.
+    #: The key id (what the audit trail names), or ``ticket:<node>:<job>``.
     key: str
     role: Role
     #: The tenant or node it belongs to.
@@ -117,8 +118,8 @@ class TokenIssuer:
             found_ticket = read_ticket(self.keyring.ticket_key(), user, password, time.time())
             if found_ticket is None:
                 return None
-            node, repository = found_ticket
-            return Login(f"ticket:{node}", Role.NODE, node, push_to=repository)
+            node, repository, job = found_ticket
+            return Login(ticket_actor(node, job), Role.NODE, node, push_to=repository)
         found = self.keyring.lookup(user)
         if found is None or found.revoked or not password_matches(found.secret, password):
             return None

@@ -164,7 +164,8 @@ class Courier:
         repository = tenant_repository(request.tenant, request.name)
         if repository is None:
             return None
-        user = ticket_user(node.node_id, repository, int(time.time()) + TICKET_TTL_S)
+        expires = int(time.time()) + TICKET_TTL_S
+        user = ticket_user(node.node_id, repository, expires, request.job_id)
         password = ticket_password(self._keys.ticket_key(), user)
         return f"{user} {seal_secret(secret, password.encode())}"
 

@@ -212,6 +212,7 @@ hub_events = Table(
     Column("action", Text, nullable=False),
     Column("actor_key", Text, nullable=False),
     Column("tenant", Text),
+    Column("job", Text),
     Column("repository", Text, nullable=False),
     Column("tag", Text),
     Column("digest", Text, nullable=False),

@@ -178,10 +178,11 @@ TICKET = "ticket."
 TICKET_TTL_S = 600
 
 
-def ticket_user(node: str, repository: str, expires: int) -> str:
+def ticket_user(node: str, repository: str, expires: int, job: str = "") -> str:
     """The user name of a one-repository hub login the scheduler hands a node for a
-    snapshot: the node may push there, and only there, until ``expires``."""
-    raw = json.dumps([node, repository, expires], separators=(",", ":")).encode()
+    snapshot: the node may push there, and only there, until ``expires``; ``job`` is
+    the snapshot's job, which its storage is billed to."""
+    raw = json.dumps([node, repository, expires, job], separators=(",", ":")).encode()
     return TICKET + base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
@@ -191,20 +192,31 @@ def ticket_password(key: bytes, user: str) -> str:
     return hmac.new(key, user.encode(), hashlib.sha256).hexdigest()
 
 
-def read_ticket(key: bytes, user: str, password: str, now: float) -> tuple[str, str] | None:
-    """The node and repository of a valid, unexpired ticket login; else None."""
+def read_ticket(key: bytes, user: str, password: str, now: float) -> tuple[str, str, str] | None:
+    """The node, repository and job of a valid, unexpired ticket login; else None."""
     if not user.startswith(TICKET) or not hmac.compare_digest(ticket_password(key, user), password):
         return None
     body = user[len(TICKET) :]
     try:
-        node, repository, expires = json.loads(
+        node, repository, expires, job = json.loads(
             base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         )
     except (ValueError, TypeError):
         return None
-    if not isinstance(node, str) or not isinstance(repository, str) or not isinstance(expires, int):
+    if not all(isinstance(v, str) for v in (node, repository, job)):
         return None
-    return (node, repository) if expires > now else None
+    return (node, repository, job) if isinstance(expires, int) and expires > now else None
+
+
+def ticket_actor(node: str, job: str) -> str:
+    """How the hub's audit trail names a snapshot's push: by its node and job."""
+    return f"ticket:{node}:{job}"
+
+
+def job_of(actor: str) -> str | None:
+    """The job a push's actor names (a snapshot's ticket), or None."""
+    kind, _, rest = actor.partition(":")
+    return (rest.partition(":")[2] or None) if kind == "ticket" else None
 
 
 def share_refusal(role: Role, subject: str, repository: str, readers: list[str]) -> str | None:

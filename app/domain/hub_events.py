@@ -14,7 +14,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.domain.hub_access import owner_of
+from app.domain.hub_access import job_of, owner_of
 
 #: Actions the audit keeps.
 KEPT = frozenset({"push", "delete"})
@@ -56,6 +56,8 @@ class HubEvent(BaseModel):
     action: str
     actor_key: str
     tenant: str | None
+    #: The job a snapshot's storage is billed to (None: a tenant's own push).
+    job: str | None
     repository: str
     tag: str | None
     digest: str
@@ -86,6 +88,7 @@ def read_envelope(body: object) -> tuple[list[HubEvent], int]:
                 action=event.action,
                 actor_key=event.actor.name or "-",
                 tenant=owner_of(target.repository),
+                job=job_of(event.actor.name),
                 repository=target.repository,
                 tag=target.tag,
                 digest=target.digest,

@@ -309,9 +309,17 @@ def test_a_snapshot_keeps_the_workspace_and_a_group_forks_from_it(
                 assert seen.text == "hi\nx\n/\n", seen
                 # and nothing came back setuid
                 assert fork.exec("stat -c %a /workspace/a").text == "755\n"
-        # and the hub's audit trail has the push, by the node's ticket, for the tenant
-        pushed = [r for r in _audit_where(stack, f"tenants/{client.tenant}/{name}") if r.tag]
-        assert pushed and pushed[0].actor_key == f"ticket:{stack.node_id}"
+        # and the hub's audit trail has the push, by the node's ticket, for the tenant's
+        # job, whose storage is billed in SQL
+        pushed = _audit_where(stack, f"tenants/{client.tenant}/{name}")
+        assert pushed[0].actor_key == f"ticket:{stack.node_id}:{client.job_id}"
+        assert pushed[0].job == client.job_id
+        with transaction(stack.database_url) as conn:
+            billed = conn.execute(
+                text("SELECT bytes, gb_hours FROM image_storage WHERE tenant = :t AND job = :j"),
+                {"t": client.tenant, "j": client.job_id},
+            ).one()
+        assert billed.bytes > 0 and billed.gb_hours >= 0
     finally:
         wait_for(lambda: not image_store.image_users(image, stack), 20, "the forks to go")
         if image_exists(image, stack):
@@ -321,7 +329,7 @@ def test_a_snapshot_keeps_the_workspace_and_a_group_forks_from_it(
 def _audit_where(settings: Settings, repository: str) -> list[Any]:
     def rows() -> list[Any]:
         with transaction(settings.database_url) as conn:
-            query = "SELECT actor_key, tag FROM hub_events WHERE repository = :r"
+            query = "SELECT actor_key, job, tag FROM hub_events WHERE repository = :r"
             return list(conn.execute(text(query), {"r": repository}))
 
     return list(wait_for(lambda: [r for r in rows() if r.tag], 20, "the audit rows"))

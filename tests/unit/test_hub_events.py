@@ -35,6 +35,13 @@ def test_pushes_and_deletions_are_kept_with_their_tenant_and_actor() -> None:
         ("delete", "acme", "tenants/acme/tools", None, "sha256:cc", 500),
     ]
     assert {e.actor_key for e in kept} == {"k-acme-1"}
+    assert {e.job for e in kept} == {None}  # a tenant's own push: no job
+
+
+def test_a_snapshot_push_is_billed_to_the_job_its_ticket_names() -> None:
+    event = _event("push", tag="1") | {"actor": {"name": "ticket:node0:rl-run-7"}}
+    [kept], _ = read_envelope({"events": [event]})
+    assert kept.job == "rl-run-7" and kept.tenant == "acme"
 
 
 def test_pulls_are_not_kept_and_malformed_events_are_counted_not_half_read() -> None:
