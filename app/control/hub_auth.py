@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import ssl
+import sys
 import threading
 import time
 import uuid
@@ -283,6 +284,14 @@ class _TlsServer(ThreadingHTTPServer):
         request.settimeout(HANDSHAKE_S)
         with self.context.wrap_socket(request, server_side=True) as wrapped:
             super().finish_request(wrapped, client_address)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A probe that connects and hangs up (a readiness check), or a client that
+        # speaks no TLS, is no error of ours; anything else is.
+        if isinstance(sys.exc_info()[1], ssl.SSLError | ConnectionError | TimeoutError):
+            log.debug("hub-auth: connection from %s dropped", client_address)
+        else:
+            log.exception("hub-auth: a request from %s failed", client_address)
 
 
 #: How long a client has to finish its TLS handshake and send its request.

@@ -132,15 +132,11 @@ class Scheduler:
         self.keyring = Keyring.from_settings(settings)
         self.publisher = bus.Publisher(settings)
         self.dispatcher = Dispatcher(
-            settings,
-            self.keyring,
-            BrokerPartitions(self.publisher, lambda: self.partition_count),
-            heartbeat_timeout,
-            PostgresTrajectoryLog(settings.database_url),
-            metrics.SchedulerTally(),
-            StoredQuotas.from_settings(settings),
+            settings, self.keyring, BrokerPartitions(self.publisher, lambda: self.partition_count),
+            heartbeat_timeout, PostgresTrajectoryLog(settings.database_url),
+            metrics.SchedulerTally(), StoredQuotas.from_settings(settings),
             StoredShares.from_settings(settings).readers,
-        )
+        )  # fmt: skip
         self.placement = self.dispatcher.placement
         # Every tenant's replies topic exists before its first answer is sent (a send to
         # a missing topic blocks on metadata).

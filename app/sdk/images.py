@@ -19,6 +19,7 @@ import json
 import os
 import re
 import ssl
+import tarfile
 import tempfile
 import urllib.error
 import urllib.parse
@@ -34,6 +35,11 @@ from app.errors import ConfigError
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 OCI_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
+DOCKER_LAYER = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+#: The largest manifest or index an archive may hold (they are a few KiB).
+_MAX_JSON = 1 << 20
 #: What a rootfs image runs when a sandbox names no command, and finds its tools by.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _CHUNK = 1 << 20
@@ -60,47 +66,58 @@ class Images:
         self._token: str | None = None
 
     def push(
-        self, name: str, rootfs: str | os.PathLike[str], *, tag: str = "latest",
+        self, name: str, source: str | os.PathLike[str], *, tag: str = "latest",
         cmd: tuple[str, ...] = ("/bin/sh",), workdir: str = "/workspace",
     ) -> str:  # fmt: skip
-        """Push a root filesystem tarball (plain or gzip) as the tenant's image
-        ``name:tag``; returns the name a create starts sandboxes of it by."""
+        """Push ``source`` as the tenant's image ``name:tag``; returns the name a create
+        starts sandboxes of it by. ``source``: a root filesystem tarball (plain or gzip:
+        one layer, run with ``cmd`` in ``workdir``), or an image archive as ``podman
+        save`` / ``docker save`` write it (docker-archive) or an OCI archive, whose own
+        layers and configuration are kept. A name:tag that exists is refused: images
+        are never changed under the sandboxes that run them."""
         repository = tenant_repository(self.credential.subject, name)
         if repository is None or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", tag):
             raise ConfigError(f"{name}:{tag} is not an image name the hub can hold")
         ref = HubReference(repository, tag)
+        if self._has(repository, tag):
+            raise ConfigError(f"{ref} exists: images are never overwritten, push another tag")
         with tempfile.TemporaryDirectory(prefix="dsec-push-") as tmp:
-            layer, diff_id = _gzip_layer(Path(rootfs), Path(tmp) / "layer.tar.gz")
-            config = json.dumps(
-                {
-                    "architecture": "amd64",
-                    "os": "linux",
-                    "config": {
-                        "Cmd": list(cmd),
-                        "Env": [f"PATH={DEFAULT_PATH}"],
-                        "WorkingDir": workdir,
-                    },
-                    "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-                },
-                sort_keys=True,
-            ).encode()
-            layer_digest, layer_size = _file_digest(layer), layer.stat().st_size
-            self._blob(repository, layer_digest, layer_size, layer.open("rb"))
-            config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
-            self._blob(repository, config_digest, len(config), io.BytesIO(config))
+            path = Path(source)
+            kind = _archive_kind(path)
+            if kind == "rootfs":
+                layers, config = _rootfs_parts(path, Path(tmp), cmd, workdir)
+                media = OCI_MANIFEST
+            else:
+                layers, config, media = _archive_parts(path, kind, Path(tmp))
+            descriptors = []
+            for layer, layer_media in layers:
+                digest, size = _file_digest(layer), layer.stat().st_size
+                self._blob(repository, digest, size, layer.open("rb"))
+                descriptors.append({"mediaType": layer_media, "digest": digest, "size": size})
+        config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
+        self._blob(repository, config_digest, len(config), io.BytesIO(config))
         manifest = json.dumps(
             {
                 "schemaVersion": 2,
-                "mediaType": OCI_MANIFEST,
-                "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config)},
-                "layers": [
-                    {"mediaType": OCI_LAYER, "digest": layer_digest, "size": layer_size},
-                ],
+                "mediaType": media,
+                "config": {
+                    "mediaType": OCI_CONFIG if media == OCI_MANIFEST else DOCKER_CONFIG,
+                    "digest": config_digest,
+                    "size": len(config),
+                },
+                "layers": descriptors,
             }
         ).encode()
         self._call("PUT", f"/v2/{repository}/manifests/{tag}", repository, manifest,
-                   {"Content-Type": OCI_MANIFEST})  # fmt: skip
+                   {"Content-Type": media})  # fmt: skip
         return str(ref)
+
+    def _has(self, repository: str, tag: str) -> bool:
+        """The hub holds ``repository:tag`` already."""
+        accept = ", ".join((OCI_MANIFEST, DOCKER_MANIFEST))
+        status, _ = self._call("HEAD", f"/v2/{repository}/manifests/{tag}", repository,
+                               headers={"Accept": accept}, ok=(200, 404))  # fmt: skip
+        return bool(status == 200)
 
     def share(self, name: str, tenants: list[str], *, remove: bool = False) -> None:
         """Let ``tenants`` start sandboxes from this tenant's image ``name`` (every
@@ -208,6 +225,98 @@ class Images:
                 return str(json.load(r)["token"])
         except (OSError, ValueError, KeyError) as exc:
             raise PushError(f"no token from the hub's token service: {exc}") from exc
+
+
+def _archive_kind(path: Path) -> str:
+    """``docker`` (manifest.json at the top), ``oci`` (oci-layout / index.json) or
+    ``rootfs`` (anything else: a root filesystem)."""
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a file")
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            names = {m.name.lstrip("./") for m in tar.getmembers()[:4096]}
+    except tarfile.TarError as exc:
+        raise ConfigError(f"{path} is not a tar archive: {exc}") from exc
+    if "manifest.json" in names:
+        return "docker"
+    if "oci-layout" in names or "index.json" in names:
+        return "oci"
+    return "rootfs"
+
+
+def _rootfs_parts(
+    rootfs: Path, tmp: Path, cmd: tuple[str, ...], workdir: str
+) -> tuple[list[tuple[Path, str]], bytes]:
+    """One gzip layer of a root filesystem, and the configuration that runs it."""
+    layer, diff_id = _gzip_layer(rootfs, tmp / "layer.tar.gz")
+    config = {
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {"Cmd": list(cmd), "Env": [f"PATH={DEFAULT_PATH}"], "WorkingDir": workdir},
+        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+    }
+    return [(layer, OCI_LAYER)], json.dumps(config, sort_keys=True).encode()
+
+
+def _member(tar: tarfile.TarFile, name: str, out: Path | None = None) -> bytes:
+    """An archive member's bytes (JSON, bounded), or written to ``out``."""
+    wanted = name.removeprefix("./")
+    found = [m for m in tar.getmembers() if m.name.removeprefix("./") == wanted]
+    if not found:
+        raise ConfigError(f"the archive names {name!r}, which it does not hold")
+    source = tar.extractfile(found[0])
+    if source is None:
+        raise ConfigError(f"{name!r} in the archive is not a file")
+    with source:
+        if out is None:
+            if found[0].size > _MAX_JSON:
+                raise ConfigError(f"{name!r} in the archive is too large ({found[0].size} bytes)")
+            return source.read()
+        with out.open("wb") as sink:
+            while chunk := source.read(_CHUNK):
+                sink.write(chunk)
+    return b""
+
+
+def _archive_parts(path: Path, kind: str, tmp: Path) -> tuple[list[tuple[Path, str]], bytes, str]:
+    """The layers (gzip), configuration and manifest type of an image archive."""
+    layers: list[tuple[Path, str]] = []
+    with tarfile.open(path, "r:*") as tar:
+        if kind == "docker":
+            entries = json.loads(_member(tar, "manifest.json"))
+            if not isinstance(entries, list) or len(entries) != 1:
+                raise ConfigError("the archive must hold exactly one image")
+            config = _member(tar, str(entries[0]["Config"]))
+            names = [str(n) for n in entries[0]["Layers"]]
+            media, layer_media = DOCKER_MANIFEST, DOCKER_LAYER
+        else:
+            index = json.loads(_member(tar, "index.json"))
+            manifests = index.get("manifests") or []
+            if len(manifests) != 1:
+                raise ConfigError("the archive must hold exactly one image")
+            manifest = json.loads(_member(tar, _blob_path(manifests[0]["digest"])))
+            config = _member(tar, _blob_path(manifest["config"]["digest"]))
+            names = [_blob_path(d["digest"]) for d in manifest["layers"]]
+            media, layer_media = OCI_MANIFEST, OCI_LAYER
+        for i, name in enumerate(names):
+            raw = tmp / f"raw-{i}"
+            _member(tar, name, raw)
+            with raw.open("rb") as head:
+                packed = head.read(2) == b"\x1f\x8b"
+            if packed:
+                layers.append((raw, layer_media))
+            else:
+                layer, _ = _gzip_layer(raw, tmp / f"layer-{i}.tar.gz")
+                raw.unlink()
+                layers.append((layer, layer_media))
+    return layers, config, media
+
+
+def _blob_path(digest: str) -> str:
+    algorithm, _, hexdigest = str(digest).partition(":")
+    if algorithm != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexdigest):
+        raise ConfigError(f"the archive names a blob {digest!r} that is not sha256")
+    return f"blobs/sha256/{hexdigest}"
 
 
 def _file_digest(path: Path) -> str:

@@ -35,7 +35,7 @@ from tests.conftest import ensure_tenant, forget_tenant, tenant_client, wait_for
 from tests.integration.test_images import _rootfs
 from workers.errors import NodeError
 from workers.host.hub_client import HubClient
-from workers.host.layer_store import image_exists, list_images
+from workers.host.layer_store import image_exists, list_images, store_podman
 
 pytestmark = pytest.mark.integration
 
@@ -460,3 +460,36 @@ def test_a_paused_sandbox_gives_its_room_back_and_resumes_with_its_files(
     finally:
         wait_for(lambda: not image_store.image_users(image, stack), 20, "the sandbox to go")
         image_store.remove_image(image, stack)
+
+
+@pytest.mark.parametrize("archive", ["docker-archive", "oci-archive"])
+def test_a_tenant_pushes_an_image_archive_and_a_name_that_exists_is_refused(
+    stack: Settings, name: str, tmp_path: Path, archive: str
+) -> None:
+    from app.errors import ConfigError
+
+    # Given an image saved as an archive (as `podman save` or `docker save` write them)
+    assert image_store.import_rootfs_tar(name, _rootfs(archive), stack)
+    saved = tmp_path / "image.tar"
+    store_podman(stack, "save", "--format", archive, "--output", str(saved), name)
+    tenant = f"huba{uuid.uuid4().hex[:6]}"
+    image = ""
+    try:
+        with tenant_client(stack, tenant, "hub") as client:
+            # When the tenant pushes it, its own layers come along and a sandbox runs it
+            image = client.images.push("saved", saved, tag="1")
+            with client.create(image=image) as sandbox:
+                assert sandbox.exec("cat /etc/marker").text == archive
+            # Then pushing that name:tag again is refused, and changes nothing
+            with pytest.raises(ConfigError, match="exists: images are never overwritten"):
+                client.images.push("saved", tmp_path / "image.tar", tag="1")
+            # and what is no tar at all is refused before anything is sent
+            junk = tmp_path / "junk.tar"
+            junk.write_bytes(b"not a tar" * 100)
+            with pytest.raises(ConfigError, match="not a tar archive"):
+                client.images.push("junk", junk)
+    finally:
+        if image:
+            wait_for(lambda: not image_store.image_users(image, stack), 20, "the sandbox to go")
+            image_store.remove_image(image, stack)
+        forget_tenant(stack, tenant)
