@@ -26,6 +26,11 @@ class SandboxCreateFailed(NodeError):
     """Podman refused to create or start a sandbox container."""
 
 
+class ImageRefused(SandboxCreateFailed, PermissionError):
+    """A tenant's image holds what no sandbox may start from (device files); it was
+    removed from the store again."""
+
+
 class EgressDisabled(SandboxCreateFailed, PermissionError):
     """A sandbox asked for network on a node that gives none (``allow_egress`` off)."""
 

@@ -28,6 +28,7 @@ from workers.errors import (
     DirectRefused,
     EgressDisabled,
     ImageNotFound,
+    ImageRefused,
     NodeError,
     NoSpace,
     SandboxNotRunning,
@@ -48,7 +49,7 @@ def reason_for(exc: Exception) -> FailReason:
     """The reason the log and the trainer are given for a request that raised ``exc``."""
     if isinstance(exc, CommandInterrupted):
         return FailReason.INTERRUPTED
-    if isinstance(exc, EgressDisabled | DirectRefused):
+    if isinstance(exc, EgressDisabled | DirectRefused | ImageRefused):
         return FailReason.REFUSED
     if isinstance(exc, SandboxNotRunning):
         return FailReason.SANDBOX_NOT_RUNNING

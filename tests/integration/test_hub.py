@@ -493,3 +493,35 @@ def test_a_tenant_pushes_an_image_archive_and_a_name_that_exists_is_refused(
             wait_for(lambda: not image_store.image_users(image, stack), 20, "the sandbox to go")
             image_store.remove_image(image, stack)
         forget_tenant(stack, tenant)
+
+
+def test_a_tenant_image_with_device_files_is_refused_with_a_reason(
+    stack: Settings, tmp_path: Path
+) -> None:
+    import io
+    import tarfile
+
+    # Given a root filesystem that carries a device file (the host's memory, 1:1)
+    rootfs = tmp_path / "rootfs.tar"
+    with (
+        tarfile.open(fileobj=io.BytesIO(_rootfs("devices")), mode="r") as src,
+        tarfile.open(rootfs, "w") as dst,
+    ):
+        for member in src:
+            dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+        device = tarfile.TarInfo("etc/mem")
+        device.type, device.devmajor, device.devminor = tarfile.CHRTYPE, 1, 1
+        dst.addfile(device)
+    tenant = f"hubd{uuid.uuid4().hex[:6]}"
+    try:
+        with tenant_client(stack, tenant, "hub") as client:
+            image = client.images.push("devices", rootfs, tag="1")
+            # When a sandbox of it is asked for, the node refuses it, saying why
+            with pytest.raises(SandboxFailedError) as failed:
+                client.create(image=image)
+            assert failed.value.reason == "refused"
+            assert "holds device files (/etc/mem)" in str(failed.value)
+            # Then nothing of it is left in the store
+            assert not image_exists(image, stack)
+    finally:
+        forget_tenant(stack, tenant)

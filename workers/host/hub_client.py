@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import stat
 import threading
 import time
 from collections import defaultdict
@@ -23,8 +25,8 @@ from pathlib import Path
 from app import secret_files
 from app.config import Settings
 from app.credentials import Credential
-from app.domain.hub_access import HubReference, hub_password, hub_reference
-from workers.errors import ImageNotFound, NodeError
+from app.domain.hub_access import HubReference, hub_password, hub_reference, owner_of
+from workers.errors import ImageNotFound, ImageRefused, NodeError
 from workers.host.image_budget import ImageBudget
 from workers.host.layer_store import image_exists, store_lock, store_podman
 from workers.host.podman_service import refresh_podman_services
@@ -61,6 +63,20 @@ def ca_pem(settings: Settings, credential: Credential) -> bytes:
     if credential.kafka is not None and credential.kafka.ca_pem:
         return credential.kafka.ca_pem.encode()
     return (settings.ca_dir / "ca.pem").read_bytes()
+
+
+def device_files(root: Path, limit: int = 5) -> list[str]:
+    """Paths under ``root`` (an image's files) that are device files, at most
+    ``limit``; links are not followed."""
+    found: list[str] = []
+    for here, dirs, files in os.walk(root):
+        for entry in (*dirs, *files):
+            mode = os.lstat(os.path.join(here, entry)).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                found.append(os.path.relpath(os.path.join(here, entry), root))
+                if len(found) >= limit:
+                    return found
+    return found
 
 
 def local_name(ref: HubReference) -> str:
@@ -120,12 +136,35 @@ class HubClient:
                 pulled = f"{self.settings.hub}/{ref}"
                 store_podman(self.settings, "tag", pulled, name)
                 store_podman(self.settings, "untag", name, pulled)
+                if owner_of(ref.repository) is not None:
+                    self._screen(name)
             took = time.monotonic() - began
             self.budget.pulled(name)
         if refresh:
             refresh_podman_services(self.settings, image=name, present=True)
         self.budget.enforce(keep=name)
         return took
+
+    def _screen(self, name: str) -> None:
+        """Refuse (and remove again) a tenant's image that holds device files. The
+        nodes' read-only view of the store is ``nodev`` and ``nosuid`` and sandboxes
+        run without capabilities and with ``no_new_privileges``, so neither device
+        files nor setuid bits could do anything; device files are refused all the
+        same, with a reason, rather than shipped inert. Setuid files are kept: Debian
+        images have them, and they gain nothing here (docs/isolation.md)."""
+        mounted = store_podman(self.settings, "image", "mount", name, check=False)
+        root = Path(mounted.stdout.decode().strip())
+        if mounted.returncode != 0 or not root.is_dir():
+            store_podman(self.settings, "rmi", name, check=False)
+            raise ImageRefused(f"image {name} could not be looked into: refused")
+        try:
+            devices = device_files(root)
+        finally:
+            store_podman(self.settings, "image", "unmount", name, check=False)
+        if devices:
+            store_podman(self.settings, "rmi", name, check=False)
+            shown = ", ".join(f"/{d}" for d in devices[:5])
+            raise ImageRefused(f"image {name} holds device files ({shown}): refused")
 
     def used(self, image: str) -> None:
         """A create names ``image`` (its place in the eviction order)."""
