@@ -79,6 +79,8 @@ class CreateHost(Protocol):
     warm: WarmPool | None
     #: Where an image the node lacks comes from; None: nowhere.
     images: ImageSource | None
+    #: Why sandbox egress is not fenced here (None: it is).
+    egress_unfenced: str | None
     agent_dir: Path
     sandbox_root: Path
 
@@ -176,6 +178,11 @@ class Creation:
             if spec.network and not node.settings.allow_egress:
                 raise EgressDisabled(
                     f"node {node.node_id} gives no sandbox network (DSEC_ALLOW_EGRESS=false)"
+                )
+            if spec.network and node.egress_unfenced is not None:
+                raise EgressDisabled(
+                    f"node {node.node_id} cannot fence sandbox network off its own"
+                    f" addresses ({node.egress_unfenced}): refused rather than unfenced"
                 )
             self.check_room()
             # A claim hands a pre-started container over; None: start one cold.

@@ -106,6 +106,10 @@ class Node:
         self.warm: WarmPool | None = None
         #: Where images the node lacks come from (the hub); None: nowhere.
         self.images: ImageSource | None = None
+        #: Why this node's sandboxes could not be fenced off the node's own addresses
+        #: (workers/host/setup.py); None: fenced. Creates asking for network are then
+        #: refused: fail closed.
+        self.egress_unfenced: str | None = None
         #: What the node saw happen in each sandbox, for the last state its Stopped
         #: records (kept in memory: a restarted worker knows less, and says so).
         self.activity: dict[str, Activity] = {}

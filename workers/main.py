@@ -29,7 +29,7 @@ from workers.host.hub_client import HubClient
 from workers.host.layer_store import store_lock_path
 from workers.host.podman_service import ensure_podman_service
 from workers.host.podman_watch import PodmanWatch
-from workers.host.setup import ensure_node_user
+from workers.host.setup import ensure_node_user, fence_egress
 from workers.inbox import READY_WAIT_S, Inbox
 from workers.redis_state import Claims, Routes, StepGuard, claim_ttl_s, connect
 from workers.upkeep import Upkeep
@@ -64,6 +64,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
         settings.node_credential_file or credentials.node_file(settings, node_id)
     )
     user = ensure_node_user(node_id, allow_egress=settings.allow_egress)
+    unfenced = fence_egress(user) if settings.allow_egress else None
     socket_url = ensure_podman_service(user)
     tally = metrics.NodeMetrics()
     watch = PodmanWatch(user, settings, tally)
@@ -83,6 +84,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
         settings, node_id, driver, agents, credential, courier, claims, StepGuard(store), tally,
         routes,
     )  # fmt: skip
+    node.egress_unfenced = unfenced
     runtime.install(node)
     # Images the node lacks come from the hub, logged in as this node (pull only).
     node.images = HubClient(settings, credential) if settings.hub else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 from app.domain.base import FailReason
 from workers.creation import room_shortage
 from workers.errors import NoSpace, SandboxCreateFailed, StaleCreate
@@ -31,3 +33,14 @@ def test_no_space_is_its_own_reason_whoever_says_it() -> None:
 
 def test_a_create_nobody_waits_for_any_more_fails_timeout() -> None:
     assert reason_for(StaleCreate("sent 400s ago")) == FailReason.TIMEOUT
+
+
+def test_a_host_without_iptables_says_its_fence_does_not_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from workers.host import setup
+    from workers.host.user import NodeUser
+
+    monkeypatch.setattr(setup.shutil, "which", lambda tool: None)
+    user = NodeUser("n0", "dsec-n0", 12345, 12345, Path("/nonexistent"), (), ())
+    assert setup.fence_egress(user) == "no iptables (apt-get install iptables)"

@@ -17,7 +17,7 @@ from app.domain.base import RejectReason, StopReason
 from app.domain.codec import decode_event
 from app.domain.events import SandboxStarted, SandboxStopped
 from app.domain.replies import ErrorReply
-from app.errors import SandboxNotFound, SandboxRejectedError
+from app.errors import SandboxFailedError, SandboxNotFound, SandboxRejectedError
 from app.sdk import Client, Sandbox
 from app.sdk.results import exec_request
 from tests.unit.in_process import HOST_CPUS, NODE, PARTITIONS, Platform
@@ -160,3 +160,19 @@ def test_a_destroyed_sandbox_ends_and_is_gone(platform: Platform) -> None:
     # The scheduler followed the end: the sandbox is no one's to act on any more.
     with pytest.raises(SandboxRejectedError):
         platform.run(platform.client().sandbox(sandbox.id).exec_steps("echo late"))
+
+
+def test_a_node_that_cannot_fence_egress_refuses_network_and_still_serves_the_rest(
+    platform: Platform,
+) -> None:
+    # Given a node whose fence between sandboxes and its own addresses did not hold
+    platform.node.egress_unfenced = "no iptables"
+    client = platform.client()
+    # When a trainer asks for a sandbox with network, it is refused, saying why
+    with pytest.raises(SandboxFailedError) as refused:
+        platform.run(client.create_many_steps(1, network=True))
+    assert refused.value.reason == "refused"
+    assert "no iptables" in str(refused.value) and "rather than unfenced" in str(refused.value)
+    # Then sandboxes without network are still made there
+    [sandbox] = platform.run(client.create_many_steps(1))
+    assert sandbox.node_id == NODE

@@ -45,7 +45,7 @@ def ensure_node_user(
     :func:`~workers.host.podman_service.ensure_podman_service` starts one that reads the
     new files. With ``allow_egress`` /dev/net/tun is opened to all users (slirp4netns
     needs it for sandboxes with network; it is root-only on our hosts), and the node
-    user's connections to the node's own addresses are refused (:func:`_fence_host`).
+    user's connections to the node's own addresses are refused (:func:`fence_egress`).
     """
     settings = settings or get_settings()
     _require_root()
@@ -56,7 +56,9 @@ def ensure_node_user(
     ensure_store_view(user, store)
     if allow_egress:
         _open_tun()
-        _fence_host(user)
+        unfenced = fence_egress(user)
+        if unfenced is not None:
+            log.error("node %s: sandbox egress cannot be fenced (%s)", node_id, unfenced)
     if changed and service_pids(user):
         log.info("node %s: podman configuration changed, stopping its service", node_id)
         stop_podman_service(user, settings)
@@ -87,27 +89,29 @@ _FENCE_RULES = {
 }
 
 
-def _fence_host(user: NodeUser) -> None:
-    """Refuse the node user's connections to the node itself (idempotent).
+def fence_egress(user: NodeUser) -> str | None:
+    """Refuse the node user's connections to the node itself (idempotent); returns
+    why the fence does not hold, or None when it does.
 
     With egress a sandbox's traffic leaves through slirp4netns, a process of the node
     user in the host's network namespace: without this rule the sandbox reaches every
     service of the node listening on a non-loopback address (Podman's default
     ``allow_host_loopback=false`` only closes 10.0.2.2 -> 127.0.0.1). Nothing else of
     the node user speaks TCP/IP: its Podman service and the agents use unix sockets.
-    Without iptables the node still gives egress, and says so in its log.
+    A node whose fence does not hold refuses creates that ask for network
+    (:class:`workers.creation.Creation`): fail closed, never unfenced egress.
     """
     for tool, matches in _FENCE_RULES.items():
         exe = shutil.which(tool)
         if exe is None:
-            log.warning("node %s: no %s, sandboxes with network reach the node", user.name, tool)
-            continue
+            return f"no {tool} (apt-get install iptables)"
         for match in matches:
             rule = ["OUTPUT", "-m", "owner", "--uid-owner", str(user.uid), *match, "-j", "REJECT"]
             if subprocess.run([exe, "-C", *rule], capture_output=True, check=False).returncode:
                 done = subprocess.run([exe, "-A", *rule], capture_output=True, text=True)
                 if done.returncode != 0:
-                    log.warning("node %s: %s -A failed: %s", user.name, tool, done.stderr.strip())
+                    return f"{tool} -A failed: {done.stderr.strip()[:200]}"
+    return None
 
 
 def _require_root() -> None:
