@@ -166,6 +166,15 @@ def run_hub_auth() -> None:
     hub_auth.main(get_settings())
 
 
+@run_cli.command("hub")
+def run_hub() -> None:
+    """The image hub in one container: the registry and its token service."""
+    from app.stack import hub
+
+    _logging()
+    hub.run(get_settings())
+
+
 @run_cli.command("supervisor")
 def run_supervisor() -> None:
     """Restart the embedded stack's services that die (with backoff and a limit)."""

@@ -318,8 +318,10 @@ def server_pem(settings: Settings) -> Path:
     return hub_dir(settings) / "hub.pem"
 
 
-def main(settings: Settings) -> None:
-    """Serve tokens on the hub's host at ``hub_auth_port`` (TLS, the hub's certificate)."""
+def main(settings: Settings, alive: Callable[[], bool] | None = None) -> None:
+    """Serve tokens on the hub's host at ``hub_auth_port`` (TLS, the hub's certificate);
+    with ``alive``, only while it holds (checked every few seconds: the registry this
+    process runs beside, in a container of their own)."""
     pem = secret_files.read(token_key_file(settings))
     key = serialization.load_pem_private_key(pem, None)
     assert isinstance(key, ec.EllipticCurvePrivateKey)
@@ -364,5 +366,13 @@ def main(settings: Settings) -> None:
     context.load_cert_chain(server_pem(settings))
     server = _TlsServer((host, settings.hub_auth_port), _handler(issuer, share), context)
     log.info("hub-auth: tokens for %s on %s:%d", AUDIENCE, host, settings.hub_auth_port)
-    # A long poll interval: it only sets how often an idle server checks for shutdown.
-    server.serve_forever(poll_interval=3600)
+    if alive is None:
+        # A long poll interval: it only sets how often an idle server checks for shutdown.
+        server.serve_forever(poll_interval=3600)
+        return
+    serving = threading.Thread(target=server.serve_forever, args=(3600,), daemon=True)
+    serving.start()
+    while alive():
+        time.sleep(5)
+    log.error("hub-auth: the registry beside it ended; stopping")
+    server.shutdown()

@@ -172,3 +172,21 @@ def auth_service(settings: Settings) -> Service:
 def services(settings: Settings) -> list[Service]:
     """The hub's processes, token service first ([] when the stack has no hub)."""
     return [auth_service(settings), registry_service(settings)] if settings.hub else []
+
+
+def run(settings: Settings) -> None:
+    """The hub in one process tree, for a container of its own (docker/compose.yaml):
+    the registry as a child, the token service in the foreground; when one ends, both
+    do. The files come from `dsec control prepare` (made here when missing)."""
+    import subprocess
+
+    from app.control import hub_auth
+
+    if not config_file(settings).exists():
+        prepare(settings)
+    registry = subprocess.Popen(["docker-registry", "serve", str(config_file(settings))])
+    try:
+        hub_auth.main(settings, alive=lambda: registry.poll() is None)
+    finally:
+        registry.terminate()
+        registry.wait(timeout=30)

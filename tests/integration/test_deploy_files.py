@@ -86,7 +86,8 @@ def test_the_compose_file_is_a_whole_deployment_of_pinned_or_built_images() -> N
     services = _compose_config()["services"]
     assert set(services) == {
         "kafka-secrets", "kafka-1", "kafka-2", "kafka-3", "postgres", "redis", "prepare",
-        "projector", "scheduler", "flower", "node-1", "node-2", "prometheus", "grafana",
+        "projector", "scheduler", "hub", "flower", "node-1", "node-2", "prometheus",
+        "grafana",
     }  # fmt: skip
     ours = {CONTROL.name(default_tag()), NODE.name(default_tag())}
     for name, service in services.items():
