@@ -64,7 +64,41 @@ def tend(settings: Settings, now: float | None = None) -> list[str]:
             record.started(now)
             record.save(settings, service.name)
             started.append(service.name)
+            if service.name == "broker":
+                threading.Thread(
+                    target=resync_principals, args=(settings,), name="dsec-resync", daemon=True
+                ).start()
     return started
+
+
+#: How long a restarted broker has to answer before its principals are put back.
+BROKER_READY_S = 90.0
+
+
+def resync_principals(settings: Settings) -> None:
+    """Put the principals and ACLs back on a broker the supervisor started again, as
+    `dsec up` does: the credentials in Postgres are what holds. Apache Kafka 4.1 here
+    came back from a SIGKILL, on a metadata log of ~10,000 records, with its topics and
+    without a single SCRAM credential (docs/BENCHMARKS.md, session 22): every service
+    was then refused at its next connection, for good."""
+    from app.control import tenants
+    from app.stack import broker
+    from app.stack.process import port_open
+
+    host, _port, _tls, internal, _controller = broker.ports(settings)
+    deadline = time.monotonic() + BROKER_READY_S
+    while not port_open(host, internal) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for attempt in range(5):
+        try:
+            broker.ensure_principals(settings, host, internal)
+            tenants.sync_kafka(settings)
+            log.info("supervisor: the broker's principals and ACLs are in place again")
+            return
+        except Exception as exc:  # the broker may still be starting: try again
+            log.warning("supervisor: principals not put back yet (%s)", exc)
+            time.sleep(2.0 * (attempt + 1))
+    log.error("supervisor: the broker's principals could not be put back: run `dsec up`")
 
 
 def _pidfds(settings: Settings) -> tuple[list[int], bool]:
