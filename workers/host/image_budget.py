@@ -8,8 +8,10 @@ Decisions:
   later create pulls again. What an operator imported or built here (`dsec image
   import/build`) may exist nowhere else, and stays whatever the budget says.
 - In use means any container, running or stopped, of any node service of this host
-  (the store is shared), the warm pool's waiting ones included. A service that does not
-  answer stops the eviction round: nothing is removed on a guess.
+  (the store is shared), the warm pool's waiting ones included. A node user with
+  neither a conmon nor a Podman process (a node taken down) runs nothing and is passed
+  over; one whose service runs and does not answer stops the eviction round: nothing
+  is removed on a guess.
 - Last use is what this worker saw (the pull, then each create that named the image),
   kept in a root-only file so a restarted worker keeps its order.
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 from app import secret_files
 from app.config import Settings
 from workers.host.layer_store import list_images, normalize_name, store_lock, store_podman
+from workers.host.ops import live_processes_of
 from workers.host.podman_service import container_images
 from workers.host.user import node_users
 
@@ -61,6 +64,18 @@ def evictions(held: Iterable[Held], in_use: set[str], budget_bytes: int) -> list
         out.append(image)
         total -= image.size
     return out
+
+
+def _runs_containers(uid: int) -> bool:
+    """``uid`` has a container running: a conmon of its, or its Podman service."""
+    for pid in live_processes_of(uid):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm in ("conmon", "podman"):
+            return True
+    return False
 
 
 class ImageBudget:
@@ -103,6 +118,8 @@ class ImageBudget:
             return []
         in_use: set[str] = set()
         for user in node_users(self.settings):
+            if not _runs_containers(user.uid):
+                continue  # a node taken down (no conmon, at most its pause process)
             found = container_images(user.socket_path)
             if found is None:
                 log.warning("image budget: node %s's Podman is silent: no eviction", user.node_id)
