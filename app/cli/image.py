@@ -283,9 +283,6 @@ def share(
         raise _fail(refused)
     settings = get_settings()
     with transaction(settings.database_url) as conn:
-        if remove:
-            hub_events.unshare(conn, repository, readers)
-        else:
-            hub_events.share(conn, repository, readers, "operator (cli)")
+        hub_events.set_readers(conn, repository, readers, "operator (cli)", remove)
     said = "no longer shared with" if remove else "shared with"
     console.print(f"[green]✓[/] {repository} {said} {', '.join(readers)}")

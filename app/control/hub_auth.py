@@ -298,6 +298,12 @@ class _TlsServer(ThreadingHTTPServer):
 HANDSHAKE_S = 10.0
 
 
+def hub_address(settings: Settings) -> tuple[str, int]:
+    """The hub's host and port (its token service listens on that host too)."""
+    host, _, port = settings.hub.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
 def hub_dir(settings: Settings) -> Path:
     """The hub's settings, certificates and storage (root only)."""
     return settings.state_dir / "hub"
@@ -345,13 +351,9 @@ def main(settings: Settings, alive: Callable[[], bool] | None = None) -> None:
 
     def share(repository: str, readers: list[str], by: str, remove: bool) -> None:
         with transaction(settings.database_url) as conn:
-            if remove:
-                hub_events.unshare(conn, repository, readers)
-            else:
-                hub_events.share(conn, repository, readers, by)
-        log.info(
-            "hub-auth: %s %s %s %s", by, "unshared" if remove else "shared", repository, readers
-        )
+            hub_events.set_readers(conn, repository, readers, by, remove)
+        said = "unshared" if remove else "shared"
+        log.info("hub-auth: %s %s %s with %s", by, said, repository, readers)
 
     secret = secret_files.read(events_secret_file(settings)).decode()
     reports = ThreadingHTTPServer(
@@ -361,7 +363,7 @@ def main(settings: Settings, alive: Callable[[], bool] | None = None) -> None:
     threading.Thread(
         target=reports.serve_forever, args=(3600,), name="hub-events", daemon=True
     ).start()
-    host = settings.hub.rpartition(":")[0] or "127.0.0.1"
+    host, _ = hub_address(settings)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(server_pem(settings))
     server = _TlsServer((host, settings.hub_auth_port), _handler(issuer, share), context)

@@ -70,3 +70,14 @@ def unshare(conn: Connection, repository: str, readers_: list[str]) -> int:
     t = image_shares
     done = conn.execute(delete(t).where(t.c.repository == repository, t.c.reader.in_(readers_)))
     return int(done.rowcount or 0)
+
+
+def set_readers(
+    conn: Connection, repository: str, readers_: list[str], by: str, remove: bool
+) -> None:
+    """Share ``repository`` with ``readers_`` (by ``by``), or with ``remove`` take
+    them back: what both an owner (through the token service) and an operator do."""
+    if remove:
+        unshare(conn, repository, readers_)
+    else:
+        share(conn, repository, readers_, by)

@@ -29,7 +29,7 @@ from typing import IO, Any, Protocol
 
 from app.config import Settings
 from app.credentials import Credential
-from app.domain.hub_access import HubReference, hub_password, tenant_repository
+from app.domain.hub_access import TAG, HubReference, hub_password, tenant_repository
 from app.errors import ConfigError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -76,7 +76,7 @@ class Images:
         layers and configuration are kept. A name:tag that exists is refused: images
         are never changed under the sandboxes that run them."""
         repository = tenant_repository(self.credential.subject, name)
-        if repository is None or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", tag):
+        if repository is None or TAG.fullmatch(tag) is None:
             raise ConfigError(f"{name}:{tag} is not an image name the hub can hold")
         ref = HubReference(repository, tag)
         if self._has(repository, tag):
@@ -127,12 +127,12 @@ class Images:
         if repository is None:
             raise ConfigError(f"{name} is not an image name the hub can hold")
         body = json.dumps({"repository": repository, "readers": tenants, "remove": remove})
-        login = f"{self.credential.key_id}:{hub_password(self.credential.secret)}"
         request = urllib.request.Request(
-            self._service_url("/share"), data=body.encode(), method="POST",
-            headers={"Content-Type": "application/json",
-                     "Authorization": "Basic " + base64.b64encode(login.encode()).decode()},
-        )  # fmt: skip
+            self._service_url("/share"),
+            data=body.encode(),
+            method="POST",
+            headers={"Content-Type": "application/json", "Authorization": self._basic()},
+        )
         try:
             with urllib.request.urlopen(request, context=self._context(), timeout=30):
                 return
@@ -149,9 +149,7 @@ class Images:
                 f"https://{self.settings.hub}/v2/", context=self._context(), timeout=30
             ).close()
         except urllib.error.HTTPError as exc:
-            challenge = str(exc.headers.get("WWW-Authenticate", ""))
-            fields: dict[str, str] = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
-            realm = fields.get("realm", "")
+            realm = _challenge(str(exc.headers.get("WWW-Authenticate", ""))).get("realm", "")
             if realm.startswith("https://") and realm.endswith("/token"):
                 return realm[: -len("/token")] + path
         except OSError as exc:
@@ -209,22 +207,32 @@ class Images:
                 raise PushError(f"the hub at {self.settings.hub} did not answer: {exc}") from exc
         raise PushError(f"{method} {path}: the hub refused this tenant's login")
 
+    def _basic(self) -> str:
+        """The tenant's login to the token service, as an Authorization header."""
+        login = f"{self.credential.key_id}:{hub_password(self.credential.secret)}"
+        return "Basic " + base64.b64encode(login.encode()).decode()
+
     def _login(self, challenge: str, repository: str) -> str:
         """A token for pushing to ``repository``, from the realm the hub named."""
-        fields = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
+        fields = _challenge(challenge)
         realm, service = fields.get("realm"), fields.get("service", "")
         if not challenge.startswith("Bearer ") or not realm or not realm.startswith("https://"):
             raise PushError(f"the hub asked for an unexpected login: {challenge!r}")
         scope = f"repository:{repository}:pull,push"
         query = urllib.parse.urlencode({"service": service, "scope": scope})
-        login = f"{self.credential.key_id}:{hub_password(self.credential.secret)}"
-        request = urllib.request.Request(f"{realm}?{query}", headers={
-            "Authorization": "Basic " + base64.b64encode(login.encode()).decode()})  # fmt: skip
+        request = urllib.request.Request(
+            f"{realm}?{query}", headers={"Authorization": self._basic()}
+        )
         try:
             with urllib.request.urlopen(request, context=self._context(), timeout=30) as r:
                 return str(json.load(r)["token"])
         except (OSError, ValueError, KeyError) as exc:
             raise PushError(f"no token from the hub's token service: {exc}") from exc
+
+
+def _challenge(header: str) -> dict[str, str]:
+    """The fields of a ``WWW-Authenticate`` challenge (realm, service, ...)."""
+    return dict(re.findall(r'(\w+)="([^"]*)"', header))
 
 
 def _archive_kind(path: Path) -> str:

@@ -36,18 +36,13 @@ from app.control.hub_auth import (
     ISSUER,
     events_port,
     events_secret_file,
+    hub_address,
     hub_dir,
     token_cert_file,
     token_key_file,
 )
 from app.stack import tls
 from app.stack.process import Service, port_open
-
-
-def address(settings: Settings) -> tuple[str, int]:
-    """The hub's host and port."""
-    host, _, port = settings.hub.rpartition(":")
-    return host or "127.0.0.1", int(port)
 
 
 def config_file(settings: Settings) -> Path:
@@ -71,10 +66,7 @@ def _ensure_token_key(settings: Settings) -> None:
         .not_valid_after(now + dt.timedelta(days=3650))
         .sign(key, hashes.SHA256())
     )
-    pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    secret_files.write(key_path, pem)
+    secret_files.write(key_path, tls.key_pem(key))
     secret_files.write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
 
 
@@ -94,7 +86,7 @@ def prepare(settings: Settings) -> None:
     home = hub_dir(settings)
     (home / "storage").mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(home, 0o700)
-    host, port = address(settings)
+    host, port = hub_address(settings)
     leaf = tls.ensure_leaf(settings.ca_dir, home, "hub", [host, "localhost"])
     _ensure_token_key(settings)
     secret = secret_files.ensure(home / "http.secret", text=True).decode()
@@ -141,13 +133,13 @@ def prepare(settings: Settings) -> None:
 
 
 def token_realm(settings: Settings) -> str:
-    host, _ = address(settings)
+    host, _ = hub_address(settings)
     return f"https://{host}:{settings.hub_auth_port}/token"
 
 
 def registry_service(settings: Settings) -> Service:
     """The registry process."""
-    host, port = address(settings)
+    host, port = hub_address(settings)
     return Service(
         "hub",
         ["docker-registry", "serve", str(config_file(settings))],
@@ -160,7 +152,7 @@ def registry_service(settings: Settings) -> Service:
 
 def auth_service(settings: Settings) -> Service:
     """The token service the registry sends clients to."""
-    host, _ = address(settings)
+    host, _ = hub_address(settings)
     return Service(
         "hub-auth",
         [sys.executable, "-m", "app.cli", "run", "hub-auth"],
@@ -184,7 +176,7 @@ def run(settings: Settings) -> None:
 
     if not config_file(settings).exists():
         prepare(settings)
-    registry = subprocess.Popen(["docker-registry", "serve", str(config_file(settings))])
+    registry = subprocess.Popen(registry_service(settings).argv)
     try:
         hub_auth.main(settings, alive=lambda: registry.poll() is None)
     finally:

@@ -32,7 +32,8 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """A private key as unencrypted PKCS#8 PEM (its file is root-only)."""
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -74,7 +75,7 @@ def ensure_ca(directory: Path) -> Path:
         )
         .sign(key, hashes.SHA256())
     )
-    secret_files.write(key_path, _key_pem(key))
+    secret_files.write(key_path, key_pem(key))
     secret_files.write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert_path
 
@@ -135,5 +136,5 @@ def ensure_leaf(ca_dir: Path, directory: Path, name: str, hosts: Sequence[str]) 
         )
         .sign(ca_key, hashes.SHA256())
     )
-    secret_files.write(path, _key_pem(key) + cert.public_bytes(serialization.Encoding.PEM))
+    secret_files.write(path, key_pem(key) + cert.public_bytes(serialization.Encoding.PEM))
     return path

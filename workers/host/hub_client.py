@@ -17,6 +17,7 @@ import base64
 import json
 import os
 import stat
+import subprocess
 import threading
 import time
 from collections import defaultdict
@@ -47,14 +48,23 @@ def trust_dir(settings: Settings, ca_pem: bytes) -> Path:
     return path
 
 
+def write_login(settings: Settings, path: Path, user: str, password: str) -> Path:
+    """``path``: a root-only login file (containers-auth.json) for the hub."""
+    raw = base64.b64encode(f"{user}:{password}".encode()).decode()
+    secret_files.write(path, json.dumps({"auths": {settings.hub: {"auth": raw}}}).encode())
+    return path
+
+
 def auth_file(settings: Settings, credential: Credential) -> Path:
     """A root-only login file for ``credential`` at the hub."""
-    login = f"{credential.key_id}:{hub_password(credential.secret)}"
-    doc = {"auths": {settings.hub: {"auth": base64.b64encode(login.encode()).decode()}}}
     path = client_dir(settings) / f"auth-{credential.key_id}.json"
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    secret_files.write(path, json.dumps(doc).encode())
-    return path
+    return write_login(settings, path, credential.key_id, hub_password(credential.secret))
+
+
+def _why(done: subprocess.CompletedProcess[bytes]) -> str:
+    """What a failed Podman said last (or how it ended)."""
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    return said[-1] if said else f"podman exited {done.returncode}"
 
 
 def ca_pem(settings: Settings, credential: Credential) -> bytes:
@@ -95,12 +105,13 @@ class HubClient:
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
 
-    def login_args(self) -> list[str]:
-        """Podman's options that log in to the hub and check it (no secret in them)."""
+    def login_args(self, authfile: Path | None = None) -> list[str]:
+        """Podman's options that log in to the hub (as this client's credential, or
+        as ``authfile`` says) and check it; no secret in them."""
         settings, credential = self.settings, self.credential
         return [
             "--authfile",
-            str(auth_file(settings, credential)),
+            str(authfile or auth_file(settings, credential)),
             "--cert-dir",
             str(trust_dir(settings, ca_pem(settings, credential))),
         ]
@@ -129,8 +140,7 @@ class HubClient:
                     self.settings, "pull", "--quiet", *self.login_args(), remote, check=False
                 )
                 if done.returncode != 0:
-                    err = done.stderr.decode(errors="replace").strip().splitlines()
-                    why = err[-1] if err else f"podman exited {done.returncode}"
+                    why = _why(done)
                     raise ImageNotFound(f"image {image!r} could not be pulled from the hub: {why}")
                 # One name, as an imported image has: removing it removes the image.
                 pulled = f"{self.settings.hub}/{ref}"
@@ -186,20 +196,14 @@ class HubClient:
                 check=False,
             )  # fmt: skip
         if built.returncode != 0:
-            err = built.stderr.decode(errors="replace").strip().splitlines()
-            raise NodeError(f"snapshot build failed: {err[-1] if err else built.returncode}")
-        user, password = login
-        auth = context / "auth.json"
-        raw = base64.b64encode(f"{user}:{password}".encode()).decode()
-        secret_files.write(auth, json.dumps({"auths": {self.settings.hub: {"auth": raw}}}).encode())
-        trust = trust_dir(self.settings, ca_pem(self.settings, self.credential))
+            raise NodeError(f"snapshot build failed: {_why(built)}")
+        auth = write_login(self.settings, context / "auth.json", *login)
         pushed = store_podman(
-            self.settings, "push", "--quiet", "--authfile", str(auth), "--cert-dir", str(trust),
-            name, f"docker://{self.settings.hub}/{ref}", check=False,
+            self.settings, "push", "--quiet", *self.login_args(auth), name,
+            f"docker://{self.settings.hub}/{ref}", check=False,
         )  # fmt: skip
         if pushed.returncode != 0:
-            err = pushed.stderr.decode(errors="replace").strip().splitlines()
-            raise NodeError(f"snapshot push to the hub failed: {err[-1] if err else ''}")
+            raise NodeError(f"snapshot push to the hub failed: {_why(pushed)}")
         # The hub holds it: this host's copy may go when the disk budget needs room.
         self.budget.pulled(name)
 
@@ -216,6 +220,5 @@ class HubClient:
         done = store_podman(self.settings, "push", "--quiet", *self.login_args(), source, remote,
                             check=False)  # fmt: skip
         if done.returncode != 0:
-            err = done.stderr.decode(errors="replace").strip().splitlines()
-            raise NodeError(f"push of {image} to the hub failed: {err[-1] if err else ''}")
+            raise NodeError(f"push of {image} to the hub failed: {_why(done)}")
         return ref
