@@ -127,38 +127,40 @@ def _service_reads_store(user: NodeUser, settings: Settings, timeout_s: float = 
 def container_images(socket_path: Path, timeout_s: float = 5.0) -> set[str] | None:
     """Ids of the images of every container (running or not) the service on
     ``socket_path`` holds; None if it does not answer."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout_s)
-            s.connect(str(socket_path))
-            s.sendall(b"GET /v4.0.0/libpod/containers/json?all=true HTTP/1.0\r\nHost: d\r\n\r\n")
-            chunks = []
-            while chunk := s.recv(1 << 16):
-                chunks.append(chunk)
-    except OSError:
-        return None
-    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.") or head[9:12] != b"200":
+    answer = _http_get(socket_path, "/v4.0.0/libpod/containers/json?all=true", timeout_s)
+    if answer is None or answer[0] != 200:
         return None
     try:
-        return {str(c.get("ImageID", "")) for c in json.loads(body)}
+        return {str(c.get("ImageID", "")) for c in json.loads(answer[1])}
     except (ValueError, AttributeError):
         return None
 
 
 def _http_status(socket_path: Path, path: str, timeout_s: float) -> int | None:
     """Status code of a bare ``GET path`` on a unix socket (setup needs no HTTP client)."""
+    answer = _http_get(socket_path, path, timeout_s, whole=False)
+    return None if answer is None else answer[0]
+
+
+def _http_get(
+    socket_path: Path, path: str, timeout_s: float, *, whole: bool = True
+) -> tuple[int, bytes] | None:
+    """Status and body of a bare ``GET path`` on a unix socket (only the status line's
+    first bytes unless ``whole``); None if nothing answers HTTP."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout_s)
             s.connect(str(socket_path))
             s.sendall(f"GET {path} HTTP/1.0\r\nHost: d\r\n\r\n".encode())
-            head = s.recv(64)
+            chunks = [s.recv(64 if not whole else 1 << 16)]
+            while whole and chunks[-1]:
+                chunks.append(s.recv(1 << 16))
     except OSError:
         return None
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
     if not head.startswith(b"HTTP/1.") or not head[9:12].isdigit():
         return None
-    return int(head[9:12])
+    return int(head[9:12]), body
 
 
 def _ensure_service(user: NodeUser, settings: Settings, timeout_s: float) -> str:
