@@ -17,17 +17,11 @@ the disk every 10 s of an idle stack for a report nobody asks for.
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
 import os
 import sys
 from pathlib import Path
-
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from app import secret_files
 from app.config import Settings
@@ -49,27 +43,6 @@ def config_file(settings: Settings) -> Path:
     return hub_dir(settings) / "config.yml"
 
 
-def _ensure_token_key(settings: Settings) -> None:
-    key_path, cert_path = token_key_file(settings), token_cert_file(settings)
-    if key_path.exists() and cert_path.exists():
-        return
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dsec hub tokens")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=3650))
-        .sign(key, hashes.SHA256())
-    )
-    secret_files.write(key_path, tls.key_pem(key))
-    secret_files.write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-
-
 def _bundle(settings: Settings) -> Path:
     """The token certificate under a name of its content: a new key is a new name in
     the settings file, which restarts a running registry (it reads the file once)."""
@@ -88,7 +61,7 @@ def prepare(settings: Settings) -> None:
     os.chmod(home, 0o700)
     host, port = hub_address(settings)
     leaf = tls.ensure_leaf(settings.ca_dir, home, "hub", [host, "localhost"])
-    _ensure_token_key(settings)
+    tls.ensure_self_signed(token_key_file(settings), token_cert_file(settings), "dsec hub tokens")
     secret = secret_files.ensure(home / "http.secret", text=True).decode()
     reports = secret_files.ensure(events_secret_file(settings), text=True).decode()
     body = {

@@ -44,37 +44,51 @@ def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 def ensure_ca(directory: Path) -> Path:
     """The CA's certificate (``ca.pem``), made with its key (``ca.key``, root only)
     if missing."""
-    cert_path, key_path = directory / "ca.pem", directory / "ca.key"
+    usage = x509.KeyUsage(
+        digital_signature=False,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=True,
+        crl_sign=True,
+        encipher_only=False,
+        decipher_only=False,
+    )
+    return ensure_self_signed(
+        directory / "ca.key",
+        directory / "ca.pem",
+        "dsec stack CA",
+        [x509.BasicConstraints(ca=True, path_length=0), usage],
+    )
+
+
+def ensure_self_signed(
+    key_path: Path,
+    cert_path: Path,
+    common_name: str,
+    extensions: Sequence[x509.ExtensionType] = (),
+    days: int = _CA_DAYS,
+) -> Path:
+    """``cert_path``: a self-signed certificate (critical ``extensions``) made with
+    its key (``key_path``, root only) if either is missing."""
     if cert_path.exists() and key_path.exists():
         return cert_path
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dsec stack CA")])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = _now()
-    cert = (
+    builder = (
         x509.CertificateBuilder()
         .subject_name(name)
         .issuer_name(name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=_CA_DAYS))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(key, hashes.SHA256())
+        .not_valid_after(now + dt.timedelta(days=days))
     )
+    for extension in extensions:
+        builder = builder.add_extension(extension, critical=True)
+    cert = builder.sign(key, hashes.SHA256())
     secret_files.write(key_path, key_pem(key))
     secret_files.write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert_path
