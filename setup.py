@@ -31,6 +31,7 @@ SDK_OWNS = (
     "app/domain/__init__.py",
     "app/domain/base.py",
     "app/domain/codec.py",
+    "app/domain/egress.py",
     "app/domain/events.py",
     "app/domain/hub_access.py",
     "app/domain/proof.py",

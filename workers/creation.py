@@ -37,6 +37,7 @@ from workers.state_port import RouteStore
 from workers.tally import NodeTally
 
 if TYPE_CHECKING:
+    from workers.host.egress import EgressFence
     from workers.warm_pool import WarmPool
 
 #: How long a create waits for the in-sandbox agent to call home.
@@ -81,6 +82,8 @@ class CreateHost(Protocol):
     images: ImageSource | None
     #: Why sandbox egress is not fenced here (None: it is).
     egress_unfenced: str | None
+    egress: EgressFence | None
+    egress_unenforced: str | None
     agent_dir: Path
     sandbox_root: Path
 
@@ -138,7 +141,8 @@ class Creation:
             memory_mb=request.memory_mb,
             pids_limit=request.pids_limit,
             disk_mb=request.disk_mb,
-            network=request.network,
+            network=request.network is True,
+            egress=request.egress,
             env=dict(request.env),
             labels={
                 label.SANDBOX_ID: request.sandbox_id,
@@ -184,6 +188,11 @@ class Creation:
                     f"node {node.node_id} cannot fence sandbox network off its own"
                     f" addresses ({node.egress_unfenced}): refused rather than unfenced"
                 )
+            if spec.egress is not None and node.egress is None:
+                raise EgressDisabled(
+                    f"node {node.node_id} cannot enforce egress allowlists"
+                    f" ({node.egress_unenforced}): refused rather than unfenced"
+                )
             self.check_room()
             # A claim hands a pre-started container over; None: start one cold.
             claimed = node.warm.claim(spec) if node.warm is not None else None
@@ -193,7 +202,11 @@ class Creation:
                 container_id = self._start_cold(spec)
             else:
                 container_id = claimed
-            node.agents.connection(request.sandbox_id, AGENT_CONNECT_S).ping()
+            agent = node.agents.connection(request.sandbox_id, AGENT_CONNECT_S)
+            agent.ping()
+            if spec.egress is not None and node.egress is not None:
+                # The agent's pid is the container's init (AgentPool checks): its netns.
+                node.egress.attach(request.sandbox_id, agent.peer_pid, spec.egress)
         except Exception as exc:
             node.failures.fail(request, exc)
             self.ends.discard(request.sandbox_id)

@@ -59,6 +59,7 @@ from workers.state_port import ClaimStore, RouteStore, StepStore
 from workers.tally import NodeTally, NoNodeTally
 
 if TYPE_CHECKING:
+    from workers.host.egress import EgressFence
     from workers.warm_pool import WarmPool
 
 
@@ -110,6 +111,10 @@ class Node:
         #: (workers/host/setup.py); None: fenced. Creates asking for network are then
         #: refused: fail closed.
         self.egress_unfenced: str | None = None
+        #: Each allowlisted sandbox's interface and firewall share (workers/host/egress.py);
+        #: None: this node cannot enforce allowlists, for ``egress_unenforced``.
+        self.egress: EgressFence | None = None
+        self.egress_unenforced: str | None = "not set up"
         #: What the node saw happen in each sandbox, for the last state its Stopped
         #: records (kept in memory: a restarted worker knows less, and says so).
         self.activity: dict[str, Activity] = {}

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from app.domain.base import StopReason, derived_id, utcnow
 from app.domain.events import (
@@ -42,6 +42,9 @@ from workers.exec_path import Activity
 from workers.failures import Failed, Failures, envelope
 from workers.state_port import RouteStore
 
+if TYPE_CHECKING:
+    from workers.host.egress import EgressFence
+
 log = logging.getLogger(__name__)
 
 #: Namespace of ids for facts the node finds on its own (no request behind them).
@@ -59,6 +62,7 @@ class LifeHost(Protocol):
     failures: Failures
     deadlines: Deadlines
     routes: RouteStore
+    egress: EgressFence | None
     #: What the node saw happen in each sandbox, for the last state its Stopped records.
     activity: dict[str, Activity]
 
@@ -135,6 +139,8 @@ class Lifecycle:
         except NodeError:
             log.exception("removing %s", sandbox_id)
         self.node.agents.unregister(sandbox_id)
+        if self.node.egress is not None:
+            self.node.egress.detach(sandbox_id)
         shutil.rmtree(self.node.run_dir(sandbox_id), ignore_errors=True)
         return existed
 
@@ -190,6 +196,9 @@ class Lifecycle:
             last_command=seen.last_command if seen else None,
             last_exit_code=seen.last_exit_code if seen else None,
             frozen=seen.frozen if seen else None,
+            egress_refused=(
+                self.node.egress.refused(sandbox_id) if self.node.egress is not None else None
+            ),
         )
 
     def expire(self, due: Due) -> bool:

@@ -7,6 +7,7 @@ its metrics) and hands them to the node's logic, which builds none.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import resource
 import threading
@@ -14,7 +15,7 @@ from typing import cast
 
 from app import credentials, metrics
 from app.bus import Publisher
-from app.config import get_settings
+from app.config import Settings, get_settings
 from app.consuming import PositionedConsumer
 from app.partition_cache import PartitionCache
 from workers import direct, runtime, tasks
@@ -23,8 +24,11 @@ from workers.agent.pool import AgentPool
 from workers.celery_app import celery, restore_unacked
 from workers.containers.limits import CgroupLimiter
 from workers.containers.podman_driver import PodmanDriver
+from workers.containers.spec import RESOLV_CONF
 from workers.courier import Courier
+from workers.egress_dns import EgressResolver, host_lookup
 from workers.handlers import Node
+from workers.host.egress import EgressFence, host_networks
 from workers.host.hub_client import HubClient
 from workers.host.layer_store import store_lock_path
 from workers.host.podman_service import ensure_podman_service
@@ -85,6 +89,12 @@ def run(node_id: str, concurrency: int = 16) -> None:
         routes,
     )  # fmt: skip
     node.egress_unfenced = unfenced
+    # Every sandbox is told of a resolver (a bind of this file); only an allowlisted
+    # one's DNS gets anywhere, to the node's resolver.
+    pool = ipaddress.IPv4Network(settings.egress_pool)
+    (node.agent_dir / RESOLV_CONF).write_text(f"nameserver {pool.network_address + 1}\n")
+    if settings.allow_egress:
+        node.egress, node.egress_unenforced = _egress(settings, node_id)
     runtime.install(node)
     # Images the node lacks come from the hub, logged in as this node (pull only).
     node.images = HubClient(settings, credential) if settings.hub else None
@@ -120,6 +130,22 @@ def run(node_id: str, concurrency: int = 16) -> None:
         watch.stop()  # a service stopped with the node must not be started again
         inbox.stop()
         node.warm.close(drain=True)
+
+
+def _egress(settings: Settings, node_id: str) -> tuple[EgressFence | None, str | None]:
+    """The node's allowlist enforcement and its resolver; (None, why) where the host
+    cannot enforce allowlists (creates asking for one are then refused)."""
+    pool = ipaddress.IPv4Network(settings.egress_pool)
+    fence = EgressFence(node_id, pool, 0, settings.egress_max_connections, settings.egress_mbit)
+    why = fence.ensure()
+    if why is not None:
+        log.warning("node %s: no egress allowlists: %s", node_id, why)
+        return None, why
+    hosts = settings.egress_hosts or settings.state_dir / "egress-hosts"
+    resolver = EgressResolver(fence, host_lookup(hosts), (pool, *host_networks()))
+    fence.dns_port = resolver.port
+    resolver.start()
+    return fence, None
 
 
 def _redo(node_id: str, ready: threading.Event) -> None:

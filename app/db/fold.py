@@ -83,7 +83,8 @@ def _lifecycle(event: Event) -> tuple[SandboxState, dict[str, Any]] | None:
             return SandboxState.REQUESTED, {
                 "actor": p.actor, "image": p.image, "cpus": p.cpus, "memory_mb": p.memory_mb,
                 "disk_mb": p.disk_mb, "ttl_s": p.ttl_s, "network": p.network,
-                "labels": p.labels, "requested_at": at,
+                "egress": p.egress.allow if p.egress else None, "labels": p.labels,
+                "requested_at": at,
             }  # fmt: skip
         case SandboxScheduled(payload=p):
             return SandboxState.SCHEDULED, {"node_id": p.node_id, "scheduled_at": at}

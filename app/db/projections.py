@@ -44,16 +44,16 @@ BILLING_TABLES = (lives, usage_daily, running_usage)
 #: to what a projection holds for a given log: a projector that finds another version
 #: recorded rebuilds every projection from the log before it folds anything new
 #: (:func:`ensure_current`).
-VERSION = 7
+VERSION = 8
 _VERSION_ROW = "projections"
 
 #: The sandbox columns that lifecycle events set, with their Postgres types.
 _SANDBOX_COLUMN_TYPES = (
     ("actor", "text"), ("image", "text"), ("node_id", "text"), ("cpus", "float8"),
     ("memory_mb", "int4"), ("disk_mb", "int4"), ("ttl_s", "int4"), ("network", "bool"),
-    ("labels", "jsonb"), ("requested_at", "timestamptz"), ("scheduled_at", "timestamptz"),
-    ("started_at", "timestamptz"), ("ended_at", "timestamptz"), ("end_reason", "text"),
-    ("detail", "text"),
+    ("egress", "jsonb"), ("labels", "jsonb"), ("requested_at", "timestamptz"),
+    ("scheduled_at", "timestamptz"), ("started_at", "timestamptz"), ("ended_at", "timestamptz"),
+    ("end_reason", "text"), ("detail", "text"),
 )  # fmt: skip
 SANDBOX_COLUMNS = tuple(name for name, _ in _SANDBOX_COLUMN_TYPES)
 

@@ -96,6 +96,7 @@ sandboxes = Table(
     Column("disk_mb", Integer),
     Column("ttl_s", Integer),
     Column("network", Boolean),
+    Column("egress", JSONB),
     Column("labels", JSONB),
     Column("requested_at", DateTime(timezone=True)),
     Column("scheduled_at", DateTime(timezone=True)),

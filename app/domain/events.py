@@ -23,6 +23,7 @@ from app.domain.base import (
     tags,
     utcnow,
 )
+from app.domain.egress import NetworkPolicy
 
 
 class EventBase(Message):
@@ -55,7 +56,10 @@ class RequestedPayload(Message):
     memory_mb: int = Field(description="Memory limit, MiB.")
     disk_mb: int = Field(description="Workspace size, MiB.")
     ttl_s: int = Field(description="Time to live, seconds.")
-    network: bool = Field(description="Egress allowed.")
+    network: bool = Field(description="Egress allowed (anywhere, or by its allowlist).")
+    egress: NetworkPolicy | None = Field(
+        None, description="The allowlist egress keeps to; None: anywhere (or no network)."
+    )
     labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
 
 
@@ -121,6 +125,10 @@ class LastState(Message):
     last_command: str | None = Field(None, description="The last of them (first 200 chars).")
     last_exit_code: int | None = Field(None, description="How the last command ended.")
     frozen: bool | None = Field(None, description="Frozen by a lapsed lease when it ended.")
+    egress_refused: int | None = Field(
+        None,
+        description="Connections and names its egress allowlist refused (allowlisted only).",
+    )
     last_heartbeat_at: datetime | None = Field(
         None, description="When its node was last heard from (node_lost)."
     )

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from app.domain.base import SCHEMA_VERSION, Message, event_id, new_id, tags, utcnow
+from app.domain.egress import NetworkPolicy
 
 SandboxId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{2,62}$")]
 Name = Annotated[str, Field(min_length=1, max_length=128)]
@@ -179,7 +180,13 @@ class SandboxShape(Message):
     disk_mb: int = Field(256, ge=1, le=65_536, description="Writable workspace size, MiB.")
     pids_limit: int = Field(256, ge=8, le=65_536, description="Most processes at once.")
     ttl_s: int = Field(3600, ge=1, le=7 * 86_400, description="Destroyed after this long.")
-    network: bool = Field(False, description="Allow network egress.")
+    network: bool | NetworkPolicy = Field(
+        False,
+        description=(
+            "Network: false (none), true (egress anywhere but the node's own and"
+            " link-local addresses) or an allowlist, denied by default (NetworkPolicy)."
+        ),
+    )
     env: Env = Field(default_factory=dict, description="Default environment.")
     labels: Labels = Field(default_factory=dict, description="Free-form labels (64 at most).")
     queue_s: float = Field(
@@ -188,6 +195,11 @@ class SandboxShape(Message):
     lease_id: Name | None = Field(
         None, description="Tie the sandbox to this trainer lease (frozen when it lapses)."
     )
+
+    @property
+    def egress(self) -> NetworkPolicy | None:
+        """The allowlist this sandbox's network keeps to; None: no allowlist."""
+        return self.network if isinstance(self.network, NetworkPolicy) else None
 
 
 class CreateSandbox(RequestBase, SandboxShape):

@@ -14,7 +14,13 @@ from typing import Any
 from workers.containers import label
 from workers.containers.limits import CPU_PERIOD_US, Limits, View
 from workers.containers.port import SandboxContainer, sandbox_id_of
-from workers.containers.spec import AGENT_BIN_MOUNT, AGENT_RUN_MOUNT, WORKDIR, SandboxSpec
+from workers.containers.spec import (
+    AGENT_BIN_MOUNT,
+    AGENT_RUN_MOUNT,
+    RESOLV_CONF,
+    WORKDIR,
+    SandboxSpec,
+)
 
 #: Open files per sandbox process. Set here because Podman 4.3's REST API ignores
 #: containers.conf ``default_ulimits`` (only its CLI applies them); without it a
@@ -45,6 +51,8 @@ def container_args(spec: SandboxSpec, cgroup_views: Sequence[View] = ()) -> dict
             _tmpfs(WORKDIR, spec.disk_mb, "755"),
             _bind(spec.agent_bin_dir, AGENT_BIN_MOUNT),
             _bind(spec.run_dir, AGENT_RUN_MOUNT),
+            # Every sandbox, so that a warm one can become an allowlisted one.
+            _bind(spec.agent_bin_dir / RESOLV_CONF, "/etc/resolv.conf"),
             *(
                 _bind(src, target) if src is not None else _empty_ro_tmpfs(target)
                 for src, target in cgroup_views

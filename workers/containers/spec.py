@@ -5,12 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.domain.egress import NetworkPolicy
+
 #: Where the host-owned, read-only agent directory (binary + static busybox) appears.
 AGENT_BIN_MOUNT = "/.dsec/bin"
 #: Where the host-owned, read-only per-sandbox run directory (agent socket) appears.
 AGENT_RUN_MOUNT = "/.dsec/run"
 #: File name of the socket the host listens on inside the run directory.
 AGENT_SOCKET_NAME = "agent.sock"
+#: The resolver every sandbox is told of (in the agent directory, written by the node):
+#: only an allowlisted sandbox's DNS reaches anything (the node's resolver).
+RESOLV_CONF = "resolv.conf"
 #: Writable working directory inside every sandbox.
 WORKDIR = "/workspace"
 
@@ -25,7 +30,9 @@ class SandboxSpec:
     memory_mb: int = 512
     pids_limit: int = 256
     disk_mb: int = 256
+    #: Egress anywhere (slirp4netns); an allowlist is ``egress`` and keeps this False.
     network: bool = False
+    egress: NetworkPolicy | None = None
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     agent_bin_dir: Path = Path("/var/lib/dsec/agent")

@@ -1,0 +1,393 @@
+"""Per-sandbox egress on a node host: a veth pair into the sandbox's own network
+namespace and one nftables table that lets each interface through to what its
+allowlist (app/domain/egress.py) allows.
+
+Why not slirp4netns with a firewall rule: its traffic leaves as the node user, which
+every sandbox of the node shares, so a rule cannot tell sandboxes apart. A veth per
+sandbox gives each one an interface of its own on the host (``dsb<slot>``), and every
+rule below matches it. The sandbox keeps no capability, so it can change neither its
+address nor its routes; whatever it sends arrives on its own interface.
+
+The table (``inet dsec_egress``, shared by the nodes of a host, made once):
+
+- DNS (UDP/TCP 53 to any address) from a sandbox is redirected to its node's
+  resolver (workers/egress_dns.py), which answers allowed names only and pins the
+  addresses it answered into ``allowed`` (interface . address . ports);
+- everything else new from a sandbox goes to the host itself: refused; to
+  loopback, link-local, multicast, reserved or the sandboxes' pool: refused; beyond
+  the cap of open connections: refused; in ``allowed``: accepted and masqueraded;
+  anything else refused and counted per interface (``refused``);
+- nothing new enters a sandbox's interface from outside (another sandbox, the LAN).
+
+Bandwidth is capped both ways with a token bucket on each end of the pair.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.domain.egress import NEVER, NetworkPolicy
+from workers.errors import NodeError
+from workers.host.file_lock import file_lock
+
+log = logging.getLogger(__name__)
+
+TABLE = "dsec_egress"
+#: Host interfaces of sandboxes: ``dsb<slot>``; the sandbox sees its end as ``eth0``.
+PREFIX = "dsb"
+#: Which slots are taken on this host, by whom (tmpfs: a reboot frees them all, as it
+#: removes every interface).
+SLOT_DIR = Path("/run/dsec-egress")
+#: A freshly taken slot whose interface is not there yet is not stale before this.
+_SLOT_GRACE_S = 60.0
+#: How long an address the resolver answered stays pinned, at least (an answer's TTL
+#: is often shorter than clients cache it).
+MIN_PIN_S = 600
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """One sandbox's interface: its slot, names and addresses."""
+
+    sandbox_id: str
+    slot: int
+    policy: NetworkPolicy
+    host_ip: ipaddress.IPv4Address
+    sandbox_ip: ipaddress.IPv4Address
+
+    @property
+    def iface(self) -> str:
+        return f"{PREFIX}{self.slot}"
+
+
+def _run(argv: list[str], stdin: str | None = None) -> str:
+    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise NodeError(f"{' '.join(argv[:4])}: {done.stderr.strip()[:300]}")
+    return done.stdout
+
+
+def _ports(ports: tuple[int, int]) -> str:
+    return str(ports[0]) if ports[0] == ports[1] else f"{ports[0]}-{ports[1]}"
+
+
+class EgressFence:
+    """This node's sandboxes' interfaces and their share of the host's table."""
+
+    def __init__(
+        self,
+        node_id: str,
+        pool: ipaddress.IPv4Network,
+        dns_port: int,
+        max_connections: int,
+        mbit: int,
+    ) -> None:
+        self.node_id = node_id
+        self.pool = pool
+        self.dns_port = dns_port
+        self.max_connections = max_connections
+        self.mbit = mbit
+        self._by_sandbox: dict[str, Attachment] = {}
+        self._by_ip: dict[ipaddress.IPv4Address, Attachment] = {}
+        #: Names the resolver refused, per interface (the firewall counts connections).
+        self._names_refused: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # --- the host's table ---------------------------------------------------------
+
+    def ensure(self) -> str | None:
+        """Make the host's table once and turn forwarding on; returns why egress by
+        allowlist cannot be enforced here, or None when it can."""
+        for tool in ("nft", "ip", "tc", "nsenter"):
+            if shutil.which(tool) is None:
+                return f"no {tool} (the bootstrap installs nftables, iproute2, util-linux)"
+        try:
+            SLOT_DIR.mkdir(mode=0o700, exist_ok=True)
+            with file_lock(SLOT_DIR / ".lock"):
+                listed = subprocess.run(
+                    ["nft", "list", "table", "inet", TABLE], capture_output=True, check=False
+                )
+                if listed.returncode != 0:
+                    _run(["nft", "-f", "-"], self._ruleset())
+            Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+        except (OSError, NodeError) as exc:
+            return f"nftables table {TABLE}: {exc}"
+        self._recover()
+        return None
+
+    def _ruleset(self) -> str:
+        never = ", ".join(str(net) for net in (*NEVER, self.pool))
+        return f"""
+table inet {TABLE} {{
+  set allowed {{ type ifname . ipv4_addr . inet_service; flags interval, timeout; }}
+  map dns_port {{ type ifname : inet_service; }}
+  set refused {{ type ifname; flags dynamic; counter; size 65535; }}
+  set conns {{ type ifname; flags dynamic; size 65535; }}
+  set never {{ type ipv4_addr; flags interval; elements = {{ {never} }}; }}
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname "{PREFIX}*" meta l4proto {{ tcp, udp }} th dport 53 redirect to :iifname map @dns_port
+  }}
+  chain input {{
+    type filter hook input priority filter - 5; policy accept;
+    iifname "{PREFIX}*" jump to_host
+  }}
+  chain to_host {{
+    ct state established,related accept
+    ct status dnat meta l4proto udp accept
+    add @refused {{ iifname }} reject with icmpx admin-prohibited
+  }}
+  chain forward {{
+    type filter hook forward priority filter - 5; policy accept;
+    iifname "{PREFIX}*" jump from_sandbox
+    oifname "{PREFIX}*" ct state established,related accept
+    oifname "{PREFIX}*" drop
+  }}
+  chain from_sandbox {{
+    meta nfproto ipv6 drop
+    ct state established,related accept
+    ip daddr @never add @refused {{ iifname }} reject with icmpx admin-prohibited
+    meta l4proto tcp add @conns {{ iifname ct count over {self.max_connections} }} \\
+      add @refused {{ iifname }} reject with tcp reset
+    meta l4proto tcp iifname . ip daddr . tcp dport @allowed accept
+    add @refused {{ iifname }} reject with icmpx admin-prohibited
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {self.pool} oifname != "{PREFIX}*" masquerade
+  }}
+}}
+"""
+
+    # --- slots --------------------------------------------------------------------
+
+    def _slot_ips(self, slot: int) -> tuple[ipaddress.IPv4Address, ipaddress.IPv4Address]:
+        base = self.pool.network_address + 4 * slot
+        return base + 1, base + 2
+
+    def _take_slot(self, sandbox_id: str, policy: NetworkPolicy) -> int:
+        record = json.dumps(
+            {"sandbox_id": sandbox_id, "node_id": self.node_id, "allow": policy.allow}
+        )
+        with file_lock(SLOT_DIR / ".lock"):
+            for slot in range(1, self.pool.num_addresses // 4):
+                path = SLOT_DIR / str(slot)
+                if path.exists() and not self._stale(slot, path):
+                    continue
+                path.write_text(record)
+                return slot
+        raise NodeError(f"no free egress slot in {self.pool}")
+
+    @staticmethod
+    def _stale(slot: int, path: Path) -> bool:
+        if Path(f"/sys/class/net/{PREFIX}{slot}").exists():
+            return False
+        with contextlib.suppress(OSError):
+            return time.time() - path.stat().st_mtime > _SLOT_GRACE_S
+        return True
+
+    def _recover(self) -> None:
+        """Take back this node's interfaces a previous worker made (their sandboxes
+        live on): the resolver must know them again."""
+        for path in SLOT_DIR.glob("[0-9]*"):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                record = json.loads(path.read_text())
+                slot = int(path.name)
+                if record["node_id"] != self.node_id or self._stale(slot, path):
+                    continue
+                host_ip, sandbox_ip = self._slot_ips(slot)
+                self._keep(
+                    Attachment(
+                        record["sandbox_id"], slot, NetworkPolicy(allow=record["allow"]),
+                        host_ip, sandbox_ip,
+                    )
+                )  # fmt: skip
+
+    def _keep(self, attachment: Attachment) -> None:
+        with self._lock:
+            self._by_sandbox[attachment.sandbox_id] = attachment
+            self._by_ip[attachment.sandbox_ip] = attachment
+
+    # --- sandboxes ----------------------------------------------------------------
+
+    def attach(self, sandbox_id: str, pid: int, policy: NetworkPolicy) -> Attachment:
+        """Give the sandbox whose init is ``pid`` its interface and its allowlist's
+        addresses; NodeError if any step fails (nothing is left behind then)."""
+        slot = self._take_slot(sandbox_id, policy)
+        host_ip, sandbox_ip = self._slot_ips(slot)
+        attachment = Attachment(sandbox_id, slot, policy, host_ip, sandbox_ip)
+        iface, peer = attachment.iface, f"{PREFIX}p{slot}"
+        inside = ["nsenter", f"--net=/proc/{pid}/ns/net", "--"]
+        rate = f"{self.mbit}mbit"
+        try:
+            _run(["ip", "link", "add", iface, "type", "veth", "peer", "name", peer])
+            _run(["ip", "link", "set", peer, "netns", f"/proc/{pid}/ns/net"])
+            _run([*inside, "ip", "link", "set", peer, "name", "eth0"])
+            _run([*inside, "ip", "addr", "add", f"{sandbox_ip}/30", "dev", "eth0"])
+            _run([*inside, "ip", "link", "set", "eth0", "up"])
+            _run([*inside, "ip", "route", "add", "default", "via", str(host_ip)])
+            _run([*inside, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
+                  "burst", "256k", "latency", "50ms"])  # fmt: skip
+            _run(["ip", "addr", "add", f"{host_ip}/30", "dev", iface])
+            _run(["ip", "link", "set", iface, "up"])
+            _run(["tc", "qdisc", "add", "dev", iface, "root", "tbf", "rate", rate,
+                  "burst", "256k", "latency", "50ms"])  # fmt: skip
+            elements = [
+                f'"{iface}" . {network} . {_ports(ports)}' for network, ports in policy.networks()
+            ]
+            script = f'add element inet {TABLE} dns_port {{ "{iface}" : {self.dns_port} }}\n'
+            if elements:
+                script += f"add element inet {TABLE} allowed {{ {', '.join(elements)} }}\n"
+            _run(["nft", "-f", "-"], script)
+        except NodeError:
+            self._release(attachment)
+            raise
+        self._keep(attachment)
+        return attachment
+
+    def pin(
+        self,
+        attachment: Attachment,
+        addresses: Iterable[str],
+        ttl_s: int,
+        ports: list[tuple[int, int]],
+    ) -> None:
+        """Let the sandbox reach ``addresses`` (the resolver's answer for an allowed
+        name) on ``ports``, for at least :data:`MIN_PIN_S`."""
+        timeout = max(ttl_s, MIN_PIN_S)
+        elements = [
+            f'"{attachment.iface}" . {address} . {_ports(p)} timeout {timeout}s'
+            for address in addresses
+            for p in ports
+        ]
+        if elements:
+            # add refreshes nothing, so an answer already pinned is deleted and added.
+            _run(["nft", "-f", "-"], _readd(elements))
+
+    def of_address(self, source: str) -> Attachment | None:
+        """The attachment whose sandbox sends from ``source``."""
+        with contextlib.suppress(ValueError):
+            return self._by_ip.get(ipaddress.IPv4Address(source))
+        return None
+
+    def refused(self, sandbox_id: str) -> int:
+        """Connections and names this sandbox was refused so far."""
+        attachment = self._by_sandbox.get(sandbox_id)
+        if attachment is None:
+            return 0
+        return self._counters().get(attachment.iface, 0)
+
+    def policy_of(self, sandbox_id: str) -> NetworkPolicy | None:
+        attachment = self._by_sandbox.get(sandbox_id)
+        return attachment.policy if attachment else None
+
+    def count_refused_name(self, attachment: Attachment) -> None:
+        """A name the resolver refused counts among the sandbox's refusals."""
+        with self._lock:
+            iface = attachment.iface
+            self._names_refused[iface] = self._names_refused.get(iface, 0) + 1
+
+    def _counters(self) -> dict[str, int]:
+        listed = subprocess.run(
+            ["nft", "-j", "list", "set", "inet", TABLE, "refused"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        counts: dict[str, int] = dict(self._names_refused)
+        if listed.returncode == 0:
+            for entry in _elements(listed.stdout):
+                elem = entry.get("elem", entry)
+                if isinstance(elem, dict) and isinstance(elem.get("val"), str):
+                    packets = elem.get("counter", {}).get("packets", 0)
+                    counts[elem["val"]] = counts.get(elem["val"], 0) + int(packets)
+        return counts
+
+    def detach(self, sandbox_id: str) -> None:
+        """Forget the sandbox's interface and what it was allowed (its container is
+        gone or going: the interface goes with its namespace, or is deleted here)."""
+        with self._lock:
+            attachment = self._by_sandbox.pop(sandbox_id, None)
+            if attachment is not None:
+                self._by_ip.pop(attachment.sandbox_ip, None)
+                self._names_refused.pop(attachment.iface, None)
+        if attachment is not None:
+            self._release(attachment)
+
+    def _release(self, attachment: Attachment) -> None:
+        iface = attachment.iface
+        listed = subprocess.run(
+            ["nft", "-j", "list", "set", "inet", TABLE, "allowed"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        script = [
+            f'delete element inet {TABLE} {name} {{ "{iface}" }}'
+            for name in ("dns_port", "refused", "conns")
+        ]
+        for key in _keys_of(listed.stdout, iface) if listed.returncode == 0 else []:
+            script.append(f"delete element inet {TABLE} allowed {{ {key} }}")
+        for line in script:  # one by one: a missing element must not stop the rest
+            subprocess.run(["nft", line], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", iface], capture_output=True, check=False)
+        with contextlib.suppress(OSError):
+            (SLOT_DIR / str(attachment.slot)).unlink()
+
+
+def _readd(elements: list[str]) -> str:
+    joined = ", ".join(elements)
+    return (
+        f"add element inet {TABLE} allowed {{ {joined} }}\n"
+        f"delete element inet {TABLE} allowed {{ {joined} }}\n"
+        f"add element inet {TABLE} allowed {{ {joined} }}\n"
+    )
+
+
+def _elements(listing: str) -> Iterator[Any]:
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        for item in json.loads(listing)["nftables"]:
+            if "set" in item:
+                yield from item["set"].get("elem", [])
+
+
+def _keys_of(listing: str, iface: str) -> list[str]:
+    """The ``allowed`` elements of ``iface``, written as nft takes them back."""
+    keys = []
+    for entry in _elements(listing):
+        elem = entry.get("elem", entry) if isinstance(entry, dict) else entry
+        value = elem.get("val", elem) if isinstance(elem, dict) else elem
+        parts = value.get("concat") if isinstance(value, dict) else None
+        if not parts or parts[0] != iface:
+            continue
+        keys.append(" . ".join(_nft_value(part) for part in parts))
+    return keys
+
+
+def _nft_value(part: object) -> str:
+    if isinstance(part, dict) and "prefix" in part:
+        return f"{part['prefix']['addr']}/{part['prefix']['len']}"
+    if isinstance(part, dict) and "range" in part:
+        low, high = part["range"]
+        return f"{low}-{high}"
+    if isinstance(part, str):
+        return f'"{part}"' if part.startswith(PREFIX) else part
+    return str(part)
+
+
+def host_networks() -> tuple[ipaddress.IPv4Network, ...]:
+    """The host's own IPv4 addresses, as /32 networks (never pinned for a sandbox)."""
+    out = subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True, check=False)
+    nets = []
+    with contextlib.suppress(ValueError):
+        for link in json.loads(out.stdout or "[]"):
+            for info in link.get("addr_info", []):
+                nets.append(ipaddress.IPv4Network(f"{info['local']}/32"))
+    return tuple(nets)
