@@ -27,6 +27,7 @@ SDK_OWNS = (
     "app/bus.py",
     "app/config.py",
     "app/credentials.py",
+    "app/egress_config.py",
     "app/errors.py",
     "app/domain/__init__.py",
     "app/domain/base.py",

@@ -8,10 +8,12 @@ from typing import Literal
 from urllib.parse import SplitResult, quote, urlsplit, urlunsplit
 
 from pydantic import AliasChoices, Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from app.egress_config import EgressSettings
 
 
-class Settings(BaseSettings):
+class Settings(EgressSettings):
     """Platform configuration, read from ``DSEC_*`` environment variables."""
 
     model_config = SettingsConfigDict(
@@ -281,33 +283,6 @@ class Settings(BaseSettings):
         description="Most of the host's pid_max one sandbox may ask for (pids_limit).",
     )
     default_image: str = Field("dsec/busybox:latest", description="Image used when none is named.")
-    allow_egress: bool = Field(
-        True,
-        description=(
-            "Nodes give network egress (slirp4netns) to sandboxes created with network=True;"
-            " false refuses them. Sandboxes have no network unless they ask either way."
-        ),
-    )
-    egress_pool: str = Field(
-        "10.213.0.0/16",
-        description=(
-            "IPv4 addresses of sandboxes with an egress allowlist (a /30 each, on a"
-            " veth of their own): pick a range no site network uses. Same on a host's nodes."
-        ),
-    )
-    egress_max_connections: int = Field(
-        256, ge=1, le=65_536, description="Open connections one allowlisted sandbox may hold."
-    )
-    egress_mbit: int = Field(
-        100, ge=1, le=100_000, description="Bandwidth of one allowlisted sandbox, each way, Mbit/s."
-    )
-    egress_hosts: Path | None = Field(
-        None,
-        description=(
-            "Hosts file the node's sandbox resolver reads before the host's resolver (a"
-            " site's internal names); default <state_dir>/egress-hosts."
-        ),
-    )
     direct_exec: bool = Field(
         True,
         description=(

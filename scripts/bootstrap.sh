@@ -10,9 +10,10 @@ want() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok ins
 # kcat, openssl and jq: a trainer written in bash (docs/protocol.md, tests/integration/test_kcat.py).
 # docker-registry: Distribution 2.8, the image hub `dsec up` runs (app/stack/hub.py).
 # iptables: the fence between sandboxes with network and the node (workers/host/setup.py);
-# a node without it refuses creates that ask for network.
+# a node without it refuses creates that ask for network. nftables: egress allowlists
+# (workers/host/egress.py); a node without nft refuses creates that ask for one.
 for p in podman runc uidmap slirp4netns fuse-overlayfs busybox-static gcc libc6-dev debootstrap \
-    docker-compose kcat openssl jq docker-registry iptables; do want "$p"; done
+    docker-compose kcat openssl jq docker-registry iptables nftables; do want "$p"; done
 # Apache Kafka runs on a JRE; Maven fetches it from Maven Central (app/stack/kafka_dist.py).
 command -v java >/dev/null || want openjdk-17-jre-headless
 command -v mvn >/dev/null || want maven

@@ -29,7 +29,7 @@ import dns.rdatatype
 import dns.rrset
 
 from app.domain.egress import pinnable
-from workers.host.egress import EgressFence
+from workers.host.egress import EgressFence, is_host_address
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,9 @@ class EgressResolver:
         addresses = [
             str(address)
             for address in map(_ipv4, self.lookup(name))
-            if address is not None and pinnable(address, self.forbidden)
+            if address is not None
+            and pinnable(address, self.forbidden)
+            and not is_host_address(address)
         ]
         if not addresses:
             reply.set_rcode(dns.rcode.NXDOMAIN)

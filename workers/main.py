@@ -28,7 +28,7 @@ from workers.containers.spec import RESOLV_CONF
 from workers.courier import Courier
 from workers.egress_dns import EgressResolver, host_lookup
 from workers.handlers import Node
-from workers.host.egress import EgressFence, host_networks
+from workers.host.egress import EgressFence
 from workers.host.hub_client import HubClient
 from workers.host.layer_store import store_lock_path
 from workers.host.podman_service import ensure_podman_service
@@ -142,7 +142,7 @@ def _egress(settings: Settings, node_id: str) -> tuple[EgressFence | None, str |
         log.warning("node %s: no egress allowlists: %s", node_id, why)
         return None, why
     hosts = settings.egress_hosts or settings.state_dir / "egress-hosts"
-    resolver = EgressResolver(fence, host_lookup(hosts), (pool, *host_networks()))
+    resolver = EgressResolver(fence, host_lookup(hosts), (pool,))
     fence.dns_port = resolver.port
     resolver.start()
     return fence, None

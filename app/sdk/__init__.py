@@ -9,6 +9,7 @@ it speaks; a platform that serves none of them refuses its requests with
 """
 
 from app.domain.base import PROTOCOL_VERSIONS
+from app.domain.egress import NetworkPolicy
 from app.sdk.aio import AsyncClient, AsyncCommand, AsyncExecStream, AsyncGroup, AsyncSandbox
 from app.sdk.client import Chunk, Client, ExecResult
 from app.sdk.handles import Command, ExecStream, Group, Sandbox
@@ -26,5 +27,6 @@ __all__ = [
     "ExecResult",
     "ExecStream",
     "Group",
+    "NetworkPolicy",
     "Sandbox",
 ]

@@ -54,6 +54,7 @@ class _Node:
     deadlines: _Deadlines = field(default_factory=_Deadlines)
     activity: dict[str, Any] = field(default_factory=dict)
     routes: InMemoryRoutes = field(default_factory=InMemoryRoutes)
+    egress: None = None
 
     def run_dir(self, sandbox_id: str) -> Path:
         return self.tmp / sandbox_id

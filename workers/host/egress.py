@@ -29,6 +29,7 @@ import ipaddress
 import json
 import logging
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -382,12 +383,12 @@ def _nft_value(part: object) -> str:
     return str(part)
 
 
-def host_networks() -> tuple[ipaddress.IPv4Network, ...]:
-    """The host's own IPv4 addresses, as /32 networks (never pinned for a sandbox)."""
-    out = subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True, check=False)
-    nets = []
-    with contextlib.suppress(ValueError):
-        for link in json.loads(out.stdout or "[]"):
-            for info in link.get("addr_info", []):
-                nets.append(ipaddress.IPv4Network(f"{info['local']}/32"))
-    return tuple(nets)
+def is_host_address(address: ipaddress.IPv4Address) -> bool:
+    """Whether ``address`` is one of the host's own, now (only those can be bound):
+    interfaces come and go while the node runs."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(address), 0))
+        except OSError:
+            return False
+    return True

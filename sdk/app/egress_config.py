@@ -1,0 +1,1 @@
+../../app/egress_config.py
