@@ -302,6 +302,13 @@ def create(
     ttl: Annotated[int | None, typer.Option(help="Seconds until it is destroyed.")] = None,
     tenant: Annotated[str, typer.Option(help="Tenant billed for it.")] = "default",
     job: Annotated[str, typer.Option("--job", help="Job billed for it.")] = "cli",
+    allow: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Network to this destination only ('name[:ports]', '*.domain', 'cidr:port');"
+            " repeat for more. Without it: no network."
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Create a sandbox and print its id once it runs."""
@@ -310,6 +317,7 @@ def create(
     code = cli_sandbox.run_create(
         get_settings(), tenant=tenant, job=job, as_json=as_json,
         image=image, memory_mb=memory_mb, cpus=cpus, ttl_s=ttl,
+        network={"allow": allow} if allow else None,
     )  # fmt: skip
     raise typer.Exit(code)
 

@@ -93,9 +93,7 @@ def outside(stack: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     _sh(*inside, "ip", "route", "add", "default", "via", HOST_SIDE)
     # Without the platform's defence the metadata address would answer: route it there.
     _sh("ip", "route", "replace", f"{METADATA}/32", "via", ALLOWED)
-    server = subprocess.Popen(
-        [*inside, sys.executable, str(script), str(log), *map(str, PORTS)]
-    )
+    server = subprocess.Popen([*inside, sys.executable, str(script), str(log), *map(str, PORTS)])
     hosts.write_text("".join(f"{addr} {name}\n" for name, addr in NAMES.items()))
     try:
         time.sleep(0.5)
@@ -240,3 +238,20 @@ def test_refusals_are_counted_and_the_allowlist_is_in_the_log(
 def test_a_bad_allowlist_is_refused_before_anything_is_made(client: Any) -> None:
     with pytest.raises((SandboxFailedError, ValueError)):
         client.create(network={"allow": ["169.254.169.254:80"]})
+
+
+def test_the_cli_makes_an_allowlisted_sandbox_and_ps_shows_its_list(outside: Path) -> None:
+    from tests.integration.test_cli import _json, dsec
+
+    made = dsec("create", "--allow", "allowed.test:8080", "--allow", "*.svc.test:8080")
+    assert made.exit_code == 0, made.output
+    sandbox_id = made.stdout.strip()
+    try:
+        ran = dsec(
+            "exec", sandbox_id, f"nc -w 3 allowed.test 8080 </dev/null; nc -w 3 {OTHER} 8080"
+        )
+        assert ran.stdout == f"HELLO {ALLOWED}:8080\n", ran.output
+        [row] = [r for r in _json(dsec("ps", "--json")) if r["sandbox_id"] == sandbox_id]
+        assert json.loads(row["network"]) == ["allowed.test:8080", "*.svc.test:8080"]
+    finally:
+        dsec("destroy", sandbox_id)

@@ -15,6 +15,7 @@ import pytest
 
 from app.domain.base import RejectReason, StopReason
 from app.domain.codec import decode_event
+from app.domain.egress import NetworkPolicy
 from app.domain.events import SandboxStarted, SandboxStopped
 from app.domain.replies import ErrorReply
 from app.errors import SandboxFailedError, SandboxNotFound, SandboxRejectedError
@@ -176,3 +177,16 @@ def test_a_node_that_cannot_fence_egress_refuses_network_and_still_serves_the_re
     # Then sandboxes without network are still made there
     [sandbox] = platform.run(client.create_many_steps(1))
     assert sandbox.node_id == NODE
+
+
+def test_a_node_that_cannot_enforce_allowlists_refuses_them(platform: Platform) -> None:
+    # Given a node without nftables (the in-memory node has no fence at all)
+    platform.node.egress, platform.node.egress_unenforced = None, "no nft"
+    client = platform.client()
+    # When a trainer asks for a sandbox with an allowlist, it is refused, saying why
+    with pytest.raises(SandboxFailedError) as refused:
+        platform.run(
+            client.create_many_steps(1, network=NetworkPolicy(allow=["mirror.internal:443"]))
+        )
+    assert refused.value.reason == "refused"
+    assert "no nft" in str(refused.value) and "rather than unfenced" in str(refused.value)
