@@ -31,6 +31,14 @@ class EgressSettings(BaseSettings):
     egress_mbit: int = Field(
         100, ge=1, le=100_000, description="Bandwidth of one allowlisted sandbox, each way, Mbit/s."
     )
+    ports_host: str = Field(
+        "127.0.0.1",
+        description=(
+            "Address a node's proxy of exposed ports listens on and its URLs name"
+            " (sandbox.expose): the node's address that trainers and browsers reach."
+        ),
+    )
+    ports_port: int = Field(0, ge=0, le=65535, description="Its port (0: any free one, per node).")
     egress_hosts: Path | None = Field(
         None,
         description=(

@@ -14,6 +14,9 @@ want() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok ins
 # (workers/host/egress.py); a node without nft refuses creates that ask for one.
 for p in podman runc uidmap slirp4netns fuse-overlayfs busybox-static gcc libc6-dev debootstrap \
     docker-compose kcat openssl jq docker-registry iptables nftables; do want "$p"; done
+# chromium: a browser loads a page and its WebSocket from a sandbox's exposed port
+# (tests/integration/test_ports.py).
+want chromium
 # Apache Kafka runs on a JRE; Maven fetches it from Maven Central (app/stack/kafka_dist.py).
 command -v java >/dev/null || want openjdk-17-jre-headless
 command -v mvn >/dev/null || want maven

@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING
 from app.config import Settings
 from app.credentials import Credential
 from app.domain.direct import SandboxKey
+from app.domain.replies import Done
 from app.domain.requests import (
     CreateSandbox,
     DestroySandbox,
     Exec,
+    ExposePort,
     FreezeSandbox,
     KillCommand,
     ReadFile,
@@ -49,8 +51,9 @@ from workers.containers.spec import AGENT_SOCKET_NAME
 from workers.courier import Courier
 from workers.creation import Creation, ImageSource
 from workers.deadlines import Deadlines, Due
+from workers.errors import EgressDisabled
 from workers.exec_path import Activity, ExecPath
-from workers.failures import Failures
+from workers.failures import Failed, Failures
 from workers.file_ops import FileOps
 from workers.lifecycle import Lifecycle
 from workers.memory_state import InMemoryRoutes
@@ -60,6 +63,7 @@ from workers.tally import NodeTally, NoNodeTally
 
 if TYPE_CHECKING:
     from workers.host.egress import EgressFence
+    from workers.ports import PortProxy
     from workers.warm_pool import WarmPool
 
 
@@ -115,6 +119,8 @@ class Node:
         #: None: this node cannot enforce allowlists, for ``egress_unenforced``.
         self.egress: EgressFence | None = None
         self.egress_unenforced: str | None = "not set up"
+        #: The proxy of its sandboxes' exposed ports (workers/ports.py); None: none.
+        self.ports: PortProxy | None = None
         #: What the node saw happen in each sandbox, for the last state its Stopped
         #: records (kept in memory: a restarted worker knows less, and says so).
         self.activity: dict[str, Activity] = {}
@@ -203,6 +209,24 @@ class Node:
     def snapshot(self, request: SnapshotSandbox, login: tuple[str, str] | None) -> None:
         """Keep the sandbox's files as an image of its tenant, in the hub."""
         self.snapshots.snapshot(request, login)
+
+    def expose(self, request: ExposePort) -> None:
+        """Open a port of the sandbox at a URL (workers/ports.py); answered with it."""
+        if self.ports is None:
+            self.failures.fail(request, EgressDisabled(f"node {self.node_id} serves no ports"))
+            return
+        pid = self.failures.by_agent(request, lambda conn: conn.peer_pid)
+        if isinstance(pid, Failed):
+            return
+        try:
+            url = self.ports.expose(request.sandbox_id, pid, request.port, request.ttl_s)
+        except ValueError as exc:
+            self.failures.fail(request, exc)
+            return
+        self.courier.reply(
+            request.reply_to,
+            Done(request_id=request.request_id, sandbox_id=request.sandbox_id, detail=url),
+        )
 
     def expire(self, due: Due) -> bool:
         """The sandbox's time is up: kill its processes now, remove it on a reaper

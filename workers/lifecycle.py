@@ -44,6 +44,7 @@ from workers.state_port import RouteStore
 
 if TYPE_CHECKING:
     from workers.host.egress import EgressFence
+    from workers.ports import PortProxy
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class LifeHost(Protocol):
     deadlines: Deadlines
     routes: RouteStore
     egress: EgressFence | None
+    ports: PortProxy | None
     #: What the node saw happen in each sandbox, for the last state its Stopped records.
     activity: dict[str, Activity]
 
@@ -141,6 +143,8 @@ class Lifecycle:
         self.node.agents.unregister(sandbox_id)
         if self.node.egress is not None:
             self.node.egress.detach(sandbox_id)
+        if self.node.ports is not None:
+            self.node.ports.close(sandbox_id)
         shutil.rmtree(self.node.run_dir(sandbox_id), ignore_errors=True)
         return existed
 

@@ -17,6 +17,7 @@ from app import credentials, metrics
 from app.bus import Publisher
 from app.config import Settings, get_settings
 from app.consuming import PositionedConsumer
+from app.domain.port_urls import url_key
 from app.partition_cache import PartitionCache
 from workers import direct, runtime, tasks
 from workers.agent.connection import peer_is_sandbox_init
@@ -35,6 +36,7 @@ from workers.host.podman_service import ensure_podman_service
 from workers.host.podman_watch import PodmanWatch
 from workers.host.setup import ensure_node_user, fence_egress
 from workers.inbox import READY_WAIT_S, Inbox
+from workers.ports import PortProxy
 from workers.redis_state import Claims, Routes, StepGuard, claim_ttl_s, connect
 from workers.upkeep import Upkeep
 from workers.warm_pool import WarmPool
@@ -95,6 +97,8 @@ def run(node_id: str, concurrency: int = 16) -> None:
     (node.agent_dir / RESOLV_CONF).write_text(f"nameserver {pool.network_address + 1}\n")
     if settings.allow_egress:
         node.egress, node.egress_unenforced = _egress(settings, node_id)
+    node.ports = PortProxy(url_key(credential.secret), settings.ports_host, settings.ports_port)
+    node.ports.start()
     runtime.install(node)
     # Images the node lacks come from the hub, logged in as this node (pull only).
     node.images = HubClient(settings, credential) if settings.hub else None
@@ -137,13 +141,14 @@ def _egress(settings: Settings, node_id: str) -> tuple[EgressFence | None, str |
     cannot enforce allowlists (creates asking for one are then refused)."""
     pool = ipaddress.IPv4Network(settings.egress_pool)
     fence = EgressFence(node_id, pool, 0, settings.egress_max_connections, settings.egress_mbit)
+    hosts = settings.egress_hosts or settings.state_dir / "egress-hosts"
+    resolver = EgressResolver(fence, host_lookup(hosts), (pool,))
+    fence.dns_port = resolver.port  # before ensure: recovered sandboxes' DNS comes here
     why = fence.ensure()
     if why is not None:
         log.warning("node %s: no egress allowlists: %s", node_id, why)
+        resolver.sock.close()
         return None, why
-    hosts = settings.egress_hosts or settings.state_dir / "egress-hosts"
-    resolver = EgressResolver(fence, host_lookup(hosts), (pool,))
-    fence.dns_port = resolver.port
     resolver.start()
     return fence, None
 

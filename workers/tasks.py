@@ -195,6 +195,7 @@ HANDLERS: dict[NodeTask, Callable[[Any, Opened], None]] = {
     NodeTask.FREEZE: lambda r, _e: runtime.node().freeze(r),
     NodeTask.THAW: lambda r, _e: runtime.node().thaw(r),
     NodeTask.SNAPSHOT: lambda r, o: runtime.node().snapshot(r, o.hub_login),
+    NodeTask.EXPOSE: lambda r, _e: runtime.node().expose(r),
     NodeTask.DESTROY: lambda r, _e: runtime.node().destroy(r),
 }
 

@@ -31,6 +31,7 @@ from app.domain.requests import (
     CreateSandbox,
     DestroySandbox,
     Exec,
+    ExposePort,
     FreezeSandbox,
     KillCommand,
     ReadFile,
@@ -53,6 +54,7 @@ class NodeTask(StrEnum):
     FREEZE = "dsec.node.freeze"
     THAW = "dsec.node.thaw"
     SNAPSHOT = "dsec.node.snapshot"
+    EXPOSE = "dsec.node.expose"
     #: Not a request's: the credentials revoked, whose sandbox keys stop working
     #: (app/domain/direct.py); comes on the inbox, sealed as a task is.
     REVOKE_KEYS = "dsec.node.revoke_keys"
@@ -100,6 +102,8 @@ NODE_WORK: tuple[NodeWork, ...] = (
     NodeWork(NodeTask.THAW, ThawSandbox, "Thaw a frozen sandbox."),
     NodeWork(NodeTask.SNAPSHOT, SnapshotSandbox,
              "Keep a sandbox's files as an image of its tenant, in the hub."),
+    NodeWork(NodeTask.EXPOSE, ExposePort,
+             "Open a sandbox's port at a URL with a signed, expiring token."),
 )  # fmt: skip
 
 #: Each task's declaration.

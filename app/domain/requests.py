@@ -315,6 +315,16 @@ class SnapshotSandbox(RequestBase):
     )
 
 
+class ExposePort(RequestBase):
+    """Open a port of the sandbox to HTTP and WebSocket clients: answered ``done``
+    with a URL carrying a signed token, which works until ``ttl_s`` has passed or the
+    sandbox ends (docs/isolation.md)."""
+
+    type: Literal["ExposePort"] = "ExposePort"
+    port: int = Field(ge=1, le=65535, description="The port a server in the sandbox listens on.")
+    ttl_s: int = Field(3600, ge=1, le=7 * 86_400, description="The URL works this long.")
+
+
 class RenewLease(RequestBase):
     """A trainer is alive: ``sandbox_id`` names its lease (and keys the message)."""
 
@@ -337,6 +347,7 @@ Request = Annotated[
     | FreezeSandbox
     | ThawSandbox
     | SnapshotSandbox
+    | ExposePort
     | RenewLease,
     Field(discriminator="type"),
 ]

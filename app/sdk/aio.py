@@ -124,6 +124,7 @@ class AsyncSandbox:
     upload = awaited(Sandbox.upload_steps)
     download = awaited(Sandbox.download_steps)
     snapshot = awaited(Sandbox.snapshot_steps)
+    expose = awaited(Sandbox.expose_steps)
     pause = awaited(Sandbox.pause_steps)
     close = awaited(Sandbox.close_steps)
 

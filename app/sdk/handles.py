@@ -27,6 +27,7 @@ from app.domain.requests import (
     CreateGroup,
     DestroyGroup,
     Exec,
+    ExposePort,
     KillCommand,
     ReadFile,
     RequestBase,
@@ -427,6 +428,17 @@ class Sandbox:
         return reply.detail
 
     snapshot = blocking(snapshot_steps)
+
+    def expose_steps(self, port: int, ttl_s: int = 3600, timeout_s: float = 30.0) -> Steps[str]:
+        """Open ``port`` (a server in the sandbox listening on it) to HTTP and WebSocket
+        clients and return its URL: it carries a signed token and works until ``ttl_s``
+        has passed or the sandbox ends; without the token nothing answers."""
+        request = ExposePort(port=port, ttl_s=ttl_s, **self.client.request_fields(self.id))
+        reply = yield self.client.ask(request, timeout_s)
+        assert isinstance(reply, Done)
+        return reply.detail
+
+    expose = blocking(expose_steps)
 
     def pause_steps(self, name: str | None = None, timeout_s: float = 300.0) -> Steps[str]:
         """Give the sandbox's memory, CPUs and place back and keep its files: a snapshot

@@ -55,6 +55,7 @@ class _Node:
     activity: dict[str, Any] = field(default_factory=dict)
     routes: InMemoryRoutes = field(default_factory=InMemoryRoutes)
     egress: None = None
+    ports: None = None
 
     def run_dir(self, sandbox_id: str) -> Path:
         return self.tmp / sandbox_id

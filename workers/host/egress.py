@@ -50,6 +50,8 @@ PREFIX = "dsb"
 #: Which slots are taken on this host, by whom (tmpfs: a reboot frees them all, as it
 #: removes every interface).
 SLOT_DIR = Path("/run/dsec-egress")
+#: Names the ruleset a table was made by: a node of another version makes it again.
+RULESET = "dsec egress 2"
 #: A freshly taken slot whose interface is not there yet is not stale before this.
 _SLOT_GRACE_S = 60.0
 #: How long an address the resolver answered stays pinned, at least (an answer's TTL
@@ -110,16 +112,21 @@ class EgressFence:
     def ensure(self) -> str | None:
         """Make the host's table once and turn forwarding on; returns why egress by
         allowlist cannot be enforced here, or None when it can."""
-        for tool in ("nft", "ip", "tc", "nsenter"):
+        for tool in ("nft", "ip", "nsenter"):
             if shutil.which(tool) is None:
                 return f"no {tool} (the bootstrap installs nftables, iproute2, util-linux)"
         try:
             SLOT_DIR.mkdir(mode=0o700, exist_ok=True)
             with file_lock(SLOT_DIR / ".lock"):
                 listed = subprocess.run(
-                    ["nft", "list", "table", "inet", TABLE], capture_output=True, check=False
-                )
-                if listed.returncode != 0:
+                    ["nft", "list", "table", "inet", TABLE],
+                    capture_output=True, text=True, check=False,
+                )  # fmt: skip
+                if f'comment "{RULESET}"' not in listed.stdout:
+                    # Absent, or made by another version: made again (what this node's
+                    # running sandboxes had in it is put back by _recover below).
+                    if listed.returncode == 0:
+                        _run(["nft", "delete", "table", "inet", TABLE])
                     _run(["nft", "-f", "-"], self._ruleset())
             Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
         except (OSError, NodeError) as exc:
@@ -129,12 +136,18 @@ class EgressFence:
 
     def _ruleset(self) -> str:
         never = ", ".join(str(net) for net in (*NEVER, self.pool))
+        # Policing, each way: what passes the rate is dropped (TCP then slows down).
+        kbytes = self.mbit * 1_000_000 // 8 // 1024
+        rate = f"limit rate over {kbytes} kbytes/second burst {max(kbytes // 8, 64)} kbytes"
         return f"""
 table inet {TABLE} {{
+  comment "{RULESET}"
   set allowed {{ type ifname . ipv4_addr . inet_service; flags interval, timeout; }}
   map dns_port {{ type ifname : inet_service; }}
   set refused {{ type ifname; flags dynamic; counter; size 65535; }}
   set conns {{ type ifname; flags dynamic; size 65535; }}
+  set up {{ type ifname; flags dynamic; size 65535; }}
+  set down {{ type ifname; flags dynamic; size 65535; }}
   set never {{ type ipv4_addr; flags interval; elements = {{ {never} }}; }}
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
@@ -152,11 +165,13 @@ table inet {TABLE} {{
   chain forward {{
     type filter hook forward priority filter - 5; policy accept;
     iifname "{PREFIX}*" jump from_sandbox
+    oifname "{PREFIX}*" update @down {{ oifname {rate} }} drop
     oifname "{PREFIX}*" ct state established,related accept
     oifname "{PREFIX}*" drop
   }}
   chain from_sandbox {{
     meta nfproto ipv6 drop
+    update @up {{ iifname {rate} }} drop
     ct state established,related accept
     ip daddr @never add @refused {{ iifname }} reject with icmpx admin-prohibited
     meta l4proto tcp add @conns {{ iifname ct count over {self.max_connections} }} \\
@@ -200,20 +215,27 @@ table inet {TABLE} {{
 
     def _recover(self) -> None:
         """Take back this node's interfaces a previous worker made (their sandboxes
-        live on): the resolver must know them again."""
+        live on): the resolver must know them again, and the table lead their DNS to
+        it. Their pins come back as they ask again."""
         for path in SLOT_DIR.glob("[0-9]*"):
-            with contextlib.suppress(OSError, ValueError, KeyError):
+            with contextlib.suppress(OSError, ValueError, KeyError, NodeError):
                 record = json.loads(path.read_text())
                 slot = int(path.name)
                 if record["node_id"] != self.node_id or self._stale(slot, path):
                     continue
                 host_ip, sandbox_ip = self._slot_ips(slot)
-                self._keep(
-                    Attachment(
-                        record["sandbox_id"], slot, NetworkPolicy(allow=record["allow"]),
-                        host_ip, sandbox_ip,
-                    )
+                attachment = Attachment(
+                    record["sandbox_id"], slot, NetworkPolicy(allow=record["allow"]),
+                    host_ip, sandbox_ip,
                 )  # fmt: skip
+                # This worker's resolver listens on another port; a table made again
+                # holds nothing of it.
+                subprocess.run(
+                    ["nft", f'delete element inet {TABLE} dns_port {{ "{attachment.iface}" }}'],
+                    capture_output=True, check=False,
+                )  # fmt: skip
+                _run(["nft", "-f", "-"], self._elements(attachment))
+                self._keep(attachment)
 
     def _keep(self, attachment: Attachment) -> None:
         with self._lock:
@@ -228,34 +250,38 @@ table inet {TABLE} {{
         slot = self._take_slot(sandbox_id, policy)
         host_ip, sandbox_ip = self._slot_ips(slot)
         attachment = Attachment(sandbox_id, slot, policy, host_ip, sandbox_ip)
-        iface, peer = attachment.iface, f"{PREFIX}p{slot}"
-        inside = ["nsenter", f"--net=/proc/{pid}/ns/net", "--"]
-        rate = f"{self.mbit}mbit"
+        iface = attachment.iface
+        # Three processes, each a batch: every spawn costs a create milliseconds.
         try:
-            _run(["ip", "link", "add", iface, "type", "veth", "peer", "name", peer])
-            _run(["ip", "link", "set", peer, "netns", f"/proc/{pid}/ns/net"])
-            _run([*inside, "ip", "link", "set", peer, "name", "eth0"])
-            _run([*inside, "ip", "addr", "add", f"{sandbox_ip}/30", "dev", "eth0"])
-            _run([*inside, "ip", "link", "set", "eth0", "up"])
-            _run([*inside, "ip", "route", "add", "default", "via", str(host_ip)])
-            _run([*inside, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
-                  "burst", "256k", "latency", "50ms"])  # fmt: skip
-            _run(["ip", "addr", "add", f"{host_ip}/30", "dev", iface])
-            _run(["ip", "link", "set", iface, "up"])
-            _run(["tc", "qdisc", "add", "dev", iface, "root", "tbf", "rate", rate,
-                  "burst", "256k", "latency", "50ms"])  # fmt: skip
-            elements = [
-                f'"{iface}" . {network} . {_ports(ports)}' for network, ports in policy.networks()
-            ]
-            script = f'add element inet {TABLE} dns_port {{ "{iface}" : {self.dns_port} }}\n'
-            if elements:
-                script += f"add element inet {TABLE} allowed {{ {', '.join(elements)} }}\n"
-            _run(["nft", "-f", "-"], script)
+            _run(["ip", "-batch", "-"], (
+                f"link add {iface} type veth peer name eth0 netns {pid}\n"
+                f"addr add {host_ip}/30 dev {iface}\n"
+                f"link set {iface} up\n"
+            ))  # fmt: skip
+            _run(["nsenter", f"--net=/proc/{pid}/ns/net", "--", "ip", "-batch", "-"], (
+                f"addr add {sandbox_ip}/30 dev eth0\n"
+                "link set eth0 up\n"
+                f"route add default via {host_ip}\n"
+            ))  # fmt: skip
+            _run(["nft", "-f", "-"], self._elements(attachment))
         except NodeError:
             self._release(attachment)
             raise
         self._keep(attachment)
         return attachment
+
+    def _elements(self, attachment: Attachment) -> str:
+        """What the table holds for one sandbox from its creation on: its resolver's
+        port and its allowlist's address rules."""
+        iface = attachment.iface
+        script = f'add element inet {TABLE} dns_port {{ "{iface}" : {self.dns_port} }}\n'
+        elements = [
+            f'"{iface}" . {network} . {_ports(ports)}'
+            for network, ports in attachment.policy.networks()
+        ]
+        if elements:
+            script += f"add element inet {TABLE} allowed {{ {', '.join(elements)} }}\n"
+        return script
 
     def pin(
         self,
