@@ -323,6 +323,22 @@ def create(
 
 
 @cli.command()
+def expose(
+    sandbox_id: str,
+    port: int,
+    ttl: Annotated[int, typer.Option(help="Seconds the URL works.")] = 3600,
+    tenant: TenantOpt = "",
+    job: JobOpt = "",
+) -> None:
+    """Open a port of a sandbox to HTTP and WebSocket clients; print its URL (signed,
+    expiring, closed when the sandbox ends)."""
+    from app.cli import sandbox as cli_sandbox
+
+    code = cli_sandbox.run_expose(get_settings(), sandbox_id, port, ttl, tenant=tenant, job=job)
+    raise typer.Exit(code)
+
+
+@cli.command()
 def destroy(sandbox_id: str, tenant: TenantOpt = "", job: JobOpt = "") -> None:
     """Destroy a sandbox (it ends with reason `destroyed`)."""
     from app.cli import sandbox as cli_sandbox

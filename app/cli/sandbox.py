@@ -183,6 +183,19 @@ def run_create(
     return 0
 
 
+def run_expose(
+    settings: Settings, sandbox_id: str, port: int, ttl_s: int, *, tenant: str = "", job: str = ""
+) -> int:
+    """Open a port of a sandbox; print its URL."""
+    tenant, job = resolve_owner(settings, sandbox_id, tenant, job)
+    try:
+        with Client(settings, tenant=tenant, job_id=job) as client:
+            print(client.sandbox(sandbox_id).expose(port, ttl_s))
+    except (DsecError, ValueError) as exc:
+        return _fail(exc)
+    return 0
+
+
 def run_destroy(settings: Settings, sandbox_id: str, *, tenant: str = "", job: str = "") -> int:
     """Destroy a sandbox; 0 once the node confirmed it."""
     tenant, job = resolve_owner(settings, sandbox_id, tenant, job)

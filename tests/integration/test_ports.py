@@ -134,3 +134,12 @@ def test_headless_chromium_loads_the_page_and_its_websocket(served: Any) -> None
     ).stdout  # fmt: skip
     assert '<div id="out">ws:hello-from-ws</div>' in dom, dom[-500:]
     assert '<div id="slow">slow-ok</div>' in dom, dom[-500:]
+
+
+def test_the_cli_prints_a_url_that_serves(served: Any) -> None:
+    from tests.integration.test_cli import dsec
+
+    sandbox, _, _ = served
+    made = dsec("expose", sandbox.id, "8080", "--ttl", "60")
+    assert made.exit_code == 0, made.output
+    assert _get(made.stdout.strip() + "index.html")[0] == 200
