@@ -25,12 +25,15 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.config import Settings
 from app.credentials import Credential
+from app.domain.base import utcnow
 from app.domain.direct import SandboxKey
+from app.domain.events import PortExposed, PortPayload
 from app.domain.replies import Done
 from app.domain.requests import (
     CreateSandbox,
@@ -53,7 +56,7 @@ from workers.creation import Creation, ImageSource
 from workers.deadlines import Deadlines, Due
 from workers.errors import EgressDisabled
 from workers.exec_path import Activity, ExecPath
-from workers.failures import Failed, Failures
+from workers.failures import Failed, Failures, envelope
 from workers.file_ops import FileOps
 from workers.lifecycle import Lifecycle
 from workers.memory_state import InMemoryRoutes
@@ -223,6 +226,16 @@ class Node:
         except ValueError as exc:
             self.failures.fail(request, exc)
             return
+        self.courier.event(
+            PortExposed(
+                event_id=request.event_of("exposed"),
+                **envelope(request, self.node_id),
+                payload=PortPayload(
+                    request_id=request.request_id, actor=request.actor, port=request.port,
+                    expires_at=utcnow() + timedelta(seconds=request.ttl_s),
+                ),
+            )
+        )  # fmt: skip
         self.courier.reply(
             request.reply_to,
             Done(request_id=request.request_id, sandbox_id=request.sandbox_id, detail=url),

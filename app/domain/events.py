@@ -190,6 +190,15 @@ class FilePayload(Message):
     size: int = Field(description="Bytes moved.")
 
 
+class PortPayload(Message):
+    """A port of the sandbox was opened at a URL (its token is not logged)."""
+
+    request_id: uuid.UUID = Field(description="The ExposePort request.")
+    actor: str = Field(description="Who asked.")
+    port: int = Field(description="The sandbox's port.")
+    expires_at: datetime = Field(description="When the URL stops working.")
+
+
 class FreezePayload(Message):
     """Why a sandbox was frozen or thawed."""
 
@@ -323,6 +332,13 @@ class FileRead(EventBase):
     payload: FilePayload
 
 
+class PortExposed(EventBase):
+    """A port of the sandbox was opened to HTTP and WebSocket clients."""
+
+    type: Literal["PortExposed"] = "PortExposed"
+    payload: PortPayload
+
+
 class NodeRegistered(EventBase):
     """A node worker came up."""
 
@@ -357,6 +373,7 @@ Event = Annotated[
     | CommandReplayed
     | FileWritten
     | FileRead
+    | PortExposed
     | NodeRegistered
     | NodeHeartbeat
     | NodeLost,

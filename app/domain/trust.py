@@ -20,6 +20,7 @@ NODE_EVENTS = frozenset(
     {
         "SandboxStarted", "SandboxFailed", "SandboxStopped", "SandboxFrozen",
         "SandboxThawed", "CommandCompleted", "CommandReplayed", "FileWritten", "FileRead",
+        "PortExposed",
         "NodeRegistered", "NodeHeartbeat",
     }
 )  # fmt: skip

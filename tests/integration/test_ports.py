@@ -4,6 +4,7 @@ each way of getting in without the URL's token, attacked."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -13,10 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from app.config import Settings
 from app.errors import DsecError
-from tests.conftest import tenant_client
+from tests.conftest import tenant_client, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -73,12 +75,29 @@ def served(client: Any) -> Iterator[tuple[Any, str, str]]:
         yield sandbox, sandbox.expose(8080), ws_url
 
 
-def test_the_url_reaches_a_server_on_the_sandboxs_loopback(served: Any) -> None:
+def test_the_url_reaches_a_server_on_the_sandboxs_loopback(served: Any, db: Any) -> None:
     sandbox, url, _ = served
     status, body = _get(url + "index.html")
     assert status == 200 and b"WebSocket" in body
     # The sandbox has no network: the proxy came in through its namespace
     assert sandbox.exec("ls /sys/class/net").text.split() == ["lo"]
+    # And each opening is in the log, without its token
+
+    def exposed() -> list[Any]:
+        with db() as conn:
+            return list(
+                conn.execute(
+                    text(
+                        "SELECT payload FROM events WHERE sandbox_id = :s AND type = 'PortExposed'"
+                    ),
+                    {"s": sandbox.id},
+                ).scalars()
+            )
+
+    ports = wait_for(lambda: len(exposed()) >= 2 and exposed(), 20, "PortExposed events")
+    assert sorted(p["port"] for p in ports) == [8080, 8081]
+    token = url.rstrip("/").rsplit("/", 1)[1]
+    assert all(token not in json.dumps(p) for p in ports)
 
 
 def test_guessed_or_altered_urls_get_nothing(served: Any) -> None:
