@@ -25,7 +25,6 @@ from workers.agent.pool import AgentPool
 from workers.celery_app import celery, restore_unacked
 from workers.containers.limits import CgroupLimiter
 from workers.containers.podman_driver import PodmanDriver
-from workers.containers.spec import RESOLV_CONF
 from workers.courier import Courier
 from workers.egress_dns import EgressResolver, host_lookup
 from workers.handlers import Node
@@ -91,10 +90,6 @@ def run(node_id: str, concurrency: int = 16) -> None:
         routes,
     )  # fmt: skip
     node.egress_unfenced = unfenced
-    # Every sandbox is told of a resolver (a bind of this file); only an allowlisted
-    # one's DNS gets anywhere, to the node's resolver.
-    pool = ipaddress.IPv4Network(settings.egress_pool)
-    (node.agent_dir / RESOLV_CONF).write_text(f"nameserver {pool.network_address + 1}\n")
     if settings.allow_egress:
         node.egress, node.egress_unenforced = _egress(settings, node_id)
     node.ports = PortProxy(url_key(credential.secret), settings.ports_host, settings.ports_port)

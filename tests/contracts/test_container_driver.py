@@ -26,11 +26,12 @@ from typing import Any
 import pytest
 
 from app.config import Settings
+from workers.agent.build import RESOLVER
 from workers.containers import label
 from workers.containers.limits import CgroupLimiter
 from workers.containers.memory_driver import InMemoryDriver
 from workers.containers.port import ContainerDriver, SandboxContainer
-from workers.containers.spec import SandboxSpec
+from workers.containers.spec import RESOLV_CONF, SandboxSpec
 from workers.errors import ImageNotFound, NodeError
 
 IMAGE = "dsec/busybox:latest"
@@ -119,6 +120,7 @@ def podman_node(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Path]]:
         pytest.fail(f"node {stack.node_id} is not set up", pytrace=False)
     base = user.home / "contract-tests" / uuid.uuid4().hex[:8]
     (base / "bin").mkdir(parents=True, mode=0o755)
+    (base / "bin" / RESOLV_CONF).write_text(RESOLVER)  # an agent directory holds it
     base.parent.chmod(0o755)
     yield user, base
     shutil.rmtree(base, ignore_errors=True)

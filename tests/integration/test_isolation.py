@@ -150,7 +150,9 @@ def _mounts(box: Any) -> list[tuple[str, str, str]]:
 
 def test_no_host_files_are_visible(box: Any, stack: Settings) -> None:
     run_dir = stack.state_dir / "nodes" / stack.node_id / "sandboxes" / box.id
-    allowed = (str(stack.state_dir / "agent"), str(run_dir))
+    # The agent's directory, its resolver file (read-only, the same for all) and the run dir
+    agent = stack.state_dir / "agent"
+    allowed = (str(agent), str(agent / "resolv.conf"), str(run_dir))
     podman_files = ("/userdata/hosts", "/userdata/hostname", "/userdata/.containerenv")
     for root, point, fstype in _mounts(box):
         # Every mount of a host file system is the agent's, the sandbox's run dir, or
@@ -163,7 +165,8 @@ def test_no_host_files_are_visible(box: Any, stack: Settings) -> None:
         if fstype.startswith("cgroup"):
             assert root.endswith(f"/{box.id}"), (root, point)
         # Nothing is mounted outside the system trees and the sandbox's own paths
-        own = {"/", "/tmp", "/workspace", "/.dsec/bin", "/.dsec/run", "/run/.containerenv"}
+        own = {"/", "/tmp", "/workspace", "/.dsec/bin", "/.dsec/run", "/run/.containerenv",
+               "/etc/resolv.conf"}  # fmt: skip
         own |= {"/etc/hosts", "/etc/hostname", "/etc/resolv.conf"}
         assert point in own or point.startswith(("/dev", "/proc", "/sys")), point
     probe = box.exec("ls /var/lib/dsec; ls /etc/shadow; ls -A /root")

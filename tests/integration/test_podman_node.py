@@ -20,8 +20,9 @@ import pytest
 
 from app.config import Settings, get_settings
 from app.images import store as image_store
+from workers.agent.build import RESOLVER
 from workers.containers.podman_driver import PodmanDriver
-from workers.containers.spec import AGENT_BIN_MOUNT, SandboxSpec
+from workers.containers.spec import AGENT_BIN_MOUNT, RESOLV_CONF, SandboxSpec
 from workers.errors import ImageNotFound, PodmanUnavailable
 from workers.host import layer_store
 from workers.host.ops import live_processes_of
@@ -56,6 +57,7 @@ def workdir(node: NodeUser) -> Iterator[Path]:
     """Host dirs the node user can read (pytest's tmp_path is root-only)."""
     base = node.home / "test" / uuid.uuid4().hex[:8]
     (base / "bin").mkdir(parents=True, mode=0o755)
+    (base / "bin" / RESOLV_CONF).write_text(RESOLVER)  # an agent directory holds it
     base.parent.chmod(0o755)
     shutil.copy("/bin/busybox", base / "bin" / "busybox")
     yield base

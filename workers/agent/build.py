@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from workers.agent.errors import AgentBuildError
+from workers.containers.spec import RESOLV_CONF
 
 #: The agent's C source, shipped inside the package.
 AGENT_SOURCE = Path(__file__).with_name("dsec_agent.c")
@@ -88,6 +89,12 @@ def _compile(source: Path, dest: Path, cc: str) -> None:
         _install(out, dest)
 
 
+#: The resolver every sandbox is told of (/etc/resolv.conf, bound read-only). Its
+#: address matters not: an allowlisted sandbox's DNS to any address goes to its node's
+#: resolver (workers/host/egress.py); any other sandbox's DNS goes nowhere.
+RESOLVER = "nameserver 10.213.0.1\noptions timeout:2 attempts:2\n"
+
+
 def ensure_agent_dir(
     dest: Path,
     *,
@@ -136,6 +143,9 @@ def ensure_agent_dir(
     staged = dest / BUSYBOX_BINARY
     if not staged.exists() or _file_hash(staged) != _file_hash(busybox):
         _install(busybox, staged)
+    resolver = dest / RESOLV_CONF
+    if not resolver.exists() or resolver.read_text() != RESOLVER:
+        resolver.write_text(RESOLVER)
     return dest
 
 
