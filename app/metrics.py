@@ -46,6 +46,10 @@ PULL_SECONDS = Histogram(
     "Time a node spent pulling an image it lacked from the hub for a create.",
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
 )
+EGRESS_REFUSED = Counter(
+    "dsec_node_egress_refused_total",
+    "Connections and DNS names allowlists refused, counted as each allowlisted sandbox ends.",
+)
 CREATE_SECONDS = Histogram(
     "dsec_node_create_seconds",
     "A create on the node, from its task to the sandbox ready",
@@ -209,6 +213,9 @@ class NodeMetrics:
 
     def refused(self, reason: str) -> None:
         REFUSALS.labels("node", reason).inc()
+
+    def egress_refused(self, count: int) -> None:
+        EGRESS_REFUSED.inc(count)
 
     def sandboxes(self, running: int) -> None:
         SANDBOXES.set(running)

@@ -41,6 +41,7 @@ from workers.errors import NodeError
 from workers.exec_path import Activity
 from workers.failures import Failed, Failures, envelope
 from workers.state_port import RouteStore
+from workers.tally import NodeTally
 
 if TYPE_CHECKING:
     from workers.host.egress import EgressFence
@@ -64,6 +65,7 @@ class LifeHost(Protocol):
     deadlines: Deadlines
     routes: RouteStore
     egress: EgressFence | None
+    tally: NodeTally
     ports: PortProxy | None
     #: What the node saw happen in each sandbox, for the last state its Stopped records.
     activity: dict[str, Activity]
@@ -190,6 +192,10 @@ class Lifecycle:
     def _last_state(self, sandbox_id: str) -> LastState:
         usage = self.node.driver.usage(sandbox_id)
         seen = self.node.activity.pop(sandbox_id, None)
+        egress = self.node.egress
+        refused = egress.refused(sandbox_id) if egress is not None else None
+        if refused is not None:
+            self.node.tally.egress_refused(refused)
         return LastState(
             observed_by="node",
             cpu_s=usage.cpu_s,
@@ -200,9 +206,7 @@ class Lifecycle:
             last_command=seen.last_command if seen else None,
             last_exit_code=seen.last_exit_code if seen else None,
             frozen=seen.frozen if seen else None,
-            egress_refused=(
-                self.node.egress.refused(sandbox_id) if self.node.egress is not None else None
-            ),
+            egress_refused=refused,
         )
 
     def expire(self, due: Due) -> bool:

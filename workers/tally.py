@@ -37,6 +37,10 @@ class NodeTally(Protocol):
     def refused(self, reason: str) -> None:
         """A request failed or was refused with ``reason``."""
 
+    def egress_refused(self, count: int) -> None:
+        """An allowlisted sandbox ended, its allowlist having refused ``count``
+        connections and names."""
+
     def sandboxes(self, running: int) -> None:
         """Sandboxes the node runs or is creating now."""
 
@@ -72,6 +76,9 @@ class NoNodeTally:
         pass
 
     def refused(self, reason: str) -> None:
+        pass
+
+    def egress_refused(self, count: int) -> None:
         pass
 
     def sandboxes(self, running: int) -> None:

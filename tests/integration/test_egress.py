@@ -26,10 +26,13 @@ from sqlalchemy import text
 from app.config import Settings
 from app.domain.egress import NetworkPolicy
 from app.errors import SandboxFailedError
+from app.metrics import sample
 from tests.conftest import wait_for
+from tests.integration.test_metrics import scrape
 
 pytestmark = pytest.mark.integration
 
+REFUSED = "dsec_node_egress_refused_total"
 NS = "dsec-egress-test"
 HOST_SIDE, ALLOWED, OTHER = "10.98.0.1", "10.98.0.2", "10.98.0.3"
 METADATA = "169.254.169.254"
@@ -206,12 +209,16 @@ def test_another_sandbox_is_refused(client: Any, box: Any, outside: Path) -> Non
 
 
 def test_refusals_are_counted_and_the_allowlist_is_in_the_log(
-    client: Any, outside: Path, db: Any
+    stack: Settings, client: Any, outside: Path, db: Any
 ) -> None:
+    port = stack.node_metrics_port_of(stack.node_id)
+    before = sample(scrape(port), REFUSED) or 0
     sandbox = client.create(network=NetworkPolicy(allow=["allowed.test:8080"]))
     _dial(sandbox, OTHER, 8080)
     sandbox.exec("nslookup not-allowed.test")
     sandbox.close()
+    # The node's metrics count them as the sandbox ends
+    assert (sample(scrape(port), REFUSED) or 0) >= before + 2
 
     def stopped() -> Any:
         with db() as conn:

@@ -308,11 +308,12 @@ table inet {TABLE} {{
             return self._by_ip.get(ipaddress.IPv4Address(source))
         return None
 
-    def refused(self, sandbox_id: str) -> int:
-        """Connections and names this sandbox was refused so far."""
+    def refused(self, sandbox_id: str) -> int | None:
+        """Connections and names this sandbox was refused so far (None: it has no
+        allowlist here)."""
         attachment = self._by_sandbox.get(sandbox_id)
         if attachment is None:
-            return 0
+            return None
         return self._counters().get(attachment.iface, 0)
 
     def policy_of(self, sandbox_id: str) -> NetworkPolicy | None:
