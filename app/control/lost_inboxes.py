@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 FOLLOW_S = 3600.0
 #: How long the broker may hold a fetch of these inboxes when nothing comes.
 FETCH_WAIT_MS = 5000
+#: How long finding the end of a newly followed inbox may take.
+POSITION_TIMEOUT_MS = 10_000
 
 
 class LostInboxes:
@@ -77,6 +79,12 @@ class LostInboxes:
                 self._consumer.seek(tp, at.offset)
             else:
                 self._consumer.seek_to_end(tp)
+                # Fixed now, not at some later poll: the end resolved lazily, after a
+                # trainer's command came, would pass over that command unanswered.
+                try:
+                    self._consumer.position(tp, timeout_ms=POSITION_TIMEOUT_MS)
+                except KafkaError as exc:
+                    log.warning("scheduler: the end of %s: %s", tp.topic, exc)
         self._topics = topics
         log.info("scheduler: answering for the inboxes of lost nodes %s", sorted(topics))
 
