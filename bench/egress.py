@@ -132,9 +132,11 @@ class SandboxRunner:
 
 
 def measure(runner: Any, connects: int, mb: int) -> dict[str, float]:
-    loop = f"for i in $(seq {connects}); do nc -w 5 {SERVER} {CONNECT} </dev/null; done"
-    runner.exec(loop.replace(str(connects), "5", 1))  # warm: DNS-free, caches
-    code, ms = runner.exec(loop)
+    def loop(n: int) -> str:
+        return f"for i in $(seq {n}); do nc -w 5 {SERVER} {CONNECT} </dev/null; done"
+
+    runner.exec(loop(5))  # warm: page cache, the path's first packets
+    code, ms = runner.exec(loop(connects))
     assert code == 0, "connect loop failed"
     figures = {"connect_ms": ms / connects}
     for name, command in (

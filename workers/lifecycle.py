@@ -164,6 +164,8 @@ class Lifecycle:
         ``ended_at``: when it ended, if before now (its TTL deadline)."""
         self.node.deadlines.cancel(sandbox_id)
         last_state = self._last_state(sandbox_id)  # before its cgroups go
+        if last_state.egress_refused is not None:
+            self.node.tally.egress_refused(last_state.egress_refused)
         self.discard(sandbox_id)
         try:
             self.node.routes.ended(sandbox_id, reason.value)
@@ -193,9 +195,6 @@ class Lifecycle:
         usage = self.node.driver.usage(sandbox_id)
         seen = self.node.activity.pop(sandbox_id, None)
         egress = self.node.egress
-        refused = egress.refused(sandbox_id) if egress is not None else None
-        if refused is not None:
-            self.node.tally.egress_refused(refused)
         return LastState(
             observed_by="node",
             cpu_s=usage.cpu_s,
@@ -206,7 +205,7 @@ class Lifecycle:
             last_command=seen.last_command if seen else None,
             last_exit_code=seen.last_exit_code if seen else None,
             frozen=seen.frozen if seen else None,
-            egress_refused=refused,
+            egress_refused=egress.refused(sandbox_id) if egress is not None else None,
         )
 
     def expire(self, due: Due) -> bool:

@@ -33,14 +33,21 @@ MAX_HEAD = 16 << 10
 HEAD_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 5.0
 _CLONE_NEWNET = 0x40000000
-_NOT_FOUND = (
-    b"HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\nContent-Length: 10\r\n"
-    b"Connection: close\r\n\r\nnot found\n"
-)
-_BAD_GATEWAY = (
-    b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: 24\r\n"
-    b"Connection: close\r\n\r\nnothing on that port   \n"
-)
+
+
+def _plain(status: str, text: str) -> bytes:
+    """A whole response with a short text body, closing the connection."""
+    body = text.encode()
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + body
+
+
+_NOT_FOUND = _plain("404 Not Found", "not found\n")
+_BAD_GATEWAY = _plain("502 Bad Gateway", "nothing on that port\n")
+#: setns, from the C library (Python 3.11's os has no setns).
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -58,11 +65,10 @@ def connect_inside(pid: int, port: int) -> socket.socket:
     made: list[socket.socket | BaseException] = []
 
     def inside() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
         try:
             fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
             try:
-                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                if _LIBC.setns(fd, _CLONE_NEWNET) != 0:
                     raise OSError(ctypes.get_errno(), "setns")
             finally:
                 os.close(fd)

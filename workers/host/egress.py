@@ -316,10 +316,6 @@ table inet {TABLE} {{
             return None
         return self._counters().get(attachment.iface, 0)
 
-    def policy_of(self, sandbox_id: str) -> NetworkPolicy | None:
-        attachment = self._by_sandbox.get(sandbox_id)
-        return attachment.policy if attachment else None
-
     def count_refused_name(self, attachment: Attachment) -> None:
         """A name the resolver refused counts among the sandbox's refusals."""
         with self._lock:
@@ -359,7 +355,7 @@ table inet {TABLE} {{
         )  # fmt: skip
         script = [
             f'delete element inet {TABLE} {name} {{ "{iface}" }}'
-            for name in ("dns_port", "refused", "conns")
+            for name in ("dns_port", "refused", "conns", "up", "down")
         ]
         for key in _keys_of(listed.stdout, iface) if listed.returncode == 0 else []:
             script.append(f"delete element inet {TABLE} allowed {{ {key} }}")
