@@ -46,3 +46,11 @@ class EgressSettings(BaseSettings):
             " site's internal names); default <state_dir>/egress-hosts."
         ),
     )
+    egress_ca_file: Path | None = Field(
+        None,
+        description=(
+            "CA certificates the node trusts, besides the system's, for the TLS it opens"
+            " to egress secrets' destinations (a site's internal CA); default"
+            " <state_dir>/egress-ca.pem where it exists."
+        ),
+    )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from app.config import Settings
 from app.domain.base import StopReason, derived_id, utcnow
 from app.domain.direct import SandboxKey
+from app.domain.egress import EgressSecret
 from app.domain.events import SandboxStarted, StartedPayload
 from app.domain.hub_access import HubReference
 from app.domain.replies import SandboxReady
@@ -160,6 +161,7 @@ class Creation:
         request: CreateSandbox,
         restore: list[str | list[str]] | None = None,
         key: SandboxKey | None = None,
+        secrets: tuple[EgressSecret, ...] = (),
     ) -> None:
         """Create and start the sandbox, wait for its agent, say so.
 
@@ -167,12 +169,18 @@ class Creation:
         before the trainer hears it is ready (rebuilding a lost sandbox's state).
         ``key``: its direct route (app/domain/direct.py), kept before the trainer
         hears the sandbox is ready, so its first direct command finds it.
+        ``secrets``: the tenant's egress secrets its allowlist reaches (the node's
+        proxy adds them on the way out: workers/egress_proxy.py).
         """
         with self.node.busy(request.sandbox_id):
-            self._create(request, restore or [], key)
+            self._create(request, restore or [], key, secrets)
 
     def _create(
-        self, request: CreateSandbox, restore: list[str | list[str]], key: SandboxKey | None
+        self,
+        request: CreateSandbox,
+        restore: list[str | list[str]],
+        key: SandboxKey | None,
+        secrets: tuple[EgressSecret, ...],
     ) -> None:
         node = self.node
         began = time.monotonic()
@@ -206,7 +214,7 @@ class Creation:
             agent.ping()
             if spec.egress is not None and node.egress is not None:
                 # The agent's pid is the container's init (AgentPool checks): its netns.
-                node.egress.attach(request.sandbox_id, agent.peer_pid, spec.egress)
+                node.egress.attach(request.sandbox_id, agent.peer_pid, spec.egress, secrets)
         except Exception as exc:
             node.failures.fail(request, exc)
             self.ends.discard(request.sandbox_id)

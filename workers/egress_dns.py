@@ -124,7 +124,8 @@ class EgressResolver:
         if not addresses:
             reply.set_rcode(dns.rcode.NXDOMAIN)
             return reply.to_wire()
-        self.fence.pin(attachment, addresses, ANSWER_TTL_S, ports)
+        secret = bool(attachment.secrets_for(name))
+        self.fence.pin(attachment, addresses, ANSWER_TTL_S, ports, secret)
         reply.answer.append(
             dns.rrset.from_text_list(
                 question.name, ANSWER_TTL_S, dns.rdataclass.IN, dns.rdatatype.A, addresses

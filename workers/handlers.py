@@ -33,6 +33,7 @@ from app.config import Settings
 from app.credentials import Credential
 from app.domain.base import utcnow
 from app.domain.direct import SandboxKey
+from app.domain.egress import EgressSecret
 from app.domain.events import PortExposed, PortPayload
 from app.domain.replies import Done
 from app.domain.requests import (
@@ -196,10 +197,12 @@ class Node:
         request: CreateSandbox,
         restore: list[str | list[str]] | None = None,
         key: SandboxKey | None = None,
+        secrets: tuple[EgressSecret, ...] = (),
     ) -> None:
         """Create and start the sandbox, wait for its agent, say so (``restore``: a
-        trajectory's commands replayed into it first; ``key``: its direct route)."""
-        self.creation.create(request, restore, key)
+        trajectory's commands replayed into it first; ``key``: its direct route;
+        ``secrets``: headers its allowlisted requests carry)."""
+        self.creation.create(request, restore, key, secrets)
 
     def freeze(self, request: FreezeSandbox) -> None:
         """Stop every process of the sandbox but its agent (SIGSTOP), keeping state."""

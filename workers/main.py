@@ -27,6 +27,7 @@ from workers.containers.limits import CgroupLimiter
 from workers.containers.podman_driver import PodmanDriver
 from workers.courier import Courier
 from workers.egress_dns import EgressResolver, host_lookup
+from workers.egress_proxy import SecretProxy
 from workers.handlers import Node
 from workers.host.egress import EgressFence
 from workers.host.hub_client import HubClient
@@ -132,19 +133,24 @@ def run(node_id: str, concurrency: int = 16) -> None:
 
 
 def _egress(settings: Settings, node_id: str) -> tuple[EgressFence | None, str | None]:
-    """The node's allowlist enforcement and its resolver; (None, why) where the host
-    cannot enforce allowlists (creates asking for one are then refused)."""
+    """The node's allowlist enforcement, its resolver and its secrets proxy; (None,
+    why) where the host cannot enforce allowlists (creates asking for one are then
+    refused)."""
     pool = ipaddress.IPv4Network(settings.egress_pool)
     fence = EgressFence(node_id, pool, 0, settings.egress_max_connections, settings.egress_mbit)
     hosts = settings.egress_hosts or settings.state_dir / "egress-hosts"
     resolver = EgressResolver(fence, host_lookup(hosts), (pool,))
+    proxy = SecretProxy(fence, settings.egress_ca_file or settings.state_dir / "egress-ca.pem")
     fence.dns_port = resolver.port  # before ensure: recovered sandboxes' DNS comes here
+    fence.proxy_port = proxy.port
     why = fence.ensure()
     if why is not None:
         log.warning("node %s: no egress allowlists: %s", node_id, why)
         resolver.sock.close()
+        proxy.server.close()
         return None, why
     resolver.start()
+    proxy.start()
     return fence, None
 
 

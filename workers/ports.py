@@ -18,34 +18,22 @@ import contextlib
 import ctypes
 import logging
 import os
-import selectors
 import socket
 import threading
 import time
 from dataclasses import dataclass
 
 from app.domain.port_urls import MAX_EXPOSED, PortGrant, check, mint
+from workers.http_relay import plain_response, read_head, splice
 
 log = logging.getLogger(__name__)
 
-#: The longest request head the proxy reads (request line and headers).
-MAX_HEAD = 16 << 10
-HEAD_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 5.0
 _CLONE_NEWNET = 0x40000000
 
 
-def _plain(status: str, text: str) -> bytes:
-    """A whole response with a short text body, closing the connection."""
-    body = text.encode()
-    return (
-        f"HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode() + body
-
-
-_NOT_FOUND = _plain("404 Not Found", "not found\n")
-_BAD_GATEWAY = _plain("502 Bad Gateway", "nothing on that port\n")
+_NOT_FOUND = plain_response("404 Not Found", "not found\n")
+_BAD_GATEWAY = plain_response("502 Bad Gateway", "nothing on that port\n")
 #: setns, from the C library (Python 3.11's os has no setns).
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -127,7 +115,7 @@ class PortProxy:
     def _serve(self, client: socket.socket) -> None:
         with contextlib.closing(client):
             try:
-                read = _read_head(client)
+                read = read_head(client)
                 routed = self._route(read[0]) if read is not None else None
                 if routed is None:
                     client.sendall(_NOT_FOUND)
@@ -141,7 +129,7 @@ class PortProxy:
                 with contextlib.closing(upstream):
                     assert read is not None
                     upstream.sendall(upstream_head + read[1])
-                    _splice(client, upstream)
+                    splice(client, upstream)
             except OSError:
                 return
 
@@ -167,34 +155,3 @@ class PortProxy:
             headers.append(b"Connection: close")
         request_line = b" ".join([parts[0], b"/" + path, parts[2]])
         return (exposed.pid, grant.port), b"\r\n".join([request_line, *headers]) + b"\r\n\r\n"
-
-
-def _read_head(sock: socket.socket) -> tuple[bytes, bytes] | None:
-    """A request's head, and what came after it (a body's start); None for no head."""
-    sock.settimeout(HEAD_TIMEOUT_S)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(4096)
-        if not chunk or len(data) + len(chunk) > MAX_HEAD:
-            return None
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    sock.settimeout(None)
-    return head, body
-
-
-def _splice(client: socket.socket, upstream: socket.socket) -> None:
-    """Copy both ways until either side closes."""
-    peers: dict[socket.socket, socket.socket] = {client: upstream, upstream: client}
-    with selectors.DefaultSelector() as selector:
-        for sock in peers:
-            sock.setblocking(True)
-            selector.register(sock, selectors.EVENT_READ)
-        while True:
-            for key, _ in selector.select():
-                ready = key.fileobj
-                assert isinstance(ready, socket.socket)
-                data = ready.recv(65536)
-                if not data:
-                    return
-                peers[ready].sendall(data)

@@ -187,7 +187,9 @@ def _key(request: CreateSandbox, opened: Opened) -> SandboxKey | None:
 #: What the node does with each task's request (the kinds and their requests:
 #: :data:`app.domain.node_tasks.NODE_WORK`).
 HANDLERS: dict[NodeTask, Callable[[Any, Opened], None]] = {
-    NodeTask.CREATE: lambda r, o: runtime.node().create(r, o.envelope.restore or [], _key(r, o)),
+    NodeTask.CREATE: lambda r, o: runtime.node().create(
+        r, o.envelope.restore or [], _key(r, o), o.secrets
+    ),
     NodeTask.EXEC: _start_command,
     NodeTask.KILL_COMMAND: lambda r, _e: runtime.node().kill_command(r),
     NodeTask.WRITE_FILE: lambda r, _e: runtime.node().write_file(r),

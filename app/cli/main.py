@@ -19,6 +19,7 @@ from app.cli.doctor import doctor
 from app.cli.image import image_cli
 from app.cli.kafka import kafka_cli
 from app.cli.records import deadletters_cli, projections_cli
+from app.cli.secret import secret_cli
 from app.cli.tenant import node_cli, tenant_cli
 from app.config import get_settings, redact
 
@@ -33,6 +34,7 @@ cli.add_typer(node_cli, name="node")
 cli.add_typer(control_cli, name="control")
 cli.add_typer(archive_cli, name="log")
 cli.add_typer(kafka_cli, name="kafka")
+cli.add_typer(secret_cli, name="secret")
 cli.command()(doctor)
 for read_the_log in (records.events, records.audit, records.bill):
     cli.command()(read_the_log)

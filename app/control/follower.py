@@ -26,6 +26,7 @@ from app.control.outbox import Courier, NoTally, Outbox, Tally
 from app.control.quotas import QuotaLookup, SettingsQuotas, TenantQuotas
 from app.domain.base import StopReason, derived_id, utcnow
 from app.domain.codec import DeadLetterReason, DecodeError, decode_event
+from app.domain.egress import SecretLookup, no_secrets
 from app.domain.events import (
     CommandCompleted,
     LastState,
@@ -80,6 +81,7 @@ class LogFollower:
         tally: Tally | None = None,
         quotas: QuotaLookup | None = None,
         image_readers: Callable[[str], Collection[str]] | None = None,
+        egress_secrets: SecretLookup = no_secrets,
     ) -> None:
         self.settings = settings
         #: Who else may use a tenant's image (app/control/image_shares.py).
@@ -123,7 +125,7 @@ class LogFollower:
         #: Each tenant's limits (the scheduler's include the stored ones) and holdings.
         self.quotas = TenantQuotas(quotas or SettingsQuotas(settings), self.leases)
         self.health = NodeHealth(heartbeat_timeout, _NS)
-        self.send = Courier(settings, keys, self.health, self.tally)
+        self.send = Courier(settings, keys, self.health, self.tally, egress_secrets)
         # Ended sandboxes: why, and whose they were.
         self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
 

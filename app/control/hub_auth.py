@@ -1,6 +1,8 @@
 """The hub's token service: the registry sends every client here for a token
 (Distribution's token authentication), and only what app/domain/hub_access.py grants
-goes into it.
+goes into it. It also serves what a tenant does through the hub's login besides
+pulling and pushing: ``/share`` (its images' readers) and ``/secrets`` (its egress
+secrets: app/control/egress_secrets.py).
 
 A client logs in with HTTP Basic: its key id and the hub password derived from its
 key's secret. The key is looked up in the platform's keyring (derived from the master
@@ -35,6 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from app import secret_files
 from app.config import Settings
+from app.control.egress_secrets import SecretsService
 from app.control.image_shares import StoredShares
 from app.control.keyring import Keyring
 from app.control.stored_quotas import StoredQuotas
@@ -155,8 +158,43 @@ class TokenIssuer:
 Share = Callable[[str, list[str], str, bool], None]
 
 
-def _handler(issuer: TokenIssuer, share: Share) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    issuer: TokenIssuer, share: Share, secrets: SecretsService | None = None
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        def _secrets(self, method: str) -> None:
+            """``/secrets``: a tenant's own egress secrets (app/control/egress_secrets.py)."""
+            # The body is read first: a connection closed on unread bytes is reset, and
+            # the client would never read the answer.
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if 0 < length <= MAX_REPORT_BYTES else b""
+            who = issuer.role_of(self.headers.get("Authorization"))
+            if secrets is None or who is None or who.role != Role.TENANT or who.push_to:
+                self._answer(401, {"errors": [{"code": "UNAUTHORIZED", "message": "login"}]})
+                return
+            body: Any = None
+            if method != "GET":
+                try:
+                    if not raw:
+                        raise ValueError("no body, or too large")
+                    body = json.loads(raw)
+                except ValueError as exc:
+                    self._answer(400, {"errors": [{"code": "INVALID", "message": str(exc)[:200]}]})
+                    return
+            self._answer(*secrets.handle(method, who.subject, who.key, body))
+
+        def do_PUT(self) -> None:
+            if self.path != "/secrets":
+                self._answer(404, {"errors": [{"code": "NOT_FOUND"}]})
+                return
+            self._secrets("PUT")
+
+        def do_DELETE(self) -> None:
+            if self.path != "/secrets":
+                self._answer(404, {"errors": [{"code": "NOT_FOUND"}]})
+                return
+            self._secrets("DELETE")
+
         def do_POST(self) -> None:
             """``/share``: an owner (or an operator) lets tenants use an image
             repository, or takes them back: ``{"repository", "readers", "remove"}``."""
@@ -183,6 +221,9 @@ def _handler(issuer: TokenIssuer, share: Share) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             url = urlparse(self.path)
+            if url.path == "/secrets":
+                self._secrets("GET")
+                return
             if url.path != "/token":
                 self._answer(404, {"errors": [{"code": "NOT_FOUND"}]})
                 return
@@ -198,7 +239,7 @@ def _handler(issuer: TokenIssuer, share: Share) -> type[BaseHTTPRequestHandler]:
             token = issuer.token(who, service, query.get("scope", []))
             self._answer(200, {"token": token, "access_token": token, "expires_in": TOKEN_TTL_S})
 
-        def _answer(self, status: int, body: dict[str, object]) -> None:
+        def _answer(self, status: int, body: dict[str, Any]) -> None:
             raw = json.dumps(body).encode()
             self.send_response(status)
             if status == 401:
@@ -366,7 +407,8 @@ def main(settings: Settings, alive: Callable[[], bool] | None = None) -> None:
     host, _ = hub_address(settings)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(server_pem(settings))
-    server = _TlsServer((host, settings.hub_auth_port), _handler(issuer, share), context)
+    handler = _handler(issuer, share, SecretsService(settings))
+    server = _TlsServer((host, settings.hub_auth_port), handler, context)
     log.info("hub-auth: tokens for %s on %s:%d", AUDIENCE, host, settings.hub_auth_port)
     if alive is None:
         # A long poll interval: it only sets how often an idle server checks for shutdown.

@@ -17,6 +17,7 @@ from app.control.node_health import NodeHealth
 from app.control.samples import RefusalSamples
 from app.domain.base import MAX_DETAIL, RejectReason, derived_id
 from app.domain.codec import DecodeError, encode
+from app.domain.egress import SecretLookup, no_secrets
 from app.domain.events import EventBase, RejectedPayload, SandboxRejected
 from app.domain.gate import Admitted, Refusal, Sender
 from app.domain.hub_access import TICKET_TTL_S, tenant_repository, ticket_password, ticket_user
@@ -27,6 +28,7 @@ from app.domain.node_tasks import (
     inbox_record,
     revocation,
     seal,
+    seal_egress_secrets,
     seal_secret,
 )
 from app.domain.placement import NodeView
@@ -87,9 +89,16 @@ class Courier:
     """Puts what the dispatcher decided into an outbox, proven for whoever reads it."""
 
     def __init__(
-        self, settings: Settings, keys: KeyLookup, health: NodeHealth, tally: Tally
+        self,
+        settings: Settings,
+        keys: KeyLookup,
+        health: NodeHealth,
+        tally: Tally,
+        secrets: SecretLookup = no_secrets,
     ) -> None:
         self._settings = settings
+        #: A tenant's egress secrets a sandbox's allowlist reaches.
+        self._secrets = secrets
         self._keys = keys
         self._health = health
         self._tally = tally
@@ -147,6 +156,7 @@ class Courier:
             sandbox_key_sealed=direct,
             sandbox_key_id=direct_id,
             hub_login=self._hub_login(node, request, info.secret),
+            egress_secrets_sealed=self._egress_secrets(request, sender, info.secret),
         )
         task = TASK_FOR_REQUEST[request.type]
         args = seal(task, envelope, info.principal.key_id, info.secret)
@@ -155,6 +165,15 @@ class Courier:
             out.inbox.append((topic, request.sandbox_id, inbox_record(task, args)))
         else:
             out.tasks.append((task, node.queue, args))
+
+    def _egress_secrets(
+        self, request: RequestBase, sender: Sender | None, secret: bytes
+    ) -> str | None:
+        """A create's egress secrets, sealed for its node: the tenant's own whose
+        destination its allowlist reaches (app/control/egress_secrets.py)."""
+        if not isinstance(request, CreateSandbox) or request.egress is None:
+            return None
+        return seal_egress_secrets(secret, self._secrets(request.tenant, request.egress))
 
     def _hub_login(self, node: NodeView, request: RequestBase, secret: bytes) -> str | None:
         """A snapshot's login to the hub, sealed for its node: push to the owner's one

@@ -37,6 +37,7 @@ from app.consuming import (
     key_partition,
 )
 from app.control.dispatch import NAME, Dispatcher, LiveSandbox
+from app.control.egress_secrets import StoredSecrets
 from app.control.follower import HEARTBEAT_TIMEOUT
 from app.control.image_shares import StoredShares
 from app.control.keyring import Keyring
@@ -136,6 +137,7 @@ class Scheduler:
             heartbeat_timeout, PostgresTrajectoryLog(settings.database_url),
             metrics.SchedulerTally(), StoredQuotas.from_settings(settings),
             StoredShares.from_settings(settings).readers,
+            StoredSecrets.from_settings(settings).for_sandbox,
         )  # fmt: skip
         self.placement = self.dispatcher.placement
         # Every tenant's replies topic exists before its first answer is sent (a send to

@@ -10,6 +10,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     Integer,
+    LargeBinary,
     MetaData,
     Numeric,
     SmallInteger,
@@ -230,6 +231,20 @@ image_shares = Table(
     Column("reader", Text, primary_key=True),
     Column("shared_by", Text, nullable=False),
     Column("shared_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+)
+
+#: A tenant's egress secrets, each sealed under the platform's key
+#: (app/control/egress_secrets.py); header_key is the header's name in lower case.
+egress_secrets = Table(
+    "egress_secrets",
+    metadata,
+    Column("tenant", Text, primary_key=True),
+    Column("destination", Text, primary_key=True),
+    Column("header_key", Text, primary_key=True),
+    Column("header", Text, nullable=False),
+    Column("sealed", LargeBinary, nullable=False),
+    Column("set_by", Text, nullable=False),
+    Column("set_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
 )
 
 #: Projection: one row per sandbox with the raw ``sandbox_lives_from_log`` view's

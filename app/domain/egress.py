@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, SecretStr
 
 from app.domain.base import Message
 
@@ -144,3 +145,87 @@ def pinnable(
     loopback, link-local, multicast or reserved, nor ``forbidden`` (the node's own
     addresses, the sandboxes' pool): a name that rebinds to them gets no answer."""
     return not any(address in net for net in (*NEVER, *forbidden))
+
+
+# --- secrets added on the way out -------------------------------------------------
+
+#: Where the node sends a secret's requests: TLS to this port of its destination,
+#: the certificate verified for the destination's name.
+SECRET_UPSTREAM_PORT = 443
+#: Where the sandbox sends them: plain HTTP to the destination's name (the node's
+#: proxy takes it there; nothing crosses the node's own network unencrypted).
+SECRET_PLAIN_PORT = 80
+#: Most secrets a tenant holds, and the largest value one carries.
+MAX_SECRETS = 100
+MAX_SECRET_BYTES = 8192
+#: Headers that frame a request: the proxy owns them, and no secret sets them.
+FRAMING_HEADERS = frozenset(
+    {
+        "host", "content-length", "transfer-encoding", "connection", "upgrade", "te",
+        "trailer", "keep-alive", "proxy-connection", "expect",
+    }
+)  # fmt: skip
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")
+
+
+def _destination(text: str) -> str:
+    name = text.strip().lower().rstrip(".")
+    if not _NAME.match(name) or name.startswith("*.") or len(name) > 253:
+        raise ValueError(f"secret destination {text!r}: a host name (no wildcard, no port)")
+    if re.fullmatch(r"[0-9.]+", name):
+        raise ValueError(f"secret destination {text!r}: a host name, not an address")
+    return name
+
+
+def _header(text: str) -> str:
+    if not _TOKEN.match(text) or text.lower() in FRAMING_HEADERS:
+        raise ValueError(f"secret header {text!r}: a header name, not one that frames a request")
+    return text
+
+
+def _value(value: SecretStr) -> SecretStr:
+    raw = value.get_secret_value()
+    if not raw or len(raw.encode()) > MAX_SECRET_BYTES:
+        raise ValueError(f"a secret's value is 1 to {MAX_SECRET_BYTES} bytes")
+    if any((ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F for c in raw):
+        raise ValueError("a secret's value holds no line breaks or control characters")
+    return value
+
+
+class EgressSecret(Message):
+    """A header the node adds to a tenant's sandboxes' requests to ``destination``
+    (the value is hidden from reprs and logs: :class:`pydantic.SecretStr`)."""
+
+    destination: Annotated[str, AfterValidator(_destination)] = Field(
+        description="The host name whose requests carry the header (exact, no wildcard)."
+    )
+    header: Annotated[str, AfterValidator(_header)] = Field(
+        description="The header's name, e.g. Authorization."
+    )
+    value: Annotated[SecretStr, AfterValidator(_value)] = Field(
+        description="The header's value; never shown, logged or put in a sandbox."
+    )
+
+    def plain(self) -> dict[str, str]:
+        """The secret with its value, for sealing it to a node (and nothing else)."""
+        return {
+            "destination": self.destination,
+            "header": self.header,
+            "value": self.value.get_secret_value(),
+        }
+
+
+def carries(policy: NetworkPolicy, destination: str) -> bool:
+    """Whether a sandbox under ``policy`` gets a secret for ``destination``: its
+    allowlist lets it reach the name on the port the node sends the secret to."""
+    return any(low <= SECRET_UPSTREAM_PORT <= high for low, high in policy.ports_for(destination))
+
+
+#: The secrets a sandbox of ``tenant`` under ``policy`` is to carry (the schedulers'
+#: store: app/control/egress_secrets.py).
+SecretLookup = Callable[[str, NetworkPolicy], list[EgressSecret]]
+
+
+def no_secrets(tenant: str, policy: NetworkPolicy) -> list[EgressSecret]:
+    """What a platform without a secrets store hands over: nothing."""
+    return []

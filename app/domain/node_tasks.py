@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import Field
 
 from app.domain.base import Message
+from app.domain.egress import EgressSecret
 from app.domain.proof import Purpose, check_mac, mac
 from app.domain.requests import (
     CreateSandbox,
@@ -168,6 +169,13 @@ class TaskEnvelope(Message):
     sandbox_key_id: str | None = Field(
         None, description="The credential the sandbox key is derived from."
     )
+    egress_secrets_sealed: str | None = Field(
+        None,
+        description=(
+            "A create's: the tenant's egress secrets its allowlist reaches (a JSON list"
+            " of destination, header, value), encrypted for the node."
+        ),
+    )
 
 
 def _cipher(secret: bytes) -> AESGCM:
@@ -212,6 +220,8 @@ class Opened:
     sandbox_key: bytes | None = None
     #: A snapshot's hub login, user and password (None: none was handed over).
     hub_login: tuple[str, str] | None = None
+    #: A create's egress secrets (app/domain/egress.py), opened.
+    secrets: tuple[EgressSecret, ...] = ()
 
 
 def unseal(task: NodeTask, args: list[str], key_id: str, secret: bytes) -> Opened | str:
@@ -244,7 +254,23 @@ def unseal(task: NodeTask, args: list[str], key_id: str, secret: bytes) -> Opene
         if password is None:
             return "the hub login is not sealed for this node"
         login = (user, password.decode(errors="replace"))
-    return Opened(envelope, key, sandbox, login)
+    secrets: tuple[EgressSecret, ...] = ()
+    if envelope.egress_secrets_sealed is not None:
+        opened = open_secret(secret, envelope.egress_secrets_sealed)
+        if opened is None:
+            return "the egress secrets are not sealed for this node"
+        try:
+            secrets = tuple(EgressSecret.model_validate(s) for s in json.loads(opened))
+        except (ValueError, TypeError, RecursionError):
+            return "the egress secrets are unreadable"  # never say what they hold
+    return Opened(envelope, key, sandbox, login, secrets)
+
+
+def seal_egress_secrets(secret: bytes, secrets: list[EgressSecret]) -> str | None:
+    """A create's egress secrets sealed for the node key ``secret`` (None: none)."""
+    if not secrets:
+        return None
+    return seal_secret(secret, json.dumps([s.plain() for s in secrets]).encode())
 
 
 def revocation(key_ids: list[str], key_id: str, secret: bytes) -> bytes:

@@ -40,6 +40,8 @@ class AsyncClient:
         self.sync = Client(settings, **options)
         #: The tenant's images in the hub (blocking calls: run them in a thread).
         self.images = self.sync.images
+        #: The tenant's egress secrets (blocking calls too).
+        self.secrets = self.sync.secrets
 
     async def call(
         self,

@@ -56,6 +56,7 @@ from app.sdk.results import Chunk as Chunk
 from app.sdk.results import ExecResult as ExecResult
 from app.sdk.results import OutputHandler as OutputHandler
 from app.sdk.results import exec_request as exec_request
+from app.sdk.secrets import Secrets
 from app.sdk.steps import Answer, Steps, blocking
 from app.sdk.transport import KafkaTransport, Transport
 
@@ -112,6 +113,8 @@ class Client:
         self.timeout_s = timeout_s
         #: The tenant's own images in the hub: ``client.images.push(name, rootfs)``.
         self.images = Images(self.settings, self.credential)
+        #: The tenant's egress secrets: ``client.secrets.put(host, header=, value=)``.
+        self.secrets = Secrets(self.settings, self.credential)
         #: Requests sent and not yet stored by the brokers -> when their delivery ends.
         self._storing: dict[uuid.UUID, float] = {}
         self._storing_lock = threading.Lock()

@@ -11,14 +11,12 @@ nodes pull it when a create needs it. Blobs the hub already holds are not sent a
 
 from __future__ import annotations
 
-import base64
 import gzip
 import hashlib
 import io
 import json
 import os
 import re
-import ssl
 import tarfile
 import tempfile
 import urllib.error
@@ -29,8 +27,10 @@ from typing import IO, Any, Protocol
 
 from app.config import Settings
 from app.credentials import Credential
-from app.domain.hub_access import TAG, HubReference, hub_password, tenant_repository
+from app.domain.hub_access import TAG, HubReference, tenant_repository
 from app.errors import ConfigError
+from app.sdk.hub_service import HubService, PushError
+from app.sdk.hub_service import challenge as read_challenge
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -53,16 +53,13 @@ class _Writer(Protocol):
     def write(self, data: bytes, /) -> int: ...
 
 
-class PushError(Exception):
-    """The hub refused a push, or could not be reached; says which and why."""
-
-
 class Images:
     """A tenant's images in the hub (``client.images``)."""
 
     def __init__(self, settings: Settings, credential: Credential) -> None:
         self.settings = settings
         self.credential = credential
+        self._hub = HubService(settings, credential)
         self._token: str | None = None
 
     def push(
@@ -126,35 +123,8 @@ class Images:
         repository = tenant_repository(self.credential.subject, name)
         if repository is None:
             raise ConfigError(f"{name} is not an image name the hub can hold")
-        body = json.dumps({"repository": repository, "readers": tenants, "remove": remove})
-        request = urllib.request.Request(
-            self._service_url("/share"),
-            data=body.encode(),
-            method="POST",
-            headers={"Content-Type": "application/json", "Authorization": self._basic()},
-        )
-        try:
-            with urllib.request.urlopen(request, context=self._context(), timeout=30):
-                return
-        except urllib.error.HTTPError as exc:
-            said = exc.read().decode(errors="replace")[:300]
-            raise PushError(f"sharing {name} was refused ({exc.code}): {said}") from exc
-        except OSError as exc:
-            raise PushError(f"the hub's token service did not answer: {exc}") from exc
-
-    def _service_url(self, path: str) -> str:
-        """A path on the hub's token service, found where the hub sends logins."""
-        try:
-            urllib.request.urlopen(
-                f"https://{self.settings.hub}/v2/", context=self._context(), timeout=30
-            ).close()
-        except urllib.error.HTTPError as exc:
-            realm = _challenge(str(exc.headers.get("WWW-Authenticate", ""))).get("realm", "")
-            if realm.startswith("https://") and realm.endswith("/token"):
-                return realm[: -len("/token")] + path
-        except OSError as exc:
-            raise PushError(f"the hub at {self.settings.hub} did not answer: {exc}") from exc
-        raise PushError("the hub names no token service")
+        body = {"repository": repository, "readers": tenants, "remove": remove}
+        self._hub.call("POST", "/share", body, f"sharing {name}")
 
     # --- the protocol ---------------------------------------------------------------
 
@@ -172,15 +142,6 @@ class Images:
                        body, {"Content-Type": "application/octet-stream",
                               "Content-Length": str(size)}, ok=(201,))  # fmt: skip
 
-    def _context(self) -> ssl.SSLContext:
-        kafka = self.credential.kafka
-        if kafka is not None and kafka.ca_pem:
-            return ssl.create_default_context(cadata=kafka.ca_pem)
-        local = self.settings.ca_dir / "ca.pem"
-        if os.access(local, os.R_OK):
-            return ssl.create_default_context(cafile=str(local))
-        return ssl.create_default_context()
-
     def _call(
         self, method: str, path: str, repository: str, body: Any = None,
         headers: dict[str, str] | None = None, ok: tuple[int, ...] = (200, 201, 202),
@@ -191,7 +152,7 @@ class Images:
             if self._token:
                 request.add_header("Authorization", f"Bearer {self._token}")
             try:
-                with urllib.request.urlopen(request, context=self._context(), timeout=300) as r:
+                with urllib.request.urlopen(request, context=self._hub.context(), timeout=300) as r:
                     return r.status, r.headers
             except urllib.error.HTTPError as exc:
                 if exc.code in ok:
@@ -207,32 +168,22 @@ class Images:
                 raise PushError(f"the hub at {self.settings.hub} did not answer: {exc}") from exc
         raise PushError(f"{method} {path}: the hub refused this tenant's login")
 
-    def _basic(self) -> str:
-        """The tenant's login to the token service, as an Authorization header."""
-        login = f"{self.credential.key_id}:{hub_password(self.credential.secret)}"
-        return "Basic " + base64.b64encode(login.encode()).decode()
-
     def _login(self, challenge: str, repository: str) -> str:
         """A token for pushing to ``repository``, from the realm the hub named."""
-        fields = _challenge(challenge)
+        fields = read_challenge(challenge)
         realm, service = fields.get("realm"), fields.get("service", "")
         if not challenge.startswith("Bearer ") or not realm or not realm.startswith("https://"):
             raise PushError(f"the hub asked for an unexpected login: {challenge!r}")
         scope = f"repository:{repository}:pull,push"
         query = urllib.parse.urlencode({"service": service, "scope": scope})
         request = urllib.request.Request(
-            f"{realm}?{query}", headers={"Authorization": self._basic()}
+            f"{realm}?{query}", headers={"Authorization": self._hub.basic()}
         )
         try:
-            with urllib.request.urlopen(request, context=self._context(), timeout=30) as r:
+            with urllib.request.urlopen(request, context=self._hub.context(), timeout=30) as r:
                 return str(json.load(r)["token"])
         except (OSError, ValueError, KeyError) as exc:
             raise PushError(f"no token from the hub's token service: {exc}") from exc
-
-
-def _challenge(header: str) -> dict[str, str]:
-    """The fields of a ``WWW-Authenticate`` challenge (realm, service, ...)."""
-    return dict(re.findall(r'(\w+)="([^"]*)"', header))
 
 
 def _archive_kind(path: Path) -> str:

@@ -72,13 +72,17 @@ class _Fence:
             ipaddress.IPv4Address("10.213.0.6"),
         )  # fmt: skip
         self.pins: list[tuple[list[str], list[tuple[int, int]]]] = []
+        self.secret_pins: list[bool] = []
         self.refused = 0
 
     def of_address(self, source: str) -> Attachment | None:
         return self.attachment if source == str(self.attachment.sandbox_ip) else None
 
-    def pin(self, attachment: Attachment, addresses: Any, ttl_s: int, ports: Any) -> None:
+    def pin(
+        self, attachment: Attachment, addresses: Any, ttl_s: int, ports: Any, secret: bool = False
+    ) -> None:
         self.pins.append((list(addresses), ports))
+        self.secret_pins.append(secret)
 
     def count_refused_name(self, attachment: Attachment) -> None:
         self.refused += 1

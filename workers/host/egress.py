@@ -17,7 +17,10 @@ The table (``inet dsec_egress``, shared by the nodes of a host, made once):
   loopback, link-local, multicast, reserved or the sandboxes' pool: refused; beyond
   the cap of open connections: refused; in ``allowed``: accepted and masqueraded;
   anything else refused and counted per interface (``refused``);
-- nothing new enters a sandbox's interface from outside (another sandbox, the LAN).
+- nothing new enters a sandbox's interface from outside (another sandbox, the LAN);
+- plain HTTP (port 80) to an address the resolver answered for a name the sandbox
+  holds an egress secret for (``secret_dst``) is redirected to its node's secrets
+  proxy (workers/egress_proxy.py), which adds the header and goes on over TLS.
 
 Bandwidth is capped both ways with a token bucket on each end of the pair.
 """
@@ -34,11 +37,11 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.domain.egress import NEVER, NetworkPolicy
+from app.domain.egress import NEVER, SECRET_PLAIN_PORT, EgressSecret, NetworkPolicy, carries
 from workers.errors import NodeError
 from workers.host.file_lock import file_lock
 
@@ -51,7 +54,7 @@ PREFIX = "dsb"
 #: removes every interface).
 SLOT_DIR = Path("/run/dsec-egress")
 #: Names the ruleset a table was made by: a node of another version makes it again.
-RULESET = "dsec egress 2"
+RULESET = "dsec egress 3"
 #: A freshly taken slot whose interface is not there yet is not stale before this.
 _SLOT_GRACE_S = 60.0
 #: How long an address the resolver answered stays pinned, at least (an answer's TTL
@@ -68,10 +71,19 @@ class Attachment:
     policy: NetworkPolicy
     host_ip: ipaddress.IPv4Address
     sandbox_ip: ipaddress.IPv4Address
+    #: The tenant's egress secrets this sandbox's requests carry (held in this
+    #: process only: a worker restarted does not have them, and their requests are
+    #: then refused rather than sent without).
+    secrets: tuple[EgressSecret, ...] = field(default=(), repr=False)
 
     @property
     def iface(self) -> str:
         return f"{PREFIX}{self.slot}"
+
+    def secrets_for(self, name: str) -> list[EgressSecret]:
+        """The secrets requests to ``name`` carry (none unless the allowlist reaches it)."""
+        found = [s for s in self.secrets if s.destination == name.lower().rstrip(".")]
+        return found if found and carries(self.policy, found[0].destination) else []
 
 
 def _run(argv: list[str], stdin: str | None = None) -> str:
@@ -99,6 +111,8 @@ class EgressFence:
         self.node_id = node_id
         self.pool = pool
         self.dns_port = dns_port
+        #: Where this node's secrets proxy listens (0: none yet).
+        self.proxy_port = 0
         self.max_connections = max_connections
         self.mbit = mbit
         self._by_sandbox: dict[str, Attachment] = {}
@@ -149,9 +163,13 @@ table inet {TABLE} {{
   set up {{ type ifname; flags dynamic; size 65535; }}
   set down {{ type ifname; flags dynamic; size 65535; }}
   set never {{ type ipv4_addr; flags interval; elements = {{ {never} }}; }}
+  set secret_dst {{ type ifname . ipv4_addr; flags timeout; }}
+  map proxy_port {{ type ifname : inet_service; }}
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname "{PREFIX}*" meta l4proto {{ tcp, udp }} th dport 53 redirect to :iifname map @dns_port
+    iifname "{PREFIX}*" tcp dport {SECRET_PLAIN_PORT} iifname . ip daddr @secret_dst \
+      redirect to :iifname map @proxy_port
   }}
   chain input {{
     type filter hook input priority filter - 5; policy accept;
@@ -160,6 +178,7 @@ table inet {TABLE} {{
   chain to_host {{
     ct state established,related accept
     ct status dnat meta l4proto udp accept
+    ct status dnat meta l4proto tcp ct original proto-dst {SECRET_PLAIN_PORT} accept
     add @refused {{ iifname }} reject with icmpx admin-prohibited
   }}
   chain forward {{
@@ -230,10 +249,11 @@ table inet {TABLE} {{
                 )  # fmt: skip
                 # This worker's resolver listens on another port; a table made again
                 # holds nothing of it.
-                subprocess.run(
-                    ["nft", f'delete element inet {TABLE} dns_port {{ "{attachment.iface}" }}'],
-                    capture_output=True, check=False,
-                )  # fmt: skip
+                for name in ("dns_port", "proxy_port"):
+                    subprocess.run(
+                        ["nft", f'delete element inet {TABLE} {name} {{ "{attachment.iface}" }}'],
+                        capture_output=True, check=False,
+                    )  # fmt: skip
                 _run(["nft", "-f", "-"], self._elements(attachment))
                 self._keep(attachment)
 
@@ -244,12 +264,19 @@ table inet {TABLE} {{
 
     # --- sandboxes ----------------------------------------------------------------
 
-    def attach(self, sandbox_id: str, pid: int, policy: NetworkPolicy) -> Attachment:
+    def attach(
+        self,
+        sandbox_id: str,
+        pid: int,
+        policy: NetworkPolicy,
+        secrets: tuple[EgressSecret, ...] = (),
+    ) -> Attachment:
         """Give the sandbox whose init is ``pid`` its interface and its allowlist's
-        addresses; NodeError if any step fails (nothing is left behind then)."""
+        addresses (and ``secrets``, its requests' headers); NodeError if any step
+        fails (nothing is left behind then)."""
         slot = self._take_slot(sandbox_id, policy)
         host_ip, sandbox_ip = self._slot_ips(slot)
-        attachment = Attachment(sandbox_id, slot, policy, host_ip, sandbox_ip)
+        attachment = Attachment(sandbox_id, slot, policy, host_ip, sandbox_ip, secrets)
         iface = attachment.iface
         # Three processes, each a batch: every spawn costs a create milliseconds.
         try:
@@ -275,6 +302,8 @@ table inet {TABLE} {{
         port and its allowlist's address rules."""
         iface = attachment.iface
         script = f'add element inet {TABLE} dns_port {{ "{iface}" : {self.dns_port} }}\n'
+        if attachment.secrets and self.proxy_port:
+            script += f'add element inet {TABLE} proxy_port {{ "{iface}" : {self.proxy_port} }}\n'
         elements = [
             f'"{iface}" . {network} . {_ports(ports)}'
             for network, ports in attachment.policy.networks()
@@ -289,18 +318,26 @@ table inet {TABLE} {{
         addresses: Iterable[str],
         ttl_s: int,
         ports: list[tuple[int, int]],
+        secret: bool = False,
     ) -> None:
         """Let the sandbox reach ``addresses`` (the resolver's answer for an allowed
-        name) on ``ports``, for at least :data:`MIN_PIN_S`."""
+        name) on ``ports``, for at least :data:`MIN_PIN_S`; with ``secret`` (the name
+        is a secret's destination), its plain HTTP to them goes to the secrets proxy."""
         timeout = max(ttl_s, MIN_PIN_S)
+        listed = list(addresses)
         elements = [
             f'"{attachment.iface}" . {address} . {_ports(p)} timeout {timeout}s'
-            for address in addresses
+            for address in listed
             for p in ports
         ]
-        if elements:
-            # add refreshes nothing, so an answer already pinned is deleted and added.
-            _run(["nft", "-f", "-"], _readd(elements))
+        script = _readd("allowed", elements) if elements else ""
+        if secret and listed:
+            script += _readd(
+                "secret_dst",
+                [f'"{attachment.iface}" . {address} timeout {timeout}s' for address in listed],
+            )
+        if script:
+            _run(["nft", "-f", "-"], script)
 
     def of_address(self, source: str) -> Attachment | None:
         """The attachment whose sandbox sends from ``source``."""
@@ -349,16 +386,17 @@ table inet {TABLE} {{
 
     def _release(self, attachment: Attachment) -> None:
         iface = attachment.iface
-        listed = subprocess.run(
-            ["nft", "-j", "list", "set", "inet", TABLE, "allowed"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
         script = [
             f'delete element inet {TABLE} {name} {{ "{iface}" }}'
-            for name in ("dns_port", "refused", "conns", "up", "down")
+            for name in ("dns_port", "proxy_port", "refused", "conns", "up", "down")
         ]
-        for key in _keys_of(listed.stdout, iface) if listed.returncode == 0 else []:
-            script.append(f"delete element inet {TABLE} allowed {{ {key} }}")
+        for name in ("allowed", "secret_dst"):
+            listed = subprocess.run(
+                ["nft", "-j", "list", "set", "inet", TABLE, name],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            for key in _keys_of(listed.stdout, iface) if listed.returncode == 0 else []:
+                script.append(f"delete element inet {TABLE} {name} {{ {key} }}")
         for line in script:  # one by one: a missing element must not stop the rest
             subprocess.run(["nft", line], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", iface], capture_output=True, check=False)
@@ -366,12 +404,14 @@ table inet {TABLE} {{
             (SLOT_DIR / str(attachment.slot)).unlink()
 
 
-def _readd(elements: list[str]) -> str:
+def _readd(name: str, elements: list[str]) -> str:
+    """Elements put into set ``name`` afresh (add refreshes no timeout, so an element
+    already there is deleted and added)."""
     joined = ", ".join(elements)
     return (
-        f"add element inet {TABLE} allowed {{ {joined} }}\n"
-        f"delete element inet {TABLE} allowed {{ {joined} }}\n"
-        f"add element inet {TABLE} allowed {{ {joined} }}\n"
+        f"add element inet {TABLE} {name} {{ {joined} }}\n"
+        f"delete element inet {TABLE} {name} {{ {joined} }}\n"
+        f"add element inet {TABLE} {name} {{ {joined} }}\n"
     )
 
 
