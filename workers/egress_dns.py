@@ -109,7 +109,7 @@ class EgressResolver:
         name = question.name.to_text(omit_final_dot=True).lower()
         ports = attachment.policy.ports_for(name)
         if not ports:
-            self.fence.count_refused_name(attachment)
+            self.fence.count_refused_name(attachment, name)
             reply.set_rcode(dns.rcode.REFUSED)
             return reply.to_wire()
         if question.rdtype != dns.rdatatype.A:

@@ -206,6 +206,7 @@ class Lifecycle:
             last_exit_code=seen.last_exit_code if seen else None,
             frozen=seen.frozen if seen else None,
             egress_refused=egress.refused(sandbox_id) if egress is not None else None,
+            egress_refused_sample=egress.refused_sample(sandbox_id) if egress is not None else None,
         )
 
     def expire(self, due: Due) -> bool:

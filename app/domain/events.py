@@ -129,6 +129,14 @@ class LastState(Message):
         None,
         description="Connections and names its egress allowlist refused (allowlisted only).",
     )
+    egress_refused_sample: list[Annotated[str, Field(max_length=300)]] | None = Field(
+        None,
+        max_length=16,
+        description=(
+            "Some of what it was refused: names its resolver refused, and TCP"
+            " destinations as address:port (allowlisted only; at most 16)."
+        ),
+    )
     last_heartbeat_at: datetime | None = Field(
         None, description="When its node was last heard from (node_lost)."
     )

@@ -224,16 +224,20 @@ def test_refusals_are_counted_and_the_allowlist_is_in_the_log(
         with db() as conn:
             return conn.execute(
                 text(
-                    "SELECT s.egress, e.payload->'last_state'->>'egress_refused' FROM sandboxes s"
+                    "SELECT s.egress, e.payload->'last_state'->>'egress_refused',"
+                    " e.payload->'last_state'->'egress_refused_sample' FROM sandboxes s"
                     " JOIN events e ON e.sandbox_id = s.sandbox_id"
                     " AND e.type = 'SandboxStopped' WHERE s.sandbox_id = :s"
                 ),
                 {"s": sandbox.id},
             ).first()
 
-    egress, refused = wait_for(stopped, 20, "the sandbox's end in the log")
+    egress, refused, refused_sample = wait_for(stopped, 20, "the sandbox's end in the log")
     assert egress == ["allowed.test:8080"]
     assert int(refused) >= 2
+    # An operator sees what it reached for, not only how often
+    assert "not-allowed.test" in refused_sample
+    assert f"{OTHER}:8080" in refused_sample
     with db() as conn:
         requested = conn.execute(
             text("SELECT payload FROM events WHERE sandbox_id = :s AND type = 'SandboxRequested'"),

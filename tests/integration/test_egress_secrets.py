@@ -38,7 +38,7 @@ from tests.conftest import ensure_tenant
 pytestmark = pytest.mark.integration
 
 NS = "dsec-secret-test"
-HOST_SIDE, API, ECHO = "10.97.0.1", "10.97.0.2", "10.97.0.3"
+HOST_SIDE, API, ECHO = "10.96.0.1", "10.96.0.2", "10.96.0.3"
 NAMES = {"api.secret.test": API, "echo.secret.test": ECHO, "hijacked.secret.test": ECHO}
 POLICY = NetworkPolicy(
     allow=["api.secret.test:443", "echo.secret.test:80", "hijacked.secret.test:443"]

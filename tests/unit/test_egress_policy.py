@@ -84,7 +84,7 @@ class _Fence:
         self.pins.append((list(addresses), ports))
         self.secret_pins.append(secret)
 
-    def count_refused_name(self, attachment: Attachment) -> None:
+    def count_refused_name(self, attachment: Attachment, name: str = "") -> None:
         self.refused += 1
 
 

@@ -54,9 +54,11 @@ PREFIX = "dsb"
 #: removes every interface).
 SLOT_DIR = Path("/run/dsec-egress")
 #: Names the ruleset a table was made by: a node of another version makes it again.
-RULESET = "dsec egress 3"
+RULESET = "dsec egress 4"
 #: A freshly taken slot whose interface is not there yet is not stale before this.
 _SLOT_GRACE_S = 60.0
+#: Most refusals one sandbox's end reports (Stopped's ``egress_refused_sample``).
+SAMPLE = 16
 #: How long an address the resolver answered stays pinned, at least (an answer's TTL
 #: is often shorter than clients cache it).
 MIN_PIN_S = 600
@@ -117,8 +119,10 @@ class EgressFence:
         self.mbit = mbit
         self._by_sandbox: dict[str, Attachment] = {}
         self._by_ip: dict[ipaddress.IPv4Address, Attachment] = {}
-        #: Names the resolver refused, per interface (the firewall counts connections).
+        #: Names the resolver refused, per interface (the firewall counts connections),
+        #: and the first few of them.
         self._names_refused: dict[str, int] = {}
+        self._names_sample: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
     # --- the host's table ---------------------------------------------------------
@@ -162,6 +166,9 @@ table inet {TABLE} {{
   set conns {{ type ifname; flags dynamic; size 65535; }}
   set up {{ type ifname; flags dynamic; size 65535; }}
   set down {{ type ifname; flags dynamic; size 65535; }}
+  set refused_dst {{
+    type ifname . ipv4_addr . inet_service; flags dynamic, timeout; timeout 1h; size 65535;
+  }}
   set never {{ type ipv4_addr; flags interval; elements = {{ {never} }}; }}
   set secret_dst {{ type ifname . ipv4_addr; flags timeout; }}
   map proxy_port {{ type ifname : inet_service; }}
@@ -179,6 +186,7 @@ table inet {TABLE} {{
     ct state established,related accept
     ct status dnat meta l4proto udp accept
     ct status dnat meta l4proto tcp ct original proto-dst {SECRET_PLAIN_PORT} accept
+    meta l4proto tcp add @refused_dst {{ iifname . ip daddr . tcp dport }}
     add @refused {{ iifname }} reject with icmpx admin-prohibited
   }}
   chain forward {{
@@ -192,10 +200,12 @@ table inet {TABLE} {{
     meta nfproto ipv6 drop
     update @up {{ iifname {rate} }} drop
     ct state established,related accept
+    meta l4proto tcp ip daddr @never add @refused_dst {{ iifname . ip daddr . tcp dport }}
     ip daddr @never add @refused {{ iifname }} reject with icmpx admin-prohibited
     meta l4proto tcp add @conns {{ iifname ct count over {self.max_connections} }} \\
       add @refused {{ iifname }} reject with tcp reset
     meta l4proto tcp iifname . ip daddr . tcp dport @allowed accept
+    meta l4proto tcp add @refused_dst {{ iifname . ip daddr . tcp dport }}
     add @refused {{ iifname }} reject with icmpx admin-prohibited
   }}
   chain postrouting {{
@@ -353,11 +363,34 @@ table inet {TABLE} {{
             return None
         return self._counters().get(attachment.iface, 0)
 
-    def count_refused_name(self, attachment: Attachment) -> None:
+    def count_refused_name(self, attachment: Attachment, name: str) -> None:
         """A name the resolver refused counts among the sandbox's refusals."""
         with self._lock:
             iface = attachment.iface
             self._names_refused[iface] = self._names_refused.get(iface, 0) + 1
+            sample = self._names_sample.setdefault(iface, [])
+            if len(sample) < SAMPLE and name[:253] not in sample:
+                sample.append(name[:253])
+
+    def refused_sample(self, sandbox_id: str) -> list[str] | None:
+        """Some of what this sandbox was refused: names, then address:port (None: it
+        has no allowlist here)."""
+        attachment = self._by_sandbox.get(sandbox_id)
+        if attachment is None:
+            return None
+        with self._lock:
+            sample = list(self._names_sample.get(attachment.iface, []))
+        listed = subprocess.run(
+            ["nft", "-j", "list", "set", "inet", TABLE, "refused_dst"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        keys = _keys_of(listed.stdout, attachment.iface) if listed.returncode == 0 else []
+        for key in sorted(keys):
+            _, address, port = key.split(" . ")
+            if len(sample) >= SAMPLE:
+                break
+            sample.append(f"{address}:{port}")
+        return sample
 
     def _counters(self) -> dict[str, int]:
         listed = subprocess.run(
@@ -381,6 +414,7 @@ table inet {TABLE} {{
             if attachment is not None:
                 self._by_ip.pop(attachment.sandbox_ip, None)
                 self._names_refused.pop(attachment.iface, None)
+                self._names_sample.pop(attachment.iface, None)
         if attachment is not None:
             self._release(attachment)
 
@@ -390,7 +424,7 @@ table inet {TABLE} {{
             f'delete element inet {TABLE} {name} {{ "{iface}" }}'
             for name in ("dns_port", "proxy_port", "refused", "conns", "up", "down")
         ]
-        for name in ("allowed", "secret_dst"):
+        for name in ("allowed", "secret_dst", "refused_dst"):
             listed = subprocess.run(
                 ["nft", "-j", "list", "set", "inet", TABLE, name],
                 capture_output=True, text=True, check=False,
