@@ -99,7 +99,7 @@ def outside(size: int, work: Path) -> subprocess.Popen[bytes]:
     return server
 
 
-def _busy_jiffies() -> int:
+def busy_jiffies() -> int:
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
 
@@ -143,9 +143,9 @@ def measure(runner: Any, connects: int, mb: int) -> dict[str, float]:
         ("down", f"nc -w 30 {SERVER} {SEND} >/dev/null"),
         ("up", f"head -c {mb << 20} /dev/zero | nc -w 30 {SERVER} {SINK}"),
     ):
-        before = _busy_jiffies()
+        before = busy_jiffies()
         code, ms = runner.exec(command)
-        cpu_s = (_busy_jiffies() - before) / 100
+        cpu_s = (busy_jiffies() - before) / 100
         figures[f"{name}_mbyte_s"] = mb / (ms / 1000)
         figures[f"{name}_cpu_ms_per_mb"] = cpu_s * 1000 / mb
     return figures
@@ -199,13 +199,13 @@ def main() -> None:
                     results["nat"] = measure(SandboxRunner(nat), args.connects, args.mb)
                 with client.create(network=policy) as box:
                     results["allowlist"] = measure(SandboxRunner(box), args.connects, args.mb)
-                    added = _uncap(box.id)
+                    added = uncap(box.id)
                     try:
                         results["allowlist_uncapped"] = measure(
                             SandboxRunner(box), args.connects, args.mb
                         )
                     finally:
-                        _recap(added)
+                        recap(added)
                 for way, figures in results.items():
                     print(way, " ".join(f"{k}={v:.2f}" for k, v in figures.items()))
                 plain, listed = creates(client, args.creates, policy)
@@ -240,7 +240,7 @@ def main() -> None:
     )
 
 
-def _uncap(sandbox_id: str) -> list[tuple[str, str]]:
+def uncap(sandbox_id: str) -> list[tuple[str, str]]:
     """Let the bench's sandbox's established flows pass before the node's bandwidth
     policing (new connections still meet the whole allowlist): the mechanism alone.
     Returns the (chain, handle) of the rules to delete after."""
@@ -260,7 +260,7 @@ def _uncap(sandbox_id: str) -> list[tuple[str, str]]:
     raise RuntimeError(f"no egress slot for {sandbox_id}")
 
 
-def _recap(added: list[tuple[str, str]]) -> None:
+def recap(added: list[tuple[str, str]]) -> None:
     for chain, handle in added:
         _sh("nft", "delete", "rule", "inet", TABLE, chain, "handle", handle)
 

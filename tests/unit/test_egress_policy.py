@@ -4,6 +4,7 @@ resolver answers (the resolver with a recording fence and lookup: no network).""
 from __future__ import annotations
 
 import ipaddress
+import json
 import socket
 from typing import Any
 
@@ -15,7 +16,9 @@ from pydantic import ValidationError
 from app.domain.egress import ALL_PORTS, NetworkPolicy, parse_rule, pinnable
 from app.domain.requests import CreateSandbox
 from workers.egress_dns import EgressResolver
+from workers.host import egress
 from workers.host.egress import Attachment
+from workers.host.nft_sets import keys_of
 
 POOL = ipaddress.IPv4Network("10.213.0.0/16")
 HOST = ipaddress.IPv4Network("192.0.2.10/32")
@@ -144,3 +147,47 @@ def _host_address() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect(("192.0.2.1", 9))  # no packet: picks the route's source address
         return str(probe.getsockname()[0])
+
+
+def _fence_recording(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str]]:
+    scripts: list[str] = []
+    monkeypatch.setattr(egress, "_run", lambda argv, stdin=None: scripts.append(stdin or ""))
+    fence = egress.EgressFence("n1", ipaddress.IPv4Network("10.213.0.0/16"), 53, 256, 100)
+    return fence, scripts
+
+
+def test_an_answer_given_again_is_not_pinned_again_until_its_pin_runs_short(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fence, scripts = _fence_recording(monkeypatch)
+    box = Attachment(
+        "sb-1", 3, NetworkPolicy(allow=["a.test:443"]),
+        ipaddress.IPv4Address("10.213.0.5"), ipaddress.IPv4Address("10.213.0.6"),
+    )  # fmt: skip
+    fence.pin(box, ["10.99.0.2"], 60, [(443, 443)])
+    # Pinned past what the answer asks, so an nft run is saved on the next lookups
+    assert f"timeout {egress.MIN_PIN_S + egress.PIN_SLACK_S}s" in scripts[0]
+    fence.pin(box, ["10.99.0.2"], 60, [(443, 443)])
+    assert len(scripts) == 1
+    # Another address, another port, the secrets proxy's mark or a TTL past the pin:
+    # each is pinned
+    fence.pin(box, ["10.99.0.3"], 60, [(443, 443)])
+    fence.pin(box, ["10.99.0.2"], 60, [(80, 80)])
+    fence.pin(box, ["10.99.0.2"], 60, [(443, 443)], secret=True)
+    fence.pin(box, ["10.99.0.2"], egress.MIN_PIN_S + egress.PIN_SLACK_S, [(443, 443)])
+    assert len(scripts) == 5
+    assert "secret_dst" in scripts[3]
+
+
+def test_an_interfaces_set_keys_read_back_as_nft_takes_them() -> None:
+    listing = json.dumps({"nftables": [{"set": {"name": "allowed", "elem": [
+        {"elem": {"val": {"concat": ["dsb3", "10.99.0.2", 443]}, "timeout": 900}},
+        {"concat": ["dsb3", {"prefix": {"addr": "10.1.2.0", "len": 24}},
+                    {"range": [8000, 8100]}]},
+        {"concat": ["dsb4", "10.99.0.2", 443]},
+    ]}}]})  # fmt: skip
+    assert keys_of(listing, "dsb3") == [
+        '"dsb3" . 10.99.0.2 . 443',
+        '"dsb3" . 10.1.2.0/24 . 8000-8100',
+    ]
+    assert keys_of("not json", "dsb3") == []

@@ -36,14 +36,14 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from app.domain.egress import NEVER, SECRET_PLAIN_PORT, EgressSecret, NetworkPolicy, carries
 from workers.errors import NodeError
 from workers.host.file_lock import file_lock
+from workers.host.nft_sets import elements, keys_of, readd
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ SAMPLE = 16
 #: How long an address the resolver answered stays pinned, at least (an answer's TTL
 #: is often shorter than clients cache it).
 MIN_PIN_S = 600
+#: A pin is made this much longer than asked, so the same answer given again within
+#: it needs no new one (each is an ``nft`` run, ~10 ms here, on every lookup).
+PIN_SLACK_S = 300
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,10 @@ def _run(argv: list[str], stdin: str | None = None) -> str:
     return done.stdout
 
 
+#: An interface, the addresses and ports pinned for it, and whether for a secret.
+_PinKey = tuple[str, tuple[str, ...], tuple[tuple[int, int], ...], bool]
+
+
 def _ports(ports: tuple[int, int]) -> str:
     return str(ports[0]) if ports[0] == ports[1] else f"{ports[0]}-{ports[1]}"
 
@@ -123,6 +130,8 @@ class EgressFence:
         #: and the first few of them.
         self._names_refused: dict[str, int] = {}
         self._names_sample: dict[str, list[str]] = {}
+        #: What was pinned for whom, until when (monotonic): see PIN_SLACK_S.
+        self._pinned: dict[_PinKey, float] = {}
         self._lock = threading.Lock()
 
     # --- the host's table ---------------------------------------------------------
@@ -334,20 +343,28 @@ table inet {TABLE} {{
         name) on ``ports``, for at least :data:`MIN_PIN_S`; with ``secret`` (the name
         is a secret's destination), its plain HTTP to them goes to the secrets proxy."""
         timeout = max(ttl_s, MIN_PIN_S)
-        listed = list(addresses)
-        elements = [
+        now = time.monotonic()
+        key: _PinKey = (attachment.iface, tuple(sorted(addresses)), tuple(ports), secret)
+        with self._lock:
+            if self._pinned.get(key, 0.0) >= now + timeout:
+                return  # pinned for longer than this answer asks already
+        listed, timeout = list(key[1]), timeout + PIN_SLACK_S
+        entries = [
             f'"{attachment.iface}" . {address} . {_ports(p)} timeout {timeout}s'
             for address in listed
             for p in ports
         ]
-        script = _readd("allowed", elements) if elements else ""
+        script = readd(TABLE, "allowed", entries) if entries else ""
         if secret and listed:
-            script += _readd(
+            script += readd(
+                TABLE,
                 "secret_dst",
                 [f'"{attachment.iface}" . {address} timeout {timeout}s' for address in listed],
             )
         if script:
             _run(["nft", "-f", "-"], script)
+        with self._lock:
+            self._pinned[key] = now + timeout
 
     def of_address(self, source: str) -> Attachment | None:
         """The attachment whose sandbox sends from ``source``."""
@@ -384,7 +401,7 @@ table inet {TABLE} {{
             ["nft", "-j", "list", "set", "inet", TABLE, "refused_dst"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
-        keys = _keys_of(listed.stdout, attachment.iface) if listed.returncode == 0 else []
+        keys = keys_of(listed.stdout, attachment.iface) if listed.returncode == 0 else []
         for key in sorted(keys):
             _, address, port = key.split(" . ")
             if len(sample) >= SAMPLE:
@@ -399,7 +416,7 @@ table inet {TABLE} {{
         )  # fmt: skip
         counts: dict[str, int] = dict(self._names_refused)
         if listed.returncode == 0:
-            for entry in _elements(listed.stdout):
+            for entry in elements(listed.stdout):
                 elem = entry.get("elem", entry)
                 if isinstance(elem, dict) and isinstance(elem.get("val"), str):
                     packets = elem.get("counter", {}).get("packets", 0)
@@ -415,6 +432,8 @@ table inet {TABLE} {{
                 self._by_ip.pop(attachment.sandbox_ip, None)
                 self._names_refused.pop(attachment.iface, None)
                 self._names_sample.pop(attachment.iface, None)
+                for key in [k for k in self._pinned if k[0] == attachment.iface]:
+                    del self._pinned[key]
         if attachment is not None:
             self._release(attachment)
 
@@ -429,55 +448,13 @@ table inet {TABLE} {{
                 ["nft", "-j", "list", "set", "inet", TABLE, name],
                 capture_output=True, text=True, check=False,
             )  # fmt: skip
-            for key in _keys_of(listed.stdout, iface) if listed.returncode == 0 else []:
+            for key in keys_of(listed.stdout, iface) if listed.returncode == 0 else []:
                 script.append(f"delete element inet {TABLE} {name} {{ {key} }}")
         for line in script:  # one by one: a missing element must not stop the rest
             subprocess.run(["nft", line], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", iface], capture_output=True, check=False)
         with contextlib.suppress(OSError):
             (SLOT_DIR / str(attachment.slot)).unlink()
-
-
-def _readd(name: str, elements: list[str]) -> str:
-    """Elements put into set ``name`` afresh (add refreshes no timeout, so an element
-    already there is deleted and added)."""
-    joined = ", ".join(elements)
-    return (
-        f"add element inet {TABLE} {name} {{ {joined} }}\n"
-        f"delete element inet {TABLE} {name} {{ {joined} }}\n"
-        f"add element inet {TABLE} {name} {{ {joined} }}\n"
-    )
-
-
-def _elements(listing: str) -> Iterator[Any]:
-    with contextlib.suppress(ValueError, KeyError, TypeError):
-        for item in json.loads(listing)["nftables"]:
-            if "set" in item:
-                yield from item["set"].get("elem", [])
-
-
-def _keys_of(listing: str, iface: str) -> list[str]:
-    """The ``allowed`` elements of ``iface``, written as nft takes them back."""
-    keys = []
-    for entry in _elements(listing):
-        elem = entry.get("elem", entry) if isinstance(entry, dict) else entry
-        value = elem.get("val", elem) if isinstance(elem, dict) else elem
-        parts = value.get("concat") if isinstance(value, dict) else None
-        if not parts or parts[0] != iface:
-            continue
-        keys.append(" . ".join(_nft_value(part) for part in parts))
-    return keys
-
-
-def _nft_value(part: object) -> str:
-    if isinstance(part, dict) and "prefix" in part:
-        return f"{part['prefix']['addr']}/{part['prefix']['len']}"
-    if isinstance(part, dict) and "range" in part:
-        low, high = part["range"]
-        return f"{low}-{high}"
-    if isinstance(part, str):
-        return f'"{part}"' if part.startswith(PREFIX) else part
-    return str(part)
 
 
 def is_host_address(address: ipaddress.IPv4Address) -> bool:
