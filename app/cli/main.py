@@ -36,7 +36,7 @@ cli.add_typer(archive_cli, name="log")
 cli.add_typer(kafka_cli, name="kafka")
 cli.add_typer(secret_cli, name="secret")
 cli.command()(doctor)
-for read_the_log in (records.events, records.audit, records.bill):
+for read_the_log in (records.events, records.describe, records.audit, records.bill):
     cli.command()(read_the_log)
 console = cli_render.console
 

@@ -1,6 +1,6 @@
-"""Reading the log: one sandbox's events, the audit trail, bills, dead letters, and
-the projections rebuilt from it (``dsec events``, ``audit``, ``bill``,
-``deadletters``, ``projections``)."""
+"""Reading the log: one sandbox's events and description, the audit trail, bills,
+dead letters, and the projections rebuilt from it (``dsec events``, ``describe``,
+``audit``, ``bill``, ``deadletters``, ``projections``)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,19 @@ def events(sandbox_id: str, as_json: JsonOpt = False) -> None:
         for row in rows:
             row["payload"] = _summary(row["payload"])
     cli_render.rows(f"events of {sandbox_id}", rows, as_json)
+
+
+def describe(sandbox_id: str, as_json: JsonOpt = False) -> None:
+    """One sandbox: its row, the ports it opened, how it ended (its egress refusals too)."""
+    from app.db import queries
+    from app.db.engine import transaction
+
+    with transaction(get_settings().database_url) as conn:
+        found = queries.sandbox_detail(conn, sandbox_id)
+    if found is None:
+        console.print(f"[red]no sandbox {sandbox_id}[/red]")
+        raise typer.Exit(1)
+    cli_render.record(f"sandbox {sandbox_id}", found, as_json)
 
 
 def _summary(payload: dict[str, Any], width: int = 240) -> str:

@@ -112,3 +112,18 @@ def render(
 def rows(title: str, found: Sequence[Mapping[str, Any]], as_json: bool) -> None:
     """Print ``found`` as a table titled ``title``, or as a JSON list."""
     render(found, Format.JSON if as_json else Format.TABLE, title, console)
+
+
+def record(title: str, found: Mapping[str, Any], as_json: bool) -> None:
+    """Print one record as a field/value table (empty fields left out), or as a JSON
+    object."""
+    if as_json:
+        console.file.write(json.dumps({k: _plain(v) for k, v in found.items()}, indent=2) + "\n")
+        console.file.flush()
+        return
+    shown = [
+        {"field": k, "value": v if not isinstance(v, list | dict) else json.dumps(v)}
+        for k, v in found.items()
+        if v not in (None, "", [], {})
+    ]
+    console.print(to_table(shown, title, ["field", "value"]))

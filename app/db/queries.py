@@ -210,6 +210,34 @@ def sandbox_list(
     return _records(conn, query)
 
 
+def sandbox_detail(conn: Connection, sandbox_id: str) -> Record | None:
+    """One sandbox's row, with what its events add: how many there are, the ports it
+    opened and, once it ended, the last state its node reported (None: unknown)."""
+    row = conn.execute(select(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id)).first()
+    if row is None:
+        return None
+    found: Record = dict(row._mapping)
+    t = events
+    found["events"] = conn.execute(
+        select(func.count()).select_from(t).where(t.c.sandbox_id == sandbox_id)
+    ).scalar_one()
+    found["ports"] = [
+        {"port": p["port"], "expires_at": p["expires_at"], "by": p["actor"]}
+        for (p,) in conn.execute(
+            select(t.c.payload)
+            .where(t.c.sandbox_id == sandbox_id, t.c.type == "PortExposed")
+            .order_by(t.c.position)
+        )
+    ]
+    found["last_state"] = conn.execute(
+        select(t.c.payload["last_state"])
+        .where(t.c.sandbox_id == sandbox_id, t.c.type == "SandboxStopped")
+        .order_by(t.c.position.desc())
+        .limit(1)
+    ).scalar()
+    return found
+
+
 def sandbox_events(conn: Connection, sandbox_id: str) -> list[Record]:
     """The log of one sandbox, in order."""
     t = events

@@ -266,3 +266,11 @@ def test_the_cli_makes_an_allowlisted_sandbox_and_ps_shows_its_list(outside: Pat
         assert json.loads(row["network"]) == ["allowed.test:8080", "*.svc.test:8080"]
     finally:
         dsec("destroy", sandbox_id)
+
+    def described() -> Any:
+        found = json.loads(dsec("describe", sandbox_id, "--json").stdout)
+        return found if found["last_state"] else None
+
+    found = wait_for(described, 20, "the sandbox's end in `dsec describe`")
+    assert found["egress"] == ["allowed.test:8080", "*.svc.test:8080"]
+    assert f"{OTHER}:8080" in found["last_state"]["egress_refused_sample"]
