@@ -4,11 +4,15 @@ each way of getting in without the URL's token, attacked."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import socket
 import subprocess
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +21,7 @@ import pytest
 from sqlalchemy import text
 
 from app.config import Settings
+from app.domain.egress import NetworkPolicy
 from app.errors import DsecError
 from tests.conftest import tenant_client, wait_for
 
@@ -128,6 +133,67 @@ def test_another_tenant_cannot_open_a_port_of_the_sandbox(stack: Settings, serve
     sandbox, _, _ = served
     with tenant_client(stack, "ports-intruder", "x") as intruder, pytest.raises(DsecError):
         intruder.sandbox(sandbox.id).expose(8080)
+
+
+def _forwarder(target: tuple[str, int]) -> tuple[socket.socket, list[str]]:
+    """A listener on every address of the host that hands connections to ``target``
+    (as if an operator had put the port proxy on the LAN); returns it and the peers
+    it served."""
+    listener = socket.create_server(("0.0.0.0", 0))
+    peers: list[str] = []
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, peer = listener.accept()
+                peers.append(peer[0])
+                upstream = socket.create_connection(target)
+                for a, b in ((conn, upstream), (upstream, conn)):
+                    threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, peers
+
+
+def test_an_allowlisted_sandbox_cannot_reach_another_sandboxs_port(
+    client: Any, served: Any
+) -> None:
+    _, url, _ = served
+    parsed = urllib.parse.urlsplit(url)
+    listener, peers = _forwarder((parsed.hostname or "", parsed.port or 80))
+    port = listener.getsockname()[1]
+    try:
+        # The forwarder serves the URL from the host: the attack below can succeed
+        assert _get(f"http://127.0.0.1:{port}{parsed.path}index.html")[0] == 200
+        peers.clear()
+        # Rules whose networks cover the host's addresses and the sandboxes' pool
+        policy = NetworkPolicy(allow=["128.0.0.0/1", "10.0.0.0/8"])
+        addresses = [
+            line.split()[3].split("/")[0]
+            for line in subprocess.run(
+                ["ip", "-4", "-o", "addr", "show", "scope", "global"],
+                capture_output=True, text=True, check=True,
+            ).stdout.splitlines()
+        ]  # fmt: skip
+        with client.create(network=policy) as attacker:
+            gateway = attacker.exec("ip route | sed -n 's/default via \\([0-9.]*\\).*/\\1/p'")
+            for host in {*addresses, gateway.text.strip(), "127.0.0.1"}:
+                for path in ("/", f"{parsed.path}index.html"):  # without and with its token
+                    got = attacker.exec(
+                        f"printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' | nc -w 3 {host} {port}",
+                        timeout_s=30,
+                    ).text
+                    assert got == "", (host, path, got)
+        assert peers == []  # nothing from the sandbox reached the forwarder
+    finally:
+        listener.close()
 
 
 def test_the_url_closes_when_the_sandbox_ends(client: Any) -> None:
