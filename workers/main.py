@@ -92,7 +92,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
     )  # fmt: skip
     node.egress_unfenced = unfenced
     if settings.allow_egress:
-        node.egress, node.egress_unenforced = _egress(settings, node_id)
+        node.egress, node.egress_unenforced = _egress(settings, node_id, credential.secret)
     node.ports = PortProxy(url_key(credential.secret), settings.ports_host, settings.ports_port)
     node.ports.start()
     runtime.install(node)
@@ -132,12 +132,14 @@ def run(node_id: str, concurrency: int = 16) -> None:
         node.warm.close(drain=True)
 
 
-def _egress(settings: Settings, node_id: str) -> tuple[EgressFence | None, str | None]:
+def _egress(settings: Settings, node_id: str, key: bytes) -> tuple[EgressFence | None, str | None]:
     """The node's allowlist enforcement, its resolver and its secrets proxy; (None,
     why) where the host cannot enforce allowlists (creates asking for one are then
     refused)."""
     pool = ipaddress.IPv4Network(settings.egress_pool)
-    fence = EgressFence(node_id, pool, 0, settings.egress_max_connections, settings.egress_mbit)
+    fence = EgressFence(
+        node_id, pool, 0, settings.egress_max_connections, settings.egress_mbit, key
+    )
     hosts = settings.egress_hosts or settings.state_dir / "egress-hosts"
     resolver = EgressResolver(fence, host_lookup(hosts), (pool,))
     proxy = SecretProxy(fence, settings.egress_ca_file or settings.state_dir / "egress-ca.pem")

@@ -256,13 +256,10 @@ def unseal(task: NodeTask, args: list[str], key_id: str, secret: bytes) -> Opene
         login = (user, password.decode(errors="replace"))
     secrets: tuple[EgressSecret, ...] = ()
     if envelope.egress_secrets_sealed is not None:
-        opened = open_secret(secret, envelope.egress_secrets_sealed)
-        if opened is None:
-            return "the egress secrets are not sealed for this node"
-        try:
-            secrets = tuple(EgressSecret.model_validate(s) for s in json.loads(opened))
-        except (ValueError, TypeError, RecursionError):
-            return "the egress secrets are unreadable"  # never say what they hold
+        opened = open_egress_secrets(secret, envelope.egress_secrets_sealed)
+        if isinstance(opened, str):
+            return opened
+        secrets = opened
     return Opened(envelope, key, sandbox, login, secrets)
 
 
@@ -271,6 +268,18 @@ def seal_egress_secrets(secret: bytes, secrets: list[EgressSecret]) -> str | Non
     if not secrets:
         return None
     return seal_secret(secret, json.dumps([s.plain() for s in secrets]).encode())
+
+
+def open_egress_secrets(secret: bytes, sealed: str) -> tuple[EgressSecret, ...] | str:
+    """What :func:`seal_egress_secrets` sealed for this node key; else why not (never
+    what they hold)."""
+    opened = open_secret(secret, sealed)
+    if opened is None:
+        return "the egress secrets are not sealed for this node"
+    try:
+        return tuple(EgressSecret.model_validate(s) for s in json.loads(opened))
+    except (ValueError, TypeError, RecursionError):
+        return "the egress secrets are unreadable"
 
 
 def revocation(key_ids: list[str], key_id: str, secret: bytes) -> bytes:

@@ -14,6 +14,8 @@ written down.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -33,7 +35,8 @@ from app.errors import ConfigError
 from app.sdk import Client
 from app.sdk.hub_service import HubService, PushError
 from app.stack.tls import ensure_ca, ensure_leaf
-from tests.conftest import ensure_tenant
+from tests.conftest import ensure_tenant, wait_for
+from workers.host.egress import SLOT_DIR
 
 pytestmark = pytest.mark.integration
 
@@ -302,3 +305,25 @@ def test_the_cli_sets_lists_and_removes_a_secret(client: Any) -> None:
     assert "cli-value-1" not in json.dumps(rows)
     gone = dsec("secret", "rm", "cli.secret.test", "--tenant", "tests")
     assert gone.exit_code == 0 and "1 removed" in gone.stdout
+
+
+def test_a_restarted_node_worker_carries_a_running_sandboxs_secret_on(
+    stack: Settings, box: Any, outside: Path, value: str
+) -> None:
+    from tests.integration.test_interrupted import _worker
+
+    worker = _worker(stack)
+    before = worker.pid(stack)
+    assert before is not None
+    os.killpg(before, signal.SIGKILL)
+    wait_for(lambda: (pid := worker.pid(stack)) is not None and pid != before, 60)
+    head = "GET /v1/models HTTP/1.1\nHost: api.secret.test"
+    # The slot's record kept the secrets sealed with the node's key: the new worker
+    # opens them and its proxy adds the header as the old one did
+    got = wait_for(lambda: "OK-API" in (g := _http(box, "api.secret.test", head)) and g, 60,
+                   "the sandbox's requests served again")  # fmt: skip
+    assert "200 OK" in got
+    assert f"Authorization: {value}" in _seen(outside)[-1]["head"]
+    # and the record holds them sealed, never as they are
+    records = [p.read_text() for p in SLOT_DIR.glob("[0-9]*")]
+    assert records and all(value.split()[-1] not in r for r in records)

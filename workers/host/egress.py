@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.domain.egress import NEVER, SECRET_PLAIN_PORT, EgressSecret, NetworkPolicy, carries
+from app.domain.node_tasks import open_egress_secrets, seal_egress_secrets
 from workers.errors import NodeError
 from workers.host.file_lock import file_lock
 from workers.host.nft_sets import elements, keys_of, readd
@@ -116,8 +117,12 @@ class EgressFence:
         dns_port: int,
         max_connections: int,
         mbit: int,
+        key: bytes = b"",
     ) -> None:
         self.node_id = node_id
+        #: The node's key: a slot's record keeps its sandbox's secrets sealed with it,
+        #: so a worker started again carries them on (empty: records keep none).
+        self._key = key
         self.pool = pool
         self.dns_port = dns_port
         #: Where this node's secrets proxy listens (0: none yet).
@@ -230,10 +235,14 @@ table inet {TABLE} {{
         base = self.pool.network_address + 4 * slot
         return base + 1, base + 2
 
-    def _take_slot(self, sandbox_id: str, policy: NetworkPolicy) -> int:
+    def _take_slot(
+        self, sandbox_id: str, policy: NetworkPolicy, secrets: tuple[EgressSecret, ...]
+    ) -> int:
+        sealed = seal_egress_secrets(self._key, list(secrets)) if self._key else None
         record = json.dumps(
-            {"sandbox_id": sandbox_id, "node_id": self.node_id, "allow": policy.allow}
-        )
+            {"sandbox_id": sandbox_id, "node_id": self.node_id, "allow": policy.allow,
+             "secrets": sealed}
+        )  # fmt: skip
         with file_lock(SLOT_DIR / ".lock"):
             for slot in range(1, self.pool.num_addresses // 4):
                 path = SLOT_DIR / str(slot)
@@ -264,7 +273,7 @@ table inet {TABLE} {{
                 host_ip, sandbox_ip = self._slot_ips(slot)
                 attachment = Attachment(
                     record["sandbox_id"], slot, NetworkPolicy(allow=record["allow"]),
-                    host_ip, sandbox_ip,
+                    host_ip, sandbox_ip, self._reopen(record.get("secrets")),
                 )  # fmt: skip
                 # This worker's resolver listens on another port; a table made again
                 # holds nothing of it.
@@ -275,6 +284,17 @@ table inet {TABLE} {{
                     )  # fmt: skip
                 _run(["nft", "-f", "-"], self._elements(attachment))
                 self._keep(attachment)
+
+    def _reopen(self, sealed: str | None) -> tuple[EgressSecret, ...]:
+        """A recovered slot's secrets (none if it kept none or they do not open: its
+        requests are then refused, never sent without them)."""
+        if not sealed or not self._key:
+            return ()
+        opened = open_egress_secrets(self._key, sealed)
+        if isinstance(opened, str):
+            log.warning("egress slot's secrets dropped: %s", opened)
+            return ()
+        return opened
 
     def _keep(self, attachment: Attachment) -> None:
         with self._lock:
@@ -293,7 +313,7 @@ table inet {TABLE} {{
         """Give the sandbox whose init is ``pid`` its interface and its allowlist's
         addresses (and ``secrets``, its requests' headers); NodeError if any step
         fails (nothing is left behind then)."""
-        slot = self._take_slot(sandbox_id, policy)
+        slot = self._take_slot(sandbox_id, policy, secrets)
         host_ip, sandbox_ip = self._slot_ips(slot)
         attachment = Attachment(sandbox_id, slot, policy, host_ip, sandbox_ip, secrets)
         iface = attachment.iface
