@@ -49,7 +49,7 @@ HEADER = "X-Api-Key"
 _SERVER = textwrap.dedent(
     """
     import http.server, socketserver, ssl, sys, threading
-    pem, key, api, plain, size = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+    pem, key, api, plain, size = *sys.argv[1:5], int(sys.argv[5])
     chunk = b"x" * (1 << 16)
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
