@@ -115,9 +115,7 @@ def outside(work: Path, key: str, size: int) -> subprocess.Popen[bytes]:
 
 def measure(runner: Any, base: str, requests: int, mb: int) -> dict[str, float]:
     """Per-request time of ``requests`` small GETs and the download of ``/big``."""
-    loop = (
-        f"for i in $(seq {{n}}); do wget -q -O /dev/null {base}/small || exit 1; done"
-    )
+    loop = f"for i in $(seq {{n}}); do wget -q -O /dev/null {base}/small || exit 1; done"
     code, _ = runner.exec(loop.format(n=5))  # warm: page cache, first packets
     assert code == 0, f"requests to {base} failed"
     code, ms = runner.exec(loop.format(n=requests))
