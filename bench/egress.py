@@ -40,11 +40,12 @@ from density import SETTLE_S, SHAPE, cleanup
 from app.config import get_settings
 from app.control import tenants
 from app.sdk import Client, NetworkPolicy
+from app.stack.outside import Outside
 from app.stats import percentile
 from workers.host.egress import PREFIX, SLOT_DIR, TABLE
 
-NS = "dsec-egress-bench"
 HOST_SIDE, SERVER = "10.97.0.1", "10.97.0.2"
+OUTSIDE = Outside("dsec-egress-bench", "dsec-egb0", HOST_SIDE, (f"{SERVER}/24",))
 CONNECT, SEND, SINK = 9000, 9001, 9002
 
 _SERVER = textwrap.dedent(
@@ -81,17 +82,7 @@ def _sh(*argv: str) -> None:
 
 
 def outside(size: int, work: Path) -> subprocess.Popen[bytes]:
-    subprocess.run(["ip", "netns", "del", NS], capture_output=True)
-    subprocess.run(["ip", "link", "del", "dsec-egb0"], capture_output=True)
-    _sh("ip", "netns", "add", NS)
-    _sh("ip", "link", "add", "dsec-egb0", "type", "veth", "peer", "name", "eth0", "netns", NS)
-    _sh("ip", "addr", "add", f"{HOST_SIDE}/24", "dev", "dsec-egb0")
-    _sh("ip", "link", "set", "dsec-egb0", "up")
-    inside = ["ip", "netns", "exec", NS]
-    _sh(*inside, "ip", "addr", "add", f"{SERVER}/24", "dev", "eth0")
-    _sh(*inside, "ip", "link", "set", "eth0", "up")
-    _sh(*inside, "ip", "link", "set", "lo", "up")
-    _sh(*inside, "ip", "route", "add", "default", "via", HOST_SIDE)
+    inside = OUTSIDE.make().inside
     script = work / "server.py"
     script.write_text(_SERVER)
     server = subprocess.Popen([*inside, sys.executable, str(script), str(size)])
@@ -223,8 +214,7 @@ def main() -> None:
                     )
         finally:
             server.kill()
-            subprocess.run(["ip", "netns", "del", NS], capture_output=True)
-            subprocess.run(["ip", "link", "del", "dsec-egb0"], capture_output=True)
+            OUTSIDE.remove()
     a, n, h = results["allowlist_uncapped"], results["nat"], results["host"]
     print(
         "RESULT egress"

@@ -39,10 +39,11 @@ from app.config import get_settings
 from app.control import tenants
 from app.control.egress_secrets import REFRESH_S
 from app.sdk import Client, NetworkPolicy
+from app.stack.outside import Outside
 from app.stack.tls import ensure_ca, ensure_leaf
 
-NS = "dsec-secret-bench"
 HOST_SIDE, API, PLAIN = "10.95.0.1", "10.95.0.2", "10.95.0.3"
+OUTSIDE = Outside("dsec-secret-bench", "dsec-seb0", HOST_SIDE, (f"{API}/24", f"{PLAIN}/24"))
 NAMES = {"api.bench.test": API, "plain.bench.test": PLAIN}
 HEADER = "X-Api-Key"
 
@@ -82,27 +83,9 @@ _SERVER = textwrap.dedent(
 )
 
 
-def _sh(*argv: str) -> None:
-    subprocess.run(argv, check=True, capture_output=True)
-
-
-def _teardown() -> None:
-    subprocess.run(["ip", "netns", "del", NS], capture_output=True)
-    subprocess.run(["ip", "link", "del", "dsec-seb0"], capture_output=True)
-
-
 def outside(work: Path, key: str, size: int) -> subprocess.Popen[bytes]:
     """The servers' namespace, routed through the host as the internet would be."""
-    _teardown()
-    _sh("ip", "netns", "add", NS)
-    _sh("ip", "link", "add", "dsec-seb0", "type", "veth", "peer", "name", "eth0", "netns", NS)
-    _sh("ip", "addr", "add", f"{HOST_SIDE}/24", "dev", "dsec-seb0")
-    _sh("ip", "link", "set", "dsec-seb0", "up")
-    inside = ["ip", "netns", "exec", NS]
-    for address in (API, PLAIN):
-        _sh(*inside, "ip", "addr", "add", f"{address}/24", "dev", "eth0")
-    _sh(*inside, "ip", "link", "set", "eth0", "up")
-    _sh(*inside, "ip", "route", "add", "default", "via", HOST_SIDE)
+    inside = OUTSIDE.make().inside
     pem = ensure_leaf(work / "ca", work, "api", ["api.bench.test"])
     script = work / "server.py"
     script.write_text(_SERVER)
@@ -171,7 +154,7 @@ def main() -> None:
             client.secrets.delete("api.bench.test")
             client.close()
             server.kill()
-            _teardown()
+            OUTSIDE.remove()
             for path, content in kept.items():
                 if content is None:
                     path.unlink(missing_ok=True)

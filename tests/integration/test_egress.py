@@ -27,6 +27,7 @@ from app.config import Settings
 from app.domain.egress import NetworkPolicy
 from app.errors import SandboxFailedError
 from app.metrics import sample
+from app.stack.outside import Outside
 from tests.conftest import wait_for
 from tests.integration.test_metrics import scrape
 
@@ -83,17 +84,8 @@ def outside(stack: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     script.write_text(_SERVER)
     hosts = stack.egress_hosts or stack.state_dir / "egress-hosts"
     kept = hosts.read_text() if hosts.exists() else None
-    subprocess.run(["ip", "netns", "del", NS], capture_output=True)
-    _sh("ip", "netns", "add", NS)
-    _sh("ip", "link", "add", "dsec-egt0", "type", "veth", "peer", "name", "eth0", "netns", NS)
-    _sh("ip", "addr", "add", f"{HOST_SIDE}/24", "dev", "dsec-egt0")
-    _sh("ip", "link", "set", "dsec-egt0", "up")
-    inside = ["ip", "netns", "exec", NS]
-    for addr in (f"{ALLOWED}/24", f"{OTHER}/24", f"{METADATA}/32"):
-        _sh(*inside, "ip", "addr", "add", addr, "dev", "eth0")
-    _sh(*inside, "ip", "link", "set", "eth0", "up")
-    _sh(*inside, "ip", "link", "set", "lo", "up")
-    _sh(*inside, "ip", "route", "add", "default", "via", HOST_SIDE)
+    net = Outside(NS, "dsec-egt0", HOST_SIDE, (f"{ALLOWED}/24", f"{OTHER}/24", f"{METADATA}/32"))
+    inside = net.make().inside
     # Without the platform's defence the metadata address would answer: route it there.
     _sh("ip", "route", "replace", f"{METADATA}/32", "via", ALLOWED)
     server = subprocess.Popen([*inside, sys.executable, str(script), str(log), *map(str, PORTS)])
@@ -104,8 +96,7 @@ def outside(stack: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     finally:
         server.kill()
         subprocess.run(["ip", "route", "del", f"{METADATA}/32"], capture_output=True)
-        subprocess.run(["ip", "link", "del", "dsec-egt0"], capture_output=True)
-        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+        net.remove()
         if kept is None:
             hosts.unlink(missing_ok=True)
         else:

@@ -34,6 +34,7 @@ from app.domain.egress import NetworkPolicy
 from app.errors import ConfigError
 from app.sdk import Client
 from app.sdk.hub_service import HubService, PushError
+from app.stack.outside import Outside
 from app.stack.tls import ensure_ca, ensure_leaf
 from tests.conftest import ensure_tenant, wait_for
 from workers.host.egress import SLOT_DIR
@@ -85,10 +86,6 @@ _SERVER = textwrap.dedent(
 )
 
 
-def _sh(*argv: str) -> None:
-    subprocess.run(argv, check=True, capture_output=True)
-
-
 def _keep(path: Path) -> bytes | None:
     return path.read_bytes() if path.exists() else None
 
@@ -116,16 +113,8 @@ def outside(stack: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     hosts = stack.egress_hosts or stack.state_dir / "egress-hosts"
     ca_file = stack.egress_ca_file or stack.state_dir / "egress-ca.pem"
     kept_hosts, kept_ca = _keep(hosts), _keep(ca_file)
-    subprocess.run(["ip", "netns", "del", NS], capture_output=True)
-    _sh("ip", "netns", "add", NS)
-    _sh("ip", "link", "add", "dsec-sct0", "type", "veth", "peer", "name", "eth0", "netns", NS)
-    _sh("ip", "addr", "add", f"{HOST_SIDE}/24", "dev", "dsec-sct0")
-    _sh("ip", "link", "set", "dsec-sct0", "up")
-    inside = ["ip", "netns", "exec", NS]
-    for addr in (f"{API}/24", f"{ECHO}/24"):
-        _sh(*inside, "ip", "addr", "add", addr, "dev", "eth0")
-    _sh(*inside, "ip", "link", "set", "eth0", "up")
-    _sh(*inside, "ip", "route", "add", "default", "via", HOST_SIDE)
+    net = Outside(NS, "dsec-sct0", HOST_SIDE, (f"{API}/24", f"{ECHO}/24"))
+    inside = net.make().inside
     server = subprocess.Popen(
         [*inside, sys.executable, str(script), str(log), str(api_pem), str(echo_pem), API, ECHO]
     )
@@ -136,8 +125,7 @@ def outside(stack: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield log
     finally:
         server.kill()
-        subprocess.run(["ip", "link", "del", "dsec-sct0"], capture_output=True)
-        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+        net.remove()
         _put_back(hosts, kept_hosts)
         _put_back(ca_file, kept_ca)
 
