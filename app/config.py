@@ -184,6 +184,9 @@ class Settings(EgressSettings):
     node_image_budget_mb: int = Field(
         0, ge=0, description="Store size above which pulled images go, LRU first (0: none)."
     )
+    image_max_mb: int = Field(
+        20_480, ge=0, description="Largest tenant image a node keeps, unpacked (0: no limit)."
+    )
     hub_auth_port: int = Field(
         5444, description="Port of the hub's token service, on the hub's host (`dsec up`)."
     )

@@ -121,6 +121,14 @@ def grant(
     return Scope(scope.type, scope.name, tuple(a for a in scope.actions if a in allowed))
 
 
+def oversize(size: int, limit_mb: int) -> str | None:
+    """Why an image of ``size`` bytes unpacked is too big under ``limit_mb`` (0: no
+    limit), or None."""
+    if limit_mb and size > limit_mb << 20:
+        return f"is {size / (1 << 20):.0f} MB unpacked, over the limit of {limit_mb} MB"
+    return None
+
+
 def valid_repository(name: str) -> bool:
     """A repository path the hub serves (no host part, no upper case, no ``..``)."""
     return len(name) <= MAX_REPOSITORY and REPOSITORY.fullmatch(name) is not None

@@ -27,7 +27,7 @@ from typing import IO, Any, Protocol
 
 from app.config import Settings
 from app.credentials import Credential
-from app.domain.hub_access import TAG, HubReference, tenant_repository
+from app.domain.hub_access import TAG, HubReference, oversize, tenant_repository
 from app.errors import ConfigError
 from app.sdk.hub_service import HubService, PushError
 from app.sdk.hub_service import challenge as read_challenge
@@ -81,6 +81,9 @@ class Images:
         with tempfile.TemporaryDirectory(prefix="dsec-push-") as tmp:
             path = Path(source)
             kind = _archive_kind(path)
+            why = oversize(_unpacked_at_least(path, kind), self.settings.image_max_mb)
+            if why is not None:
+                raise ConfigError(f"{ref} {why} (DSEC_IMAGE_MAX_MB): nodes would refuse it")
             if kind == "rootfs":
                 layers, config = _rootfs_parts(path, Path(tmp), cmd, workdir)
                 media = OCI_MANIFEST
@@ -201,6 +204,15 @@ def _archive_kind(path: Path) -> str:
     if "oci-layout" in names or "index.json" in names:
         return "oci"
     return "rootfs"
+
+
+def _unpacked_at_least(path: Path, kind: str) -> int:
+    """A lower bound of what ``path`` unpacks to: a root filesystem's files, or an
+    image archive's own size (its layers are often compressed)."""
+    if kind != "rootfs":
+        return path.stat().st_size
+    with tarfile.open(path, "r:*") as tar:
+        return sum(m.size for m in tar if m.isfile())
 
 
 def _rootfs_parts(

@@ -27,7 +27,7 @@ from app.cli.main import cli
 from app.config import Settings
 from app.db.engine import transaction
 from app.domain.hub_access import hub_password
-from app.errors import SandboxFailedError, SandboxRejectedError
+from app.errors import ConfigError, SandboxFailedError, SandboxRejectedError
 from app.images import store as image_store
 from app.metrics import sample, scrape
 from app.sdk.images import PushError
@@ -522,6 +522,33 @@ def test_a_tenant_image_with_device_files_is_refused_with_a_reason(
             assert failed.value.reason == "refused"
             assert "holds device files (/etc/mem)" in str(failed.value)
             # Then nothing of it is left in the store
+            assert not image_exists(image, stack)
+    finally:
+        forget_tenant(stack, tenant)
+
+
+def test_an_image_over_the_size_limit_is_refused_by_the_sdk_and_by_the_node(
+    stack: Settings, tmp_path: Path
+) -> None:
+    from app.sdk.images import Images
+
+    rootfs = tmp_path / "rootfs.tar"
+    rootfs.write_bytes(_rootfs("oversize"))  # busybox: ~2 MB unpacked
+    small = stack.model_copy(update={"image_max_mb": 1})
+    tenant = f"hubs{uuid.uuid4().hex[:6]}"
+    try:
+        with tenant_client(stack, tenant, "hub") as client:
+            # The SDK refuses before sending a byte
+            with pytest.raises(ConfigError, match="over the limit of 1 MB"):
+                Images(small, client.credential).push("big", rootfs, tag="1")
+            # (so big:1 does not exist: this push of it is not refused as one that does)
+            # A tenant that skips the SDK's check (here: a larger limit of its own) is
+            # stopped by the node: the image is removed after its pull, the create
+            # refused with the reason
+            image = client.images.push("big", rootfs, tag="1")
+            node_key = credentials.load(credentials.node_file(stack, stack.node_id))
+            with pytest.raises(NodeError, match="over the limit of 1 MB: refused"):
+                HubClient(small, node_key).pull(image, refresh=False)
             assert not image_exists(image, stack)
     finally:
         forget_tenant(stack, tenant)

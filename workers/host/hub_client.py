@@ -26,10 +26,16 @@ from pathlib import Path
 from app import secret_files
 from app.config import Settings
 from app.credentials import Credential
-from app.domain.hub_access import HubReference, hub_password, hub_reference, owner_of
+from app.domain.hub_access import (
+    HubReference,
+    hub_password,
+    hub_reference,
+    oversize,
+    owner_of,
+)
 from workers.errors import ImageNotFound, ImageRefused, NodeError
 from workers.host.image_budget import ImageBudget
-from workers.host.layer_store import image_exists, store_lock, store_podman
+from workers.host.layer_store import find_image, image_exists, store_lock, store_podman
 from workers.host.podman_service import refresh_podman_services
 
 
@@ -156,12 +162,19 @@ class HubClient:
         return took
 
     def _screen(self, name: str) -> None:
-        """Refuse (and remove again) a tenant's image that holds device files. The
+        """Refuse (and remove again) a tenant's image bigger than ``image_max_mb``
+        unpacked (one image must not push every other out of the node's budget), or
+        one that holds device files. The
         nodes' read-only view of the store is ``nodev`` and ``nosuid`` and sandboxes
         run without capabilities and with ``no_new_privileges``, so neither device
         files nor setuid bits could do anything; device files are refused all the
         same, with a reason, rather than shipped inert. Setuid files are kept: Debian
         images have them, and they gain nothing here (docs/isolation.md)."""
+        found = find_image(name, self.settings)
+        why = oversize(found.size if found else 0, self.settings.image_max_mb)
+        if why is not None:
+            store_podman(self.settings, "rmi", name, check=False)
+            raise ImageRefused(f"image {name} {why}: refused")
         mounted = store_podman(self.settings, "image", "mount", name, check=False)
         root = Path(mounted.stdout.decode().strip())
         if mounted.returncode != 0 or not root.is_dir():
