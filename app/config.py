@@ -318,6 +318,9 @@ class Settings(EgressSettings):
     quota_images: int | None = Field(
         None, ge=0, description="Image repositories per tenant in the hub (docs/images.md)."
     )
+    quota_image_mb: int | None = Field(
+        None, ge=0, description="Megabytes per tenant's images in the hub (docs/images.md)."
+    )
     lease_ttl_s: float = Field(30.0, description="Default trainer lease, seconds.")
     lease_grace_s: float = Field(300.0, description="Frozen this long after a lapse.")
     create_grace_s: float = Field(

@@ -245,6 +245,7 @@ def tenant_quota(
     commands: LimitOpt = None,
     trajectories: LimitOpt = None,
     images: LimitOpt = None,
+    image_mb: LimitOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Set a tenant's own limits on what it may hold at once (taking effect within 5 s),
@@ -255,6 +256,7 @@ def tenant_quota(
         Resource.SANDBOXES: sandboxes, Resource.LEASES: leases, Resource.GROUPS: groups,
         Resource.PENDING_CREATES: pending_creates, Resource.COMMANDS: commands,
         Resource.TRAJECTORIES: trajectories, Resource.IMAGES: images,
+        Resource.IMAGE_MB: image_mb,
     }  # fmt: skip
     try:
         if not SUBJECT.match(name):

@@ -99,7 +99,8 @@ class TokenIssuer:
         readers: Callable[[str], Collection[str]] = lambda repository: (),
     ) -> None:
         """``may_add(tenant, repository)``: whether the tenant may push there (its
-        images quota: a repository it has, or room for one more)."""
+        quotas: room left of its megabytes, and a repository it has or room for one
+        more)."""
         self.keyring = keyring
         self.key = key
         self.kid = kid
@@ -140,7 +141,7 @@ class TokenIssuer:
                 actions.append("push")  # a snapshot's ticket: this repository only
             tenant = login.role == Role.TENANT
             if tenant and "push" in actions and not self.may_add(login.subject, g.name):
-                actions.remove("push")  # over its images quota: it may still pull
+                actions.remove("push")  # over an images quota: it may still pull
             access.append({"type": g.type, "name": g.name, "actions": actions})
         claims = {
             "iss": ISSUER,
@@ -375,12 +376,18 @@ def main(settings: Settings, alive: Callable[[], bool] | None = None) -> None:
     quotas = StoredQuotas.from_settings(settings)
 
     def may_add(tenant: str, repository: str) -> bool:
-        limit = quotas.of(tenant).images
-        if limit is None:
+        quota = quotas.of(tenant)
+        if quota.images is None and quota.image_mb is None:
             return True
         with transaction(settings.database_url) as conn:
+            # Checked as a push begins: the push that crosses the line ends past it
+            mb = quota.image_mb
+            if mb is not None and hub_events.stored_bytes(conn, tenant) >= mb << 20:
+                return False
+            if quota.images is None:
+                return True
             held = hub_events.repositories_of(conn, tenant)
-        return repository in held or len(held) < limit
+        return repository in held or len(held) < quota.images
 
     def record(events: list[HubEvent]) -> None:
         with transaction(settings.database_url) as conn:

@@ -55,6 +55,7 @@ def default_quota(settings: Settings, tenant: str) -> Quota:
         commands=settings.quota_commands,
         trajectories=settings.quota_trajectories,
         images=settings.quota_images,
+        image_mb=settings.quota_image_mb,
     )
 
 

@@ -26,6 +26,7 @@ class Resource(StrEnum):
     COMMANDS = "commands"
     TRAJECTORIES = "trajectories"
     IMAGES = "images"
+    IMAGE_MB = "image_mb"
 
 
 #: A limit: the most of a resource (0: none at all), or None: no limit.
@@ -57,6 +58,14 @@ class Quota(BaseModel):
         None,
         ge=0,
         description="Image repositories in the hub (the token service enforces it).",
+    )
+    image_mb: Limit = Field(
+        None,
+        ge=0,
+        description=(
+            "Megabytes its images hold in the hub, each layer once (the token service"
+            " gives no push once it holds this much)."
+        ),
     )
 
     def limit(self, resource: Resource) -> Limit:

@@ -285,6 +285,50 @@ def test_every_push_is_in_the_audit_trail_and_the_images_quota_holds(
         forget_tenant(stack, tenant)
 
 
+def test_the_megabytes_quota_stops_pushes_once_a_tenant_holds_that_much(
+    stack: Settings, db: Any, tmp_path: Path
+) -> None:
+    from app.sdk.images import Images
+
+    tenant = f"hubm{uuid.uuid4().hex[:6]}"
+    rootfs = tmp_path / "rootfs.tar"
+    rootfs.write_bytes(_rootfs(tenant))  # a gzip'd busybox layer: over 1 MB
+    try:
+        with tenant_client(stack, tenant, "hub") as client:
+            # Given an operator's limit of 1 MB on what its images hold in the hub
+            quota = runner.invoke(cli, ["tenant", "quota", tenant, "--image-mb", "1"])
+            assert quota.exit_code == 0, quota.output
+            shown = runner.invoke(cli, ["tenant", "quota", tenant, "--show", "--json"])
+            assert {"resource": "image_mb", "limit": 1, "from": "tenant"} in json.loads(
+                shown.output
+            )
+            # When its first push takes it past the line (checked as a push begins)
+            client.images.push("first", rootfs, tag="1")
+            wait_for(lambda: sum(r.size for r in _audit(db, tenant) if r.tag is None), 20,
+                     "the push's blobs in the audit trail")  # fmt: skip
+            # Then no repository of its own, old or new, takes another push
+            for repository in ("first", "second"):
+                scope = f"repository:tenants/{tenant}/{repository}:pull,push"
+                wait_for(
+                    lambda s=scope: _granted(_token(stack, client.credential, s)) == ["pull"],
+                    15,
+                    "the quota to hold",
+                )
+            # (a client's token taken before holds for its few minutes: a new client)
+            with pytest.raises(PushError, match=r"401|403"):
+                Images(stack, client.credential).push("first", rootfs, tag="2")
+            # and when the operator lifts it, pushes go again
+            runner.invoke(cli, ["tenant", "quota", tenant, "--image-mb", "none"])
+            scope = f"repository:tenants/{tenant}/first:pull,push"
+            wait_for(
+                lambda: "push" in _granted(_token(stack, client.credential, scope)),
+                15,
+                "the quota lifted",
+            )
+    finally:
+        forget_tenant(stack, tenant)
+
+
 def test_a_snapshot_keeps_the_workspace_and_a_group_forks_from_it(
     stack: Settings, client: Any
 ) -> None:
