@@ -11,6 +11,10 @@ import typer
 
 #: ``--json``: what every listing command takes to print JSON instead of a table.
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+#: ``--tenant``: the local credential a tenant's command acts with.
+TenantOpt = Annotated[
+    str, typer.Option(help="Act with this tenant's local credential (default: the client's).")
+]
 
 _AGO = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}

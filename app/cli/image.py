@@ -1,4 +1,5 @@
-"""``dsec image``: the shared image-layer store, managed by operators (run as root).
+"""``dsec image``: the shared image-layer store, managed by operators (run as root), and
+``publish``, a tenant's way to bring its own image to the hub.
 
 Every node's sandboxes start from this store's read-only layers: images are imported
 or built into it, pushed from it to the hub (the unit's registry), and pulled from
@@ -14,12 +15,12 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from app.cli.arguments import JsonOpt
+from app.cli.arguments import JsonOpt, TenantOpt
 from app.config import get_settings
 
 image_cli = typer.Typer(
     no_args_is_help=True,
-    help="The image-layer store and the hub: import, build, push, prefetch, ls, rm.",
+    help="The image-layer store and the hub: import, build, push, prefetch, ls, rm; publish.",
 )
 console = Console(soft_wrap=True)  # messages carry paths and names: never break them
 
@@ -286,3 +287,41 @@ def share(
         hub_events.set_readers(conn, repository, readers, "operator (cli)", remove)
     said = "no longer shared with" if remove else "shared with"
     console.print(f"[green]✓[/] {repository} {said} {', '.join(readers)}")
+
+
+@image_cli.command()
+def publish(
+    name: Annotated[str, typer.Argument(help="The tenant's image name (no tenants/ prefix).")],
+    source: Annotated[
+        Path,
+        typer.Argument(help="A root filesystem tarball or image archive, or a build context."),
+    ],
+    tag: Annotated[str, typer.Option(help="Its tag (one that exists is refused).")] = "latest",
+    file: Annotated[
+        str, typer.Option("--file", "-f", help="Containerfile (in a context: its own).")
+    ] = "Containerfile",
+    build_arg: Annotated[list[str] | None, typer.Option(help="K=V for the build (repeat).")] = None,
+    network: Annotated[bool, typer.Option(help="Give the build's RUN steps network.")] = False,
+    tenant: TenantOpt = "",
+) -> None:
+    """A tenant's own image in the hub: a tarball or archive pushed as it is, or a
+    directory built with Podman here (every FROM an image of the hub the tenant may
+    use); prints the name a create starts sandboxes of it by."""
+    from app import credentials
+    from app.errors import ConfigError
+    from app.sdk.hub_service import PushError
+    from app.sdk.images import Images
+
+    settings = get_settings()
+    try:
+        images = Images(settings, credentials.for_client(settings, tenant or None))
+        if source.is_dir():
+            containerfile = Path(file) if Path(file).is_absolute() else source / file
+            args = dict(a.partition("=")[::2] for a in build_arg or [])
+            image = images.build(name, containerfile, source, tag=tag, build_args=args,
+                                 network=network)  # fmt: skip
+        else:
+            image = images.push(name, source, tag=tag)
+    except (ConfigError, PushError) as exc:
+        raise _fail(str(exc)) from None
+    print(image)

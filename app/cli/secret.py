@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from app.cli.arguments import JsonOpt
+from app.cli.arguments import JsonOpt, TenantOpt
 from app.config import get_settings
 
 if TYPE_CHECKING:
@@ -25,9 +25,6 @@ secret_cli = typer.Typer(
     no_args_is_help=True, help="A tenant's egress secrets: put, ls, rm (values never shown)."
 )
 console = Console(soft_wrap=True)
-TenantOpt = Annotated[
-    str, typer.Option(help="Act with this tenant's local credential (default: the client's).")
-]
 
 
 def _secrets(tenant: str) -> Secrets:

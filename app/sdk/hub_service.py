@@ -30,15 +30,19 @@ class HubService:
         self.settings = settings
         self.credential = credential
 
-    def context(self) -> ssl.SSLContext:
-        """TLS trusting the platform's CA (the credential's, else this host's)."""
+    def ca_pem(self) -> str | None:
+        """The platform's CA (the credential's, else this host's), or None: the
+        system's CAs."""
         kafka = self.credential.kafka
         if kafka is not None and kafka.ca_pem:
-            return ssl.create_default_context(cadata=kafka.ca_pem)
+            return kafka.ca_pem
         local = self.settings.ca_dir / "ca.pem"
-        if os.access(local, os.R_OK):
-            return ssl.create_default_context(cafile=str(local))
-        return ssl.create_default_context()
+        return local.read_text() if os.access(local, os.R_OK) else None
+
+    def context(self) -> ssl.SSLContext:
+        """TLS trusting the platform's CA."""
+        ca = self.ca_pem()
+        return ssl.create_default_context(cadata=ca) if ca else ssl.create_default_context()
 
     def basic(self) -> str:
         """The tenant's login to the token service, as an Authorization header."""

@@ -27,7 +27,7 @@ from typing import IO, Any, Protocol
 
 from app.config import Settings
 from app.credentials import Credential
-from app.domain.hub_access import TAG, HubReference, oversize, tenant_repository
+from app.domain.hub_access import TAG, HubReference, hub_password, oversize, tenant_repository
 from app.errors import ConfigError
 from app.sdk.hub_service import HubService, PushError
 from app.sdk.hub_service import challenge as read_challenge
@@ -111,6 +111,39 @@ class Images:
         self._call("PUT", f"/v2/{repository}/manifests/{tag}", repository, manifest,
                    {"Content-Type": media})  # fmt: skip
         return str(ref)
+
+    def build(
+        self, name: str, containerfile: str | os.PathLike[str] = "Containerfile",
+        context: str | os.PathLike[str] = ".", *, tag: str = "latest",
+        build_args: dict[str, str] | None = None, network: bool = False,
+    ) -> str:  # fmt: skip
+        """Build ``containerfile`` (in ``context``) with Podman where the SDK runs and
+        push it as this tenant's image ``name:tag``; returns its name for a create.
+        Every FROM must be an image of the hub this tenant may use (refused before a
+        step runs otherwise); RUN steps get no network unless ``network``."""
+        from app.sdk.image_build import build
+
+        return build(self, name, Path(containerfile), Path(context), tag,
+                     build_args or {}, network)  # fmt: skip
+
+    def cannot_pull(self, ref: HubReference) -> str | None:
+        """Why this tenant cannot start from ``ref`` (None: it can)."""
+        accept = ", ".join((OCI_MANIFEST, DOCKER_MANIFEST))
+        path = f"/v2/{ref.repository}/manifests/{ref.tag}"
+        try:
+            status, _ = self._call("HEAD", path, ref.repository, headers={"Accept": accept},
+                                   ok=(200, 404))  # fmt: skip
+        except PushError:
+            return "this tenant may not use it"
+        return None if status == 200 else "the hub has no such image"
+
+    def hub_password(self) -> str:
+        """This tenant's password at the hub (derived from its credential)."""
+        return hub_password(self.credential.secret)
+
+    def ca_pem(self) -> str | None:
+        """The CA the hub's certificate is checked against (None: the system's)."""
+        return self._hub.ca_pem()
 
     def _has(self, repository: str, tag: str) -> bool:
         """The hub holds ``repository:tag`` already."""

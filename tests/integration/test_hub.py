@@ -596,3 +596,50 @@ def test_an_image_over_the_size_limit_is_refused_by_the_sdk_and_by_the_node(
             assert not image_exists(image, stack)
     finally:
         forget_tenant(stack, tenant)
+
+
+def test_a_tenant_builds_a_containerfile_from_the_hubs_images_only(
+    stack: Settings, tmp_path: Path
+) -> None:
+    assert runner.invoke(cli, ["image", "push", stack.default_image]).exit_code == 0
+    (tmp_path / "hello.txt").write_text("copied\n")
+    containerfile = tmp_path / "Containerfile"
+    containerfile.write_text(
+        f"FROM {stack.default_image} AS base\n"
+        "FROM base\n"
+        "COPY hello.txt /opt/hello.txt\n"
+        # RUN steps have no network: only loopback
+        'RUN echo "built $(ls /sys/class/net)" > /opt/built.txt\n'
+    )
+    owner, builder = f"hubo{uuid.uuid4().hex[:6]}", f"hubb{uuid.uuid4().hex[:6]}"
+    try:
+        with (
+            tenant_client(stack, owner, "hub") as other,
+            tenant_client(stack, builder, "hub") as client,
+        ):
+            # When a tenant builds FROM the platform's image, its image runs what it built
+            image = client.images.build("built", containerfile, tmp_path, tag="1")
+            assert image == f"tenants/{builder}/built:1"
+            with client.create(image=image) as box:
+                assert box.exec("cat /opt/hello.txt /opt/built.txt").text == "copied\nbuilt lo\n"
+            # And a FROM it may not use is refused before a step runs, naming it
+            rootfs = tmp_path / "rootfs.tar"
+            rootfs.write_bytes(_rootfs(owner))
+            private = other.images.push("private", rootfs, tag="1")
+            for base, why in (
+                (private, "may not use it"),
+                (f"tenants/{builder}/missing:1", "no such image"),
+                ("docker.io/library/alpine:3", "not an image of the hub"),
+            ):
+                containerfile.write_text(f"FROM {base}\nRUN touch /ran\n")
+                with pytest.raises(ConfigError, match=why):
+                    client.images.build("refused", containerfile, tmp_path, tag="1")
+            # and nothing was pushed for it: the name is free (here through the CLI)
+            containerfile.write_text(f"FROM {image}\n")
+            made = runner.invoke(cli, ["image", "publish", "refused", str(tmp_path),
+                                       "--tag", "1", "--tenant", builder])  # fmt: skip
+            assert made.exit_code == 0, made.output
+            assert made.stdout.strip() == f"tenants/{builder}/refused:1"
+    finally:
+        forget_tenant(stack, owner)
+        forget_tenant(stack, builder)
