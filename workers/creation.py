@@ -54,6 +54,14 @@ class ImageSource(Protocol):
         """Bring ``image`` into the node's store; raise ImageNotFound if it cannot."""
         ...
 
+    def pinned(self, image: str, digest: str) -> float:
+        """Make the store's ``image`` the content ``digest`` (its first push)."""
+        ...
+
+    def forget(self, image: str) -> None:
+        """``image`` may be gone from the store (check it again before trusting it)."""
+        ...
+
     def used(self, image: str) -> None:
         """A create names ``image`` (recently used images are evicted last)."""
         ...
@@ -162,6 +170,7 @@ class Creation:
         restore: list[str | list[str]] | None = None,
         key: SandboxKey | None = None,
         secrets: tuple[EgressSecret, ...] = (),
+        image_digest: str | None = None,
     ) -> None:
         """Create and start the sandbox, wait for its agent, say so.
 
@@ -171,9 +180,10 @@ class Creation:
         hears the sandbox is ready, so its first direct command finds it.
         ``secrets``: the tenant's egress secrets its allowlist reaches (the node's
         proxy adds them on the way out: workers/egress_proxy.py).
+        ``image_digest``: what a tenant's image name means (its first push).
         """
         with self.node.busy(request.sandbox_id):
-            self._create(request, restore or [], key, secrets)
+            self._create(request, restore or [], key, secrets, image_digest)
 
     def _create(
         self,
@@ -181,6 +191,7 @@ class Creation:
         restore: list[str | list[str]],
         key: SandboxKey | None,
         secrets: tuple[EgressSecret, ...],
+        image_digest: str | None,
     ) -> None:
         node = self.node
         began = time.monotonic()
@@ -207,7 +218,7 @@ class Creation:
             if claimed is None:
                 spec.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
                 node.agents.register(request.sandbox_id, spec.run_dir)
-                container_id = self._start_cold(spec)
+                container_id = self._start_cold(spec, image_digest)
             else:
                 container_id = claimed
             agent = node.agents.connection(request.sandbox_id, AGENT_CONNECT_S)
@@ -247,17 +258,26 @@ class Creation:
         )  # fmt: skip
         node.tally.created(claimed is not None, time.monotonic() - began)
 
-    def _start_cold(self, spec: SandboxSpec) -> str:
-        """A new container; an image the node lacks is pulled first where it can be."""
+    def _start_cold(self, spec: SandboxSpec, digest: str | None) -> str:
+        """A new container; an image the node lacks is pulled first where it can be
+        (``digest``: a tenant's image is the content its name was first pushed as)."""
         node = self.node
-        if node.images is not None:
-            node.images.used(spec.image)
+        images = node.images
+        if images is not None:
+            images.used(spec.image)
+            took = images.pinned(spec.image, digest) if digest is not None else 0.0
+            if took:
+                node.tally.pulled(took)
         try:
             return node.driver.create_and_start(spec)
         except ImageNotFound:
-            if node.images is None:
+            if images is None:
                 raise
-        took = node.images.pull(spec.image)
+        if digest is not None:
+            images.forget(spec.image)  # evicted since it was checked
+            took = images.pinned(spec.image, digest)
+        else:
+            took = images.pull(spec.image)
         node.tally.pulled(took)
         return node.driver.create_and_start(spec)
 

@@ -198,11 +198,13 @@ class Node:
         restore: list[str | list[str]] | None = None,
         key: SandboxKey | None = None,
         secrets: tuple[EgressSecret, ...] = (),
+        image_digest: str | None = None,
     ) -> None:
         """Create and start the sandbox, wait for its agent, say so (``restore``: a
         trajectory's commands replayed into it first; ``key``: its direct route;
-        ``secrets``: headers its allowlisted requests carry)."""
-        self.creation.create(request, restore, key, secrets)
+        ``secrets``: headers its allowlisted requests carry; ``image_digest``: what
+        a tenant's image name means)."""
+        self.creation.create(request, restore, key, secrets, image_digest)
 
     def freeze(self, request: FreezeSandbox) -> None:
         """Stop every process of the sandbox but its agent (SIGSTOP), keeping state."""

@@ -188,7 +188,7 @@ def _key(request: CreateSandbox, opened: Opened) -> SandboxKey | None:
 #: :data:`app.domain.node_tasks.NODE_WORK`).
 HANDLERS: dict[NodeTask, Callable[[Any, Opened], None]] = {
     NodeTask.CREATE: lambda r, o: runtime.node().create(
-        r, o.envelope.restore or [], _key(r, o), o.secrets
+        r, o.envelope.restore or [], _key(r, o), o.secrets, o.envelope.image_digest
     ),
     NodeTask.EXEC: _start_command,
     NodeTask.KILL_COMMAND: lambda r, _e: runtime.node().kill_command(r),

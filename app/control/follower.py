@@ -43,6 +43,7 @@ from app.domain.events import (
     StoppedPayload,
 )
 from app.domain.gate import Gate, GateRules
+from app.domain.hub_access import DigestLookup, no_digests
 from app.domain.lease import LeaseState
 from app.domain.lives import CONTROL_NS, RECONCILER, Terms, declared_end
 from app.domain.partition_counts import PartitionCounts
@@ -82,6 +83,7 @@ class LogFollower:
         quotas: QuotaLookup | None = None,
         image_readers: Callable[[str], Collection[str]] | None = None,
         egress_secrets: SecretLookup = no_secrets,
+        image_digests: DigestLookup = no_digests,
     ) -> None:
         self.settings = settings
         #: Who else may use a tenant's image (app/control/image_shares.py).
@@ -125,7 +127,7 @@ class LogFollower:
         #: Each tenant's limits (the scheduler's include the stored ones) and holdings.
         self.quotas = TenantQuotas(quotas or SettingsQuotas(settings), self.leases)
         self.health = NodeHealth(heartbeat_timeout, _NS)
-        self.send = Courier(settings, keys, self.health, self.tally, egress_secrets)
+        self.send = Courier(settings, keys, self.health, self.tally, egress_secrets, image_digests)
         # Ended sandboxes: why, and whose they were.
         self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
 

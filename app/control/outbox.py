@@ -20,7 +20,14 @@ from app.domain.codec import DecodeError, encode
 from app.domain.egress import SecretLookup, no_secrets
 from app.domain.events import EventBase, RejectedPayload, SandboxRejected
 from app.domain.gate import Admitted, Refusal, Sender
-from app.domain.hub_access import TICKET_TTL_S, tenant_repository, ticket_password, ticket_user
+from app.domain.hub_access import (
+    TICKET_TTL_S,
+    DigestLookup,
+    no_digests,
+    tenant_repository,
+    ticket_password,
+    ticket_user,
+)
 from app.domain.node_tasks import (
     TASK_FOR_REQUEST,
     VIA_INBOX,
@@ -95,10 +102,13 @@ class Courier:
         health: NodeHealth,
         tally: Tally,
         secrets: SecretLookup = no_secrets,
+        digests: DigestLookup = no_digests,
     ) -> None:
         self._settings = settings
         #: A tenant's egress secrets a sandbox's allowlist reaches.
         self._secrets = secrets
+        #: What a tenant's image name means (app/control/image_digests.py).
+        self._digests = digests
         self._keys = keys
         self._health = health
         self._tally = tally
@@ -157,6 +167,9 @@ class Courier:
             sandbox_key_id=direct_id,
             hub_login=self._hub_login(node, request, info.secret),
             egress_secrets_sealed=self._egress_secrets(request, sender, info.secret),
+            image_digest=(
+                self._digests(request.image) if isinstance(request, CreateSandbox) else None
+            ),
         )
         task = TASK_FOR_REQUEST[request.type]
         args = seal(task, envelope, info.principal.key_id, info.secret)

@@ -29,16 +29,11 @@ from sqlalchemy import Connection, text
 
 from app import bus, kafka_admin, metrics
 from app.config import Settings
-from app.consuming import (
-    IDLE_POLL_MS,
-    BusWatch,
-    PositionedConsumer,
-    dead_letter,
-    key_partition,
-)
+from app.consuming import IDLE_POLL_MS, BusWatch, PositionedConsumer, dead_letter, key_partition
 from app.control.dispatch import NAME, Dispatcher, LiveSandbox
 from app.control.egress_secrets import StoredSecrets
 from app.control.follower import HEARTBEAT_TIMEOUT
+from app.control.image_digests import StoredDigests
 from app.control.image_shares import StoredShares
 from app.control.keyring import Keyring
 from app.control.lost_inboxes import FOLLOW_S, LostInboxes
@@ -138,6 +133,7 @@ class Scheduler:
             metrics.SchedulerTally(), StoredQuotas.from_settings(settings),
             StoredShares.from_settings(settings).readers,
             StoredSecrets.from_settings(settings).for_sandbox,
+            StoredDigests.from_settings(settings).digest_of,
         )  # fmt: skip
         self.placement = self.dispatcher.placement
         # Every tenant's replies topic exists before its first answer is sent (a send to

@@ -37,6 +37,20 @@ def repositories_of(conn: Connection, tenant: str) -> set[str]:
     return {row.repository for row in conn.execute(query)}
 
 
+def first_digest(conn: Connection, repository: str, tag: str) -> str | None:
+    """The manifest ``repository:tag`` was first pushed with (None: no push of it is
+    known yet): what the name means, whatever the tag was moved to after."""
+    t = hub_events
+    query = (
+        select(t.c.digest)
+        .where(t.c.repository == repository, t.c.tag == tag, t.c.action == "push")
+        .order_by(t.c.at, t.c.event_id)
+        .limit(1)
+    )
+    found = conn.execute(query).scalar()
+    return str(found) if found is not None else None
+
+
 def stored_bytes(conn: Connection, tenant: str) -> int:
     """Bytes of the distinct blobs ``tenant`` pushed (what its images hold in the hub,
     shared layers counted once per tenant)."""

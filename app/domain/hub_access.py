@@ -261,3 +261,13 @@ def hub_password(secret: bytes) -> str:
 def password_matches(secret: bytes, offered: str) -> bool:
     """``offered`` is the hub password of ``secret`` (compared in constant time)."""
     return hmac.compare_digest(hub_password(secret), offered)
+
+
+#: The digest a tenant's image name was first pushed with (None: unknown, or not a
+#: tenant's image): what a node runs under that name.
+DigestLookup = Callable[[str], str | None]
+
+
+def no_digests(image: str) -> str | None:
+    """No image is pinned (tests, tools without the hub's trail)."""
+    return None

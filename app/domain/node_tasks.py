@@ -176,6 +176,14 @@ class TaskEnvelope(Message):
             " of destination, header, value), encrypted for the node."
         ),
     )
+    image_digest: str | None = Field(
+        None,
+        pattern=r"^sha256:[0-9a-f]{64}$",
+        description=(
+            "A create of a tenant's image: the manifest its name was first pushed with;"
+            " the node runs that content, whatever the tag was moved to since."
+        ),
+    )
 
 
 def _cipher(secret: bytes) -> AESGCM:

@@ -643,3 +643,40 @@ def test_a_tenant_builds_a_containerfile_from_the_hubs_images_only(
     finally:
         forget_tenant(stack, owner)
         forget_tenant(stack, builder)
+        image_store.remove_image(f"tenants/{builder}/built:1", stack)
+
+
+def test_a_tag_moved_behind_the_sdks_back_changes_nothing_a_sandbox_runs(
+    stack: Settings, db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.sdk.images import Images
+
+    first, moved = tmp_path / "first.tar", tmp_path / "moved.tar"
+    first.write_bytes(_rootfs("first-content"))
+    moved.write_bytes(_rootfs("moved-content"))
+    tenant = f"hubt{uuid.uuid4().hex[:6]}"
+    try:
+        with tenant_client(stack, tenant, "hub") as client:
+            image = client.images.push("tools", first, tag="1")
+            wait_for(lambda: [r for r in _audit(db, tenant) if r.tag == "1"], 20, "the push")
+            # When the tenant moves the tag, skipping the SDK's refusal of a name that
+            # exists (the registry itself lets an owner do it)
+            sneaky = Images(stack, client.credential)
+            monkeypatch.setattr(sneaky, "_has", lambda repository, tag: False)
+            sneaky.push("tools", moved, tag="1")
+            pushes = wait_for(
+                lambda: len(rows := [r for r in _audit(db, tenant) if r.tag == "1"]) == 2 and rows,
+                20,
+                "the second push",
+            )
+            assert pushes[0].digest != pushes[1].digest
+            # and this node's store holds the moved content under the name (pulled by
+            # its tag, as a node that never checked would have)
+            node_key = credentials.load(credentials.node_file(stack, stack.node_id))
+            HubClient(stack, node_key).pull(image)
+            # Then a sandbox of it runs what the name was first pushed as
+            with client.create(image=image) as box:
+                assert box.exec("cat /etc/marker").text == "first-content"
+    finally:
+        forget_tenant(stack, tenant)
+        image_store.remove_image(f"tenants/{tenant}/tools:1", stack)

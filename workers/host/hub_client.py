@@ -109,6 +109,8 @@ class HubClient:
         #: What was pulled when, and the eviction round after each pull.
         self.budget = ImageBudget(settings, client_dir(settings) / "pulled.json")
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        #: Names this worker checked are their first pushed digest (see pinned).
+        self._verified: dict[str, str] = {}
         self._guard = threading.Lock()
 
     def login_args(self, authfile: Path | None = None) -> list[str]:
@@ -130,36 +132,88 @@ class HubClient:
         """Bring ``image`` from the hub into the shared store unless it is there;
         returns the seconds the pull took (0: it was there). Raises
         :class:`ImageNotFound` for a name the hub cannot hold or does not have."""
+        ref = self._reference(image)
+        name = local_name(ref)
+        with self._lock(name):
+            if image_exists(name, self.settings):
+                return 0.0
+            took = self._fetch(image, ref, f"{ref}", name)
+        self._after_pull(name, refresh)
+        return took
+
+    def pinned(self, image: str, digest: str) -> float:
+        """Make the store's ``image`` the manifest its name was first pushed with
+        (``digest``), whatever its tag says now; returns the seconds a pull took (0:
+        the store had it). A copy of other content under the name (pulled by its tag
+        after the tag moved) is replaced, or the create refused while it is in use."""
+        ref = self._reference(image)
+        name = local_name(ref)
+        with self._lock(name):
+            if self._verified.get(name) == digest:
+                return 0.0
+            if image_exists(name, self.settings):
+                if digest in self._digests_of(name):
+                    self._verified[name] = digest
+                    return 0.0
+                if store_podman(self.settings, "rmi", name, check=False).returncode != 0:
+                    raise ImageRefused(
+                        f"image {image} on this node is not what its name was first pushed"
+                        f" as ({digest[:19]}...) and a container uses it: refused"
+                    )
+            took = self._fetch(image, ref, f"{ref.repository}@{digest}", name)
+            self._verified[name] = digest
+        self._after_pull(name, refresh=True)
+        return took
+
+    def forget(self, image: str) -> None:
+        """``image`` may have left the store: :meth:`pinned` checks it again."""
+        ref = hub_reference(image)
+        if ref is not None:
+            self._verified.pop(local_name(ref), None)
+
+    def _reference(self, image: str) -> HubReference:
         if not self.settings.hub:
             raise ImageNotFound(f"image {image!r} is not on this node (no hub to pull from)")
         ref = hub_reference(image)
         if ref is None:
             raise ImageNotFound(f"image {image!r} is not on this node, nor a name the hub holds")
-        name = local_name(ref)
-        with self._lock(name):
-            if image_exists(name, self.settings):
-                return 0.0
-            began = time.monotonic()
-            remote = f"docker://{self.settings.hub}/{ref}"
-            with store_lock(self.settings):
-                done = store_podman(
-                    self.settings, "pull", "--quiet", *self.login_args(), remote, check=False
-                )
-                if done.returncode != 0:
-                    why = _why(done)
-                    raise ImageNotFound(f"image {image!r} could not be pulled from the hub: {why}")
-                # One name, as an imported image has: removing it removes the image.
-                pulled = f"{self.settings.hub}/{ref}"
-                store_podman(self.settings, "tag", pulled, name)
-                store_podman(self.settings, "untag", name, pulled)
-                if owner_of(ref.repository) is not None:
-                    self._screen(name)
-            took = time.monotonic() - began
-            self.budget.pulled(name)
+        return ref
+
+    def _fetch(self, image: str, ref: HubReference, remote: str, name: str) -> float:
+        """Pull ``remote`` (``repository:tag`` or ``repository@digest``) and keep it
+        under ``name`` alone, screened if a tenant's; the seconds it took."""
+        began = time.monotonic()
+        with store_lock(self.settings):
+            done = store_podman(
+                self.settings, "pull", "--quiet", *self.login_args(),
+                f"docker://{self.settings.hub}/{remote}", check=False,
+            )  # fmt: skip
+            if done.returncode != 0:
+                why = _why(done)
+                raise ImageNotFound(f"image {image!r} could not be pulled from the hub: {why}")
+            # One name, as an imported image has: removing it removes the image.
+            pulled = f"{self.settings.hub}/{remote}"
+            store_podman(self.settings, "tag", pulled, name)
+            store_podman(self.settings, "untag", name, pulled)  # a digest's name too
+            if owner_of(ref.repository) is not None:
+                self._screen(name)
+        self.budget.pulled(name)
+        return time.monotonic() - began
+
+    def _after_pull(self, name: str, refresh: bool) -> None:
         if refresh:
             refresh_podman_services(self.settings, image=name, present=True)
         self.budget.enforce(keep=name)
-        return took
+
+    def _digests_of(self, name: str) -> list[str]:
+        """The manifest digests the store's ``name`` was pulled as."""
+        done = store_podman(self.settings, "image", "inspect", "--format",
+                            "{{json .RepoDigests}}", name, check=False)  # fmt: skip
+        try:
+            found = json.loads(done.stdout or b"[]") if done.returncode == 0 else []
+        except ValueError:
+            return []
+        return [str(d).rpartition("@")[2] for d in found or []]
 
     def _screen(self, name: str) -> None:
         """Refuse (and remove again) a tenant's image bigger than ``image_max_mb``
