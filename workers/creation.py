@@ -238,6 +238,7 @@ class Creation:
                     request_id=request.request_id,
                     container_id=container_id,
                     warm=claimed is not None,
+                    image_digest=image_digest if claimed is None else None,
                 ),
             )
         )

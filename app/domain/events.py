@@ -97,6 +97,14 @@ class StartedPayload(Message):
     request_id: uuid.UUID = Field(description="The CreateSandbox request.")
     container_id: str = Field(description="Podman container id.")
     warm: bool = Field(False, description="Claimed from a warm pool.")
+    image_digest: str | None = Field(
+        None,
+        max_length=80,
+        description=(
+            "A tenant's image: the manifest it runs (its name's first push; None for the"
+            " platform's images)."
+        ),
+    )
 
 
 class FailedPayload(Message):

@@ -677,6 +677,14 @@ def test_a_tag_moved_behind_the_sdks_back_changes_nothing_a_sandbox_runs(
             # Then a sandbox of it runs what the name was first pushed as
             with client.create(image=image) as box:
                 assert box.exec("cat /etc/marker").text == "first-content"
+            # and its start in the log names the content it ran
+            with db() as conn:
+                started = conn.execute(
+                    text("SELECT payload->>'image_digest' FROM events"
+                         " WHERE sandbox_id = :s AND type = 'SandboxStarted'"),
+                    {"s": box.id},
+                ).scalar_one()  # fmt: skip
+            assert started == pushes[0].digest
     finally:
         forget_tenant(stack, tenant)
         image_store.remove_image(f"tenants/{tenant}/tools:1", stack)
