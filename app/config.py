@@ -11,9 +11,10 @@ from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from app.egress_config import EgressSettings
+from app.image_config import ImageSettings
 
 
-class Settings(EgressSettings):
+class Settings(EgressSettings, ImageSettings):
     """Platform configuration, read from ``DSEC_*`` environment variables."""
 
     model_config = SettingsConfigDict(
@@ -176,19 +177,6 @@ class Settings(EgressSettings):
     flower_host: str = Field(
         "127.0.0.1",
         description="Address Flower serves on (behind its password; 0.0.0.0 for any).",
-    )
-    hub: str = Field(
-        "127.0.0.1:5443",
-        description="host:port of the image hub, the unit's registry (docs/images.md); '': none.",
-    )
-    node_image_budget_mb: int = Field(
-        0, ge=0, description="Store size above which pulled images go, LRU first (0: none)."
-    )
-    image_max_mb: int = Field(
-        20_480, ge=0, description="Largest tenant image a node keeps, unpacked (0: no limit)."
-    )
-    hub_auth_port: int = Field(
-        5444, description="Port of the hub's token service, on the hub's host (`dsec up`)."
     )
     metrics_port: int = Field(9464, description="First Prometheus metrics port of the services.")
     log_format: Literal["text", "json"] = Field(

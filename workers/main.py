@@ -98,6 +98,11 @@ def run(node_id: str, concurrency: int = 16) -> None:
     runtime.install(node)
     # Images the node lacks come from the hub, logged in as this node (pull only).
     node.images = HubClient(settings, credential) if settings.hub else None
+    if node.images is not None and settings.node_prefetch:
+        threading.Thread(
+            target=node.images.prefetch, args=(settings.node_prefetch,),
+            name="dsec-prefetch", daemon=True,
+        ).start()  # fmt: skip
     node.warm = WarmPool(node, settings.warm_pool)
     node.warm.start()
     node.deadlines.start()

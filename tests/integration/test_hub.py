@@ -688,3 +688,45 @@ def test_a_tag_moved_behind_the_sdks_back_changes_nothing_a_sandbox_runs(
     finally:
         forget_tenant(stack, tenant)
         image_store.remove_image(f"tenants/{tenant}/tools:1", stack)
+
+
+def test_a_node_prefetches_the_units_popular_images_and_its_budget_keeps_them(
+    stack: Settings, tmp_path: Path
+) -> None:
+    import threading
+
+    popular, other = (f"dsec-test/hub-{uuid.uuid4().hex[:8]}:1" for _ in range(2))
+    for name in (popular, other):
+        assert image_store.import_rootfs_tar(name, _rootfs(name), stack)
+        assert runner.invoke(cli, ["image", "push", name]).exit_code == 0
+        assert image_store.remove_image(name, stack)
+    tenant = f"hubp{uuid.uuid4().hex[:6]}"
+    late = f"tenants/{tenant}/late:1"  # pushed by a tenant later: never in the store first
+    # A budget with room for what the store holds now and one more image
+    now = sum(i.size for i in list_images(stack))
+    settings = stack.model_copy(
+        update={"node_image_budget_mb": int((now + 2.2e6) / 2**20) + 1,
+                "node_prefetch": [popular, late]}
+    )  # fmt: skip
+    node = HubClient(settings, credentials.load(credentials.node_file(stack, stack.node_id)))
+    try:
+        # When a node starts with two popular images, one of them not in the hub yet
+        fetching = threading.Thread(target=node.prefetch, args=([popular, late], 0.5))
+        fetching.start()
+        wait_for(lambda: image_exists(popular, stack), 30, "the popular image")
+        assert fetching.is_alive()  # still trying for the one the hub lacks
+        # Then the one pushed later arrives by itself
+        rootfs = tmp_path / "late.tar"
+        rootfs.write_bytes(_rootfs(late))
+        with tenant_client(stack, tenant, "hub") as client:
+            assert client.images.push("late", rootfs, tag="1") == late
+        fetching.join(timeout=30)
+        assert not fetching.is_alive() and image_exists(late, stack)
+        # and a pull past the budget evicts neither, though used least recently
+        node.pull(other)
+        assert image_exists(popular, stack) and image_exists(late, stack)
+    finally:
+        forget_tenant(stack, tenant)
+        for name in (popular, late, other):
+            if image_exists(name, stack):
+                image_store.remove_image(name, stack)

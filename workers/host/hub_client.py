@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import stat
 import subprocess
@@ -37,6 +38,11 @@ from workers.errors import ImageNotFound, ImageRefused, NodeError
 from workers.host.image_budget import ImageBudget
 from workers.host.layer_store import find_image, image_exists, store_lock, store_podman
 from workers.host.podman_service import refresh_podman_services
+
+log = logging.getLogger(__name__)
+
+#: How soon a node tries again the prefetched images it could not pull.
+PREFETCH_RETRY_S = 30.0
 
 
 def client_dir(settings: Settings) -> Path:
@@ -164,6 +170,22 @@ class HubClient:
             self._verified[name] = digest
         self._after_pull(name, refresh=True)
         return took
+
+    def prefetch(self, images: list[str], retry_s: float = PREFETCH_RETRY_S) -> None:
+        """Pull each of ``images`` the store lacks, again every ``retry_s`` for those
+        that failed (the hub may not answer yet as a node starts), until it has all."""
+        left = list(images)
+        while left:
+            for image in list(left):
+                try:
+                    took = self.pull(image)
+                    left.remove(image)
+                    if took:
+                        log.info("prefetched %s in %.1f s", image, took)
+                except NodeError as exc:
+                    log.warning("prefetch of %s: %s (trying again)", image, exc)
+            if left:
+                time.sleep(retry_s)
 
     def forget(self, image: str) -> None:
         """``image`` may have left the store: :meth:`pinned` checks it again."""

@@ -112,7 +112,7 @@ class ImageBudget:
 
     def enforce(self, keep: str = "") -> list[str]:
         """Remove what the budget says must go, never ``keep`` (the image a create
-        just pulled); returns the names removed."""
+        just pulled) nor the settings' ``node_prefetch``; returns the names removed."""
         budget_mb = self.settings.node_image_budget_mb
         if not budget_mb:
             return []
@@ -127,8 +127,10 @@ class ImageBudget:
             in_use |= found
         with self._lock:
             used = dict(self._used)
-        if keep:
-            used.pop(normalize_name(keep), None)
+        # The image a create just pulled, and the unit's popular ones, never go
+        for name in (keep, *self.settings.node_prefetch):
+            if name:
+                used.pop(normalize_name(name), None)
         held = [
             Held(name, image.id, image.size, used.get(name))
             for image in list_images(self.settings)

@@ -1,0 +1,1 @@
+../../app/image_config.py
