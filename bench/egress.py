@@ -239,7 +239,10 @@ def uncap(sandbox_id: str) -> list[tuple[str, str]]:
             continue
         iface = f"{PREFIX}{path.name}"
         added = []
-        for chain, match in (("forward", "oifname"), ("from_sandbox", "iifname")):
+        for chain, match in (
+            ("forward", "oifname"), ("from_sandbox", "iifname"),
+            ("to_host", "iifname"), ("output", "oifname"),  # its DNS and the node's proxies
+        ):  # fmt: skip
             echoed = subprocess.run(
                 ["nft", "--echo", "--handle", "insert", "rule", "inet", TABLE, chain, match,
                  f'"{iface}"', "ct", "state", "established,related", "accept"],

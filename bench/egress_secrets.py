@@ -17,8 +17,9 @@ plain HTTP on 80 at ``plain.bench.test``. ``/small`` answers two bytes, ``/big``
 - **host**: root's busybox ``wget`` of the plain server (the raw substrate).
 
 Times are the agent's own (an exec's ``duration_ms``): a request is a wget run,
-spawn included, the same in every way. The bench's sandbox has its bandwidth cap
-taken off (the mechanism alone). CPU per MB is the whole machine's (/proc/stat).
+spawn included, the same in every way. The proxy is measured once with the node's
+bandwidth cap (``proxy_capped``: it must hold there too), then the bench's sandbox has
+its cap taken off (the mechanism alone). CPU per MB is the whole machine's (/proc/stat).
 """
 
 from __future__ import annotations
@@ -139,6 +140,10 @@ def main() -> None:
             policy = NetworkPolicy(allow=["api.bench.test:443", "plain.bench.test:80"])
             results["host"] = measure(HostRunner(), f"http://{PLAIN}", args.requests, args.mb)
             with client.create(network=policy) as box:
+                # The node's bandwidth cap holds through its proxy too
+                results["proxy_capped"] = measure(
+                    SandboxRunner(box), "http://api.bench.test", 20, args.mb
+                )
                 added = uncap(box.id)
                 try:
                     runner = SandboxRunner(box)
@@ -171,6 +176,7 @@ def main() -> None:
         f" host={h['down_mbyte_s']:.0f}"
         f" cpu_ms_per_MB proxy={p['cpu_ms_per_mb']:.2f} direct={d['cpu_ms_per_mb']:.2f}"
         f" host={h['cpu_ms_per_mb']:.2f}"
+        f" proxy_capped_MB_s={results['proxy_capped']['down_mbyte_s']:.1f}"
     )
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from app.domain.egress import SECRET_PLAIN_PORT, SECRET_UPSTREAM_PORT, EgressSecret
-from workers.host.egress import EgressFence
+from workers.host.egress import Attachment, EgressFence
 from workers.http_relay import plain_response, read_head, splice
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,9 @@ class SecretProxy:
         self.port: int = self.server.getsockname()[1]
         self._context: tuple[float, ssl.SSLContext] | None = None
         self._lock = threading.Lock()
+        #: Connections each sandbox holds open through the proxy (its interface's):
+        #: no more than the firewall lets it open past the node (a thread each).
+        self._open: dict[str, int] = {}
 
     def start(self) -> None:
         threading.Thread(target=self._accept, name="dsec-egress-proxy", daemon=True).start()
@@ -123,27 +126,46 @@ class SecretProxy:
             attachment = self.fence.of_address(source)
             if attachment is None:
                 return  # not a sandbox of this node
-            try:
-                address, port = original_destination(client)
-                if port != SECRET_PLAIN_PORT:
-                    return  # not redirected here by the firewall
-                read = read_head(client)
-                if read is None:
-                    return
-                routed = rewrite(read[0], attachment.secrets_for)
-                if isinstance(routed, bytes):
-                    client.sendall(routed)
-                    return
-                name, head = routed
-                upstream = self._connect(address, name)
-                if isinstance(upstream, bytes):
-                    client.sendall(upstream)
-                    return
-                with contextlib.closing(upstream):
-                    upstream.sendall(head + read[1])
-                    splice(client, upstream)
-            except OSError:
+            if not self._take(attachment.iface):
+                self.fence.count_refused_name(attachment, "(secrets proxy: too many connections)")
                 return
+            try:
+                self._carry(client, attachment)
+            finally:
+                with self._lock:
+                    self._open[attachment.iface] -= 1
+
+    def _take(self, iface: str) -> bool:
+        with self._lock:
+            held = self._open.get(iface, 0)
+            if held >= self.fence.max_connections:
+                return False
+            self._open[iface] = held + 1
+            return True
+
+    def _carry(self, client: socket.socket, attachment: Attachment) -> None:
+        """Read the head, add the secret, carry it over TLS and splice the rest."""
+        try:
+            address, port = original_destination(client)
+            if port != SECRET_PLAIN_PORT:
+                return  # not redirected here by the firewall
+            read = read_head(client)
+            if read is None:
+                return
+            routed = rewrite(read[0], attachment.secrets_for)
+            if isinstance(routed, bytes):
+                client.sendall(routed)
+                return
+            name, head = routed
+            upstream = self._connect(address, name)
+            if isinstance(upstream, bytes):
+                client.sendall(upstream)
+                return
+            with contextlib.closing(upstream):
+                upstream.sendall(head + read[1])
+                splice(client, upstream)
+        except OSError:
+            return
 
     def _connect(self, address: str, name: str) -> ssl.SSLSocket | bytes:
         """A TLS connection to ``address`` verified as ``name``; or the 502 to send."""

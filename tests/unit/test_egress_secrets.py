@@ -158,3 +158,46 @@ def test_only_a_secrets_destination_is_pinned_for_the_proxy() -> None:
     assert fence.pins == [(["10.99.0.2"], True), (["10.99.0.2"], False)]
     assert json.dumps([s.plain() for s in attachment.secrets_for("API.example.org.")])
     assert attachment.secrets_for("echo.example.org") == []
+
+
+def test_a_sandbox_holds_no_more_proxy_connections_than_its_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A sandbox opening connections it never speaks on, to tie up the node's threads
+    import socket
+    import time
+
+    from workers import egress_proxy
+
+    box = Attachment(
+        "sb-1", 3, NetworkPolicy(allow=["api.test:443"]),
+        ipaddress.IPv4Address("10.213.0.13"), ipaddress.IPv4Address("10.213.0.14"),
+    )  # fmt: skip
+    refused: list[str] = []
+
+    class Fence:
+        max_connections = 2
+
+        def of_address(self, source: str) -> Attachment:
+            return box
+
+        def count_refused_name(self, attachment: Attachment, name: str) -> None:
+            refused.append(name)
+
+    # As if the firewall had redirected each (a test's connection is not)
+    monkeypatch.setattr(egress_proxy, "original_destination", lambda sock: ("10.99.0.2", 80))
+    proxy = egress_proxy.SecretProxy(Fence(), None)  # type: ignore[arg-type]
+    proxy.start()
+    held = [socket.create_connection(("127.0.0.1", proxy.port)) for _ in range(2)]
+    time.sleep(0.3)
+    extra = socket.create_connection(("127.0.0.1", proxy.port))
+    extra.settimeout(5)
+    assert extra.recv(1) == b""  # closed at once: over the cap
+    assert refused == ["(secrets proxy: too many connections)"]
+    for conn in held:  # the first two are still open, waiting for their heads
+        conn.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            conn.recv(1)
+    for conn in (*held, extra):
+        conn.close()
+    proxy.server.close()

@@ -55,7 +55,7 @@ PREFIX = "dsb"
 #: removes every interface).
 SLOT_DIR = Path("/run/dsec-egress")
 #: Names the ruleset a table was made by: a node of another version makes it again.
-RULESET = "dsec egress 4"
+RULESET = "dsec egress 5"
 #: A freshly taken slot whose interface is not there yet is not stale before this.
 _SLOT_GRACE_S = 60.0
 #: Most refusals one sandbox's end reports (Stopped's ``egress_refused_sample``).
@@ -197,6 +197,7 @@ table inet {TABLE} {{
     iifname "{PREFIX}*" jump to_host
   }}
   chain to_host {{
+    update @up {{ iifname {rate} }} drop
     ct state established,related accept
     ct status dnat meta l4proto udp accept
     ct status dnat meta l4proto tcp ct original proto-dst {SECRET_PLAIN_PORT} accept
@@ -221,6 +222,10 @@ table inet {TABLE} {{
     meta l4proto tcp iifname . ip daddr . tcp dport @allowed accept
     meta l4proto tcp add @refused_dst {{ iifname . ip daddr . tcp dport }}
     add @refused {{ iifname }} reject with icmpx admin-prohibited
+  }}
+  chain output {{
+    type filter hook output priority filter - 5; policy accept;
+    oifname "{PREFIX}*" update @down {{ oifname {rate} }} drop
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
