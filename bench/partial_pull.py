@@ -25,9 +25,10 @@ rewritten, built as a new layer), pushes both with gzip and with zstd:chunked, a
 measures with wall time, CPU time of the podman client (its rusage) and of the registry
 (/proc/PID/stat), and the bytes the registry sent (GET lines of its access log):
 - gzip: cold ``podman pull`` of A into an empty store (the "raw podman pull"), the first
-  command (``podman run --rm A busybox md5sum /data/f00000``: 512 KiB read), then B
-  pulled into the store that holds A;
-- zstd:chunked with ``enable_partial_images``: the same three steps;
+  command (``podman run --rm A busybox md5sum /data/f00000``: 512 KiB read), a command
+  that reads every file of the layer (``cat /data/*``), then B pulled into the store
+  that holds A and the first command in B;
+- zstd:chunked with ``enable_partial_images``: the same steps;
 - zstd:chunked with partial pulls off (whole-layer zstd) for the cold pull;
 - with ``--stargz-store PATH`` (a stargz-store binary from containerd's
   stargz-snapshotter, v0.15.x: later ones key layers by TOC digest, which Podman 4.3.1
@@ -35,7 +36,7 @@ measures with wall time, CPU time of the podman client (its rusage) and of the r
   here with go-containerregistry and stargz-snapshotter's estargz module, from the Go
   module proxy), a store whose storage.conf names stargz-store's FUSE mount as an
   additional layer store, and the same steps; stargz-store runs with prefetch and
-  background fetch off, so the bytes are what the pull and the first command read.
+  background fetch off, so the bytes are what the pull and each command read.
 Time to first command = cold pull + first run. Random data does not compress, so bytes
 fetched are close to the layer size for both formats; the registry serves from the page
 cache over loopback, so fetch time is near zero and the pulls measure the client's work.
@@ -65,6 +66,7 @@ NS_DIR = TMP / "pp-varlib"  # bound over /var/lib/containers inside each podman'
 FILE_KIB = 512
 BASE_IMAGE = "localhost/pp-base:1"
 FIRST_CMD = ["/bin/busybox", "md5sum", "/data/f00000"]
+READ_ALL_CMD = ["/bin/busybox", "sh", "-c", "cat /data/* >/dev/null"]
 ACCESS_RE = re.compile(r'"(GET|HEAD|PUT|POST|PATCH) (\S+) HTTP/[\d.]+" (\d{3}) (\d+)')
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ESGZ_DIR = TMP / "pp-esgz"
@@ -461,6 +463,7 @@ def pull_steps(
     run = ("run", "--rm", "--pull=never", "--network=none")
     steps = {"cold pull": store.measured(registry, *pull, ref_a)}
     steps["first run"] = store.measured(registry, *run, ref_a, *FIRST_CMD)
+    steps["read all"] = store.measured(registry, *run, ref_a, *READ_ALL_CMD)
     if ref_b is not None:
         steps["update pull"] = store.measured(registry, *pull, ref_b)
         steps["update run"] = store.measured(registry, *run, ref_b, *FIRST_CMD)
@@ -610,6 +613,7 @@ def print_report(results: list[dict[str, object]], changed_pct: float) -> None:
         parts += [
             f"s{size}_gzip_pull_s={raw:.2f}",
             f"s{size}_gzip_ttfc_s={raw + gz['first run'].wall_s:.2f}",
+            f"s{size}_gzip_read_all_s={gz['read all'].wall_s:.2f}",
             f"s{size}_zchunked_ttfc_s={ttfc_zc:.2f}",
             f"s{size}_zchunked_vs_raw={ttfc_zc / raw:.2f}",
             f"s{size}_zchunked_fetched_pct={100 * zc['cold pull'].fetched / images['zc a']:.0f}",
@@ -625,6 +629,7 @@ def print_report(results: list[dict[str, object]], changed_pct: float) -> None:
             fetched = lazy["cold pull"].fetched + lazy["first run"].fetched
             parts += [
                 f"s{size}_lazy_ttfc_s={ttfc:.2f}",
+                f"s{size}_lazy_read_all_s={lazy['read all'].wall_s:.2f}",
                 f"s{size}_lazy_fetched_pct={100 * fetched / images['es a']:.1f}",
             ]
     print("RESULT partial_pull " + " ".join(parts))
