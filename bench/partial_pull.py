@@ -1,4 +1,4 @@
-"""Partial pulls: zstd:chunked against whole-layer gzip pulls, from a registry of its own.
+"""Partial and lazy pulls: zstd:chunked and eStargz against whole-layer gzip pulls.
 
     .venv/bin/python bench/partial_pull.py [--sizes 100,1000] [--changed-pct 1]
                                            [--repeat 1] [--stargz-store PATH] [--keep]
@@ -370,6 +370,9 @@ class StargzStore:
         self.dir.mkdir(parents=True)
         log = (self.dir / "log").open("ab")
         argv = [str(self.binary), "--root", str(self.dir / "root"), "--config", str(conf)]
+        usage = subprocess.run([str(self.binary), "-h"], capture_output=True, text=True)
+        if "-addr" in usage.stderr + usage.stdout:  # v0.16+: its socket, else /var/lib/...
+            argv += ["--addr", str(self.dir / "store.sock")]
         self.proc = subprocess.Popen([*argv, str(self.mountpoint)], stdout=log, stderr=log)
         for _ in range(100):
             if str(self.mountpoint) in mounts_under_tmp_pp():
