@@ -100,7 +100,7 @@ def build(
         why = images.cannot_pull(ref)
         if why is not None:
             raise ConfigError(f"FROM {ref}: {why}")
-    with tempfile.TemporaryDirectory(prefix="dsec-build-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="dsec-build-", ignore_cleanup_errors=True) as tmp:
         work = Path(tmp)
         store = [podman, "--root", str(work / "root"), "--runroot", str(work / "run")]
         (work / "Containerfile").write_text(text)
