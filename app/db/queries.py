@@ -211,8 +211,9 @@ def sandbox_list(
 
 
 def sandbox_detail(conn: Connection, sandbox_id: str) -> Record | None:
-    """One sandbox's row, with what its events add: how many there are, the ports it
-    opened and, once it ended, the last state its node reported (None: unknown)."""
+    """One sandbox's row, with what its events add: how many there are, the image
+    content it ran (a tenant's image), the ports it opened and, once it ended, the
+    last state its node reported (None: unknown)."""
     row = conn.execute(select(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id)).first()
     if row is None:
         return None
@@ -229,6 +230,11 @@ def sandbox_detail(conn: Connection, sandbox_id: str) -> Record | None:
             .order_by(t.c.position)
         )
     ]
+    found["image_digest"] = conn.execute(
+        select(t.c.payload["image_digest"].astext)
+        .where(t.c.sandbox_id == sandbox_id, t.c.type == "SandboxStarted")
+        .limit(1)
+    ).scalar()
     found["last_state"] = conn.execute(
         select(t.c.payload["last_state"])
         .where(t.c.sandbox_id == sandbox_id, t.c.type == "SandboxStopped")

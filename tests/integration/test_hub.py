@@ -685,6 +685,8 @@ def test_a_tag_moved_behind_the_sdks_back_changes_nothing_a_sandbox_runs(
                     {"s": box.id},
                 ).scalar_one()  # fmt: skip
             assert started == pushes[0].digest
+            described = runner.invoke(cli, ["describe", box.id, "--json"])
+            assert json.loads(described.output)["image_digest"] == pushes[0].digest
     finally:
         forget_tenant(stack, tenant)
         image_store.remove_image(f"tenants/{tenant}/tools:1", stack)
