@@ -406,7 +406,9 @@ table inet {TABLE} {{
         return self._counters().get(attachment.iface, 0)
 
     def count_refused_name(self, attachment: Attachment, name: str) -> None:
-        """A name the resolver refused counts among the sandbox's refusals."""
+        """A refusal the firewall does not see (a name the resolver refused, a
+        connection the secrets proxy turned away) counts among the sandbox's
+        refusals, ``name`` in its sample."""
         with self._lock:
             iface = attachment.iface
             self._names_refused[iface] = self._names_refused.get(iface, 0) + 1
@@ -422,12 +424,7 @@ table inet {TABLE} {{
             return None
         with self._lock:
             sample = list(self._names_sample.get(attachment.iface, []))
-        listed = subprocess.run(
-            ["nft", "-j", "list", "set", "inet", TABLE, "refused_dst"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        keys = keys_of(listed.stdout, attachment.iface) if listed.returncode == 0 else []
-        for key in sorted(keys):
+        for key in sorted(keys_of(_listing("refused_dst"), attachment.iface)):
             _, address, port = key.split(" . ")
             if len(sample) >= SAMPLE:
                 break
@@ -435,17 +432,12 @@ table inet {TABLE} {{
         return sample
 
     def _counters(self) -> dict[str, int]:
-        listed = subprocess.run(
-            ["nft", "-j", "list", "set", "inet", TABLE, "refused"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
         counts: dict[str, int] = dict(self._names_refused)
-        if listed.returncode == 0:
-            for entry in elements(listed.stdout):
-                elem = entry.get("elem", entry)
-                if isinstance(elem, dict) and isinstance(elem.get("val"), str):
-                    packets = elem.get("counter", {}).get("packets", 0)
-                    counts[elem["val"]] = counts.get(elem["val"], 0) + int(packets)
+        for entry in elements(_listing("refused")):
+            elem = entry.get("elem", entry)
+            if isinstance(elem, dict) and isinstance(elem.get("val"), str):
+                packets = elem.get("counter", {}).get("packets", 0)
+                counts[elem["val"]] = counts.get(elem["val"], 0) + int(packets)
         return counts
 
     def detach(self, sandbox_id: str) -> None:
@@ -469,17 +461,22 @@ table inet {TABLE} {{
             for name in ("dns_port", "proxy_port", "refused", "conns", "up", "down")
         ]
         for name in ("allowed", "secret_dst", "refused_dst"):
-            listed = subprocess.run(
-                ["nft", "-j", "list", "set", "inet", TABLE, name],
-                capture_output=True, text=True, check=False,
-            )  # fmt: skip
-            for key in keys_of(listed.stdout, iface) if listed.returncode == 0 else []:
+            for key in keys_of(_listing(name), iface):
                 script.append(f"delete element inet {TABLE} {name} {{ {key} }}")
         for line in script:  # one by one: a missing element must not stop the rest
             subprocess.run(["nft", line], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", iface], capture_output=True, check=False)
         with contextlib.suppress(OSError):
             (SLOT_DIR / str(attachment.slot)).unlink()
+
+
+def _listing(name: str) -> str:
+    """``nft -j list`` of the table's set ``name`` ('' if it cannot be listed)."""
+    listed = subprocess.run(
+        ["nft", "-j", "list", "set", "inet", TABLE, name],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return listed.stdout if listed.returncode == 0 else ""
 
 
 def is_host_address(address: ipaddress.IPv4Address) -> bool:
