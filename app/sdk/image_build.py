@@ -11,7 +11,6 @@ a step runs, naming the FROM.
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import shutil
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import Protocol
 
 from app.config import Settings
-from app.credentials import Credential
 from app.domain.hub_access import HubReference, hub_reference
 from app.errors import ConfigError
 
@@ -36,25 +34,23 @@ class Hub(Protocol):
     """What a build needs of a tenant's images (:class:`app.sdk.images.Images`)."""
 
     settings: Settings
-    credential: Credential
 
     def cannot_pull(self, ref: HubReference) -> str | None: ...
-    def hub_password(self) -> str: ...
+    def registry_auth(self) -> str: ...
     def ca_pem(self) -> str | None: ...
     def push(self, name: str, source: Path, *, tag: str) -> str: ...
 
 
-def froms(containerfile: str) -> list[tuple[str, str | None]]:
-    """Each FROM's image and stage name, in order."""
-    return [(m.group(1), m.group(2)) for m in _FROM.finditer(containerfile)]
-
-
 def hub_froms(containerfile: str, hub: str) -> tuple[str, list[HubReference]]:
     """The Containerfile with each FROM naming its image in the hub, and the images;
-    ConfigError for a FROM the hub cannot hold (another registry, a digest)."""
+    ConfigError for a FROM the hub cannot hold (another registry, a digest). A FROM
+    naming an earlier stage, or ``scratch``, stays as it is."""
     stages: set[str] = set()
     needed: list[HubReference] = []
-    for image, stage in froms(containerfile):
+
+    def rewrite(match: re.Match[str]) -> str:
+        image, stage = match.group(1), match.group(2)
+        named = image
         if image.lower() not in stages and image != "scratch":
             ref = hub_reference(image)
             if ref is None:
@@ -63,18 +59,11 @@ def hub_froms(containerfile: str, hub: str) -> tuple[str, list[HubReference]]:
                     " or a bad name); build FROM the hub's images"
                 )
             needed.append(ref)
+            named = f"{hub}/{ref}"
         if stage:
             stages.add(stage.lower())
-
-    def rewrite(match: re.Match[str]) -> str:
-        image = match.group(1)
-        ref = hub_reference(image)
-        if image.lower() in stages or image == "scratch" or ref is None:
-            return match.group(0)
-        start, end = match.span(1)
-        line = match.group(0)
-        offset = match.start(0)
-        return line[: start - offset] + f"{hub}/{ref}" + line[end - offset :]
+        text = match.string
+        return text[match.start(0) : match.start(1)] + named + text[match.end(1) : match.end(0)]
 
     return _FROM.sub(rewrite, containerfile), needed
 
@@ -104,8 +93,7 @@ def build(
         work = Path(tmp)
         store = [podman, "--root", str(work / "root"), "--runroot", str(work / "run")]
         (work / "Containerfile").write_text(text)
-        login = f"{images.credential.key_id}:{images.hub_password()}"
-        auth = {"auths": {images.settings.hub: {"auth": base64.b64encode(login.encode()).decode()}}}
+        auth = {"auths": {images.settings.hub: {"auth": images.registry_auth()}}}
         (work / "auth.json").touch(mode=0o600)
         (work / "auth.json").write_text(json.dumps(auth))
         certs = work / "certs"

@@ -27,7 +27,7 @@ from typing import IO, Any, Protocol
 
 from app.config import Settings
 from app.credentials import Credential
-from app.domain.hub_access import TAG, HubReference, hub_password, oversize, tenant_repository
+from app.domain.hub_access import TAG, HubReference, oversize, tenant_repository
 from app.errors import ConfigError
 from app.sdk.hub_service import HubService, PushError
 from app.sdk.hub_service import challenge as read_challenge
@@ -128,18 +128,15 @@ class Images:
 
     def cannot_pull(self, ref: HubReference) -> str | None:
         """Why this tenant cannot start from ``ref`` (None: it can)."""
-        accept = ", ".join((OCI_MANIFEST, DOCKER_MANIFEST))
-        path = f"/v2/{ref.repository}/manifests/{ref.tag}"
         try:
-            status, _ = self._call("HEAD", path, ref.repository, headers={"Accept": accept},
-                                   ok=(200, 404))  # fmt: skip
+            found = self._has(ref.repository, ref.tag)
         except PushError:
             return "this tenant may not use it"
-        return None if status == 200 else "the hub has no such image"
+        return None if found else "the hub has no such image"
 
-    def hub_password(self) -> str:
-        """This tenant's password at the hub (derived from its credential)."""
-        return hub_password(self.credential.secret)
+    def registry_auth(self) -> str:
+        """This tenant's login as a registry auth file holds it (base64 user:password)."""
+        return self._hub.basic().removeprefix("Basic ")
 
     def ca_pem(self) -> str | None:
         """The CA the hub's certificate is checked against (None: the system's)."""
