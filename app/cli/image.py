@@ -1,5 +1,6 @@
 """``dsec image``: the shared image-layer store, managed by operators (run as root), and
-``publish``, a tenant's way to bring its own image to the hub.
+``publish``, ``held`` and ``delete``, a tenant's way to bring its own images to the hub,
+see what they hold and take them away.
 
 Every node's sandboxes start from this store's read-only layers: images are imported
 or built into it, pushed from it to the hub (the unit's registry), and pulled from
@@ -8,6 +9,7 @@ the hub by a node that lacks one. See docs/images.md.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,7 +22,8 @@ from app.config import get_settings
 
 image_cli = typer.Typer(
     no_args_is_help=True,
-    help="The image-layer store and the hub: import, build, push, prefetch, ls, rm; publish.",
+    help="The image-layer store and the hub: import, build, push, prefetch, ls, rm; "
+    "a tenant's publish, held, delete.",
 )
 console = Console(soft_wrap=True)  # messages carry paths and names: never break them
 
@@ -325,3 +328,65 @@ def publish(
     except (ConfigError, PushError) as exc:
         raise _fail(str(exc)) from None
     print(image)
+
+
+def _tenant_images(tenant: str) -> Any:
+    """The SDK's images of the tenant this host's credential (or ``tenant``'s) is."""
+    from app import credentials
+    from app.sdk.images import Images
+
+    settings = get_settings()
+    return Images(settings, credentials.for_client(settings, tenant or None))
+
+
+@image_cli.command()
+def held(as_json: JsonOpt = False, tenant: TenantOpt = "") -> None:
+    """A tenant's images in the hub: name, digest, size, pushed; and what they hold
+    together against its quota."""
+    from app.cli import render as cli_render
+    from app.errors import ConfigError
+    from app.sdk.hub_service import PushError
+
+    try:
+        found = _tenant_images(tenant).list()
+    except (ConfigError, PushError) as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        print(json.dumps(found, indent=2))
+        return
+    rows = [
+        {
+            "name": i["name"],
+            "digest": i["digest"][:19],
+            "size": f"{i['size'] / 1e6:.1f} MB",
+            "pushed": i["pushed_at"],
+        }
+        for i in found["images"]
+    ]
+    quota = found.get("quota_mb")
+    cli_render.rows(
+        f"in the hub: {found['held_bytes'] / 1e6:.1f} MB held"
+        + (f" of {quota} MB" if quota is not None else ""),
+        rows,
+        False,
+    )
+
+
+@image_cli.command()
+def delete(
+    name: Annotated[str, typer.Argument(help="The tenant's image, NAME[:TAG] (no tenants/).")],
+    tenant: TenantOpt = "",
+) -> None:
+    """Delete a tenant's image from the hub: creates of it are refused from then on,
+    running sandboxes keep running, and what only it held leaves the quota and the bill."""
+    from app.errors import ConfigError
+    from app.sdk.hub_service import PushError
+
+    image, sep, tag = name.rpartition(":")
+    if not sep or "/" in tag:
+        image, tag = name, "latest"
+    try:
+        digests = _tenant_images(tenant).delete(image, tag=tag)
+    except (ConfigError, PushError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(f"[green]✓[/] deleted {image}:{tag} ({', '.join(digests)})")

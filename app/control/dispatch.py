@@ -240,6 +240,11 @@ class Dispatcher(LogFollower):
             reason = RejectReason.FORBIDDEN
             self.send.refuse(out, admitted, reason, told, told=(reason, told))
             return
+        if self.image_deleted(request.image):
+            told = f"image {request.image} was deleted from the hub: push it again to use it"
+            reason = RejectReason.INVALID
+            self.send.refuse(out, admitted, reason, told, told=(reason, told))
+            return
         for m in members:
             holder = self.created_by.get(m.sandbox_id)
             allocation = self.placement.allocations.get(m.sandbox_id)

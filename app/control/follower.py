@@ -84,8 +84,11 @@ class LogFollower:
         image_readers: Callable[[str], Collection[str]] | None = None,
         egress_secrets: SecretLookup = no_secrets,
         image_digests: DigestLookup = no_digests,
+        image_deleted: Callable[[str], bool] = lambda image: False,
     ) -> None:
         self.settings = settings
+        #: Whether a tenant's image name's content was deleted from the hub.
+        self.image_deleted = image_deleted
         #: Who else may use a tenant's image (app/control/image_shares.py).
         self.image_readers: Callable[[str], Collection[str]] = image_readers or _nobody
         self.keys = keys

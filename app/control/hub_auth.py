@@ -1,8 +1,9 @@
 """The hub's token service: the registry sends every client here for a token
 (Distribution's token authentication), and only what app/domain/hub_access.py grants
 goes into it. It also serves what a tenant does through the hub's login besides
-pulling and pushing: ``/share`` (its images' readers) and ``/secrets`` (its egress
-secrets: app/control/egress_secrets.py).
+pulling, pushing and deleting: ``/images`` (what its images hold, against its quota),
+``/share`` (its images' readers) and ``/secrets`` (its egress secrets:
+app/control/egress_secrets.py).
 
 A client logs in with HTTP Basic: its key id and the hub password derived from its
 key's secret. The key is looked up in the platform's keyring (derived from the master
@@ -157,11 +158,14 @@ class TokenIssuer:
 
 
 Share = Callable[[str, list[str], str, bool], None]
+#: A tenant's images in the hub and what they hold (``/images``).
+Held = Callable[[str], dict[str, Any]]
 
 
 def _handler(
-    issuer: TokenIssuer, share: Share, secrets: SecretsService | None = None
-) -> type[BaseHTTPRequestHandler]:
+    issuer: TokenIssuer, share: Share, secrets: SecretsService | None = None,
+    held: Held | None = None,
+) -> type[BaseHTTPRequestHandler]:  # fmt: skip
     class Handler(BaseHTTPRequestHandler):
         def _secrets(self, method: str) -> None:
             """``/secrets``: a tenant's own egress secrets (app/control/egress_secrets.py)."""
@@ -224,6 +228,13 @@ def _handler(
             url = urlparse(self.path)
             if url.path == "/secrets":
                 self._secrets("GET")
+                return
+            if url.path == "/images":
+                who = issuer.role_of(self.headers.get("Authorization"))
+                if held is None or who is None or who.role != Role.TENANT or who.push_to:
+                    self._answer(401, {"errors": [{"code": "UNAUTHORIZED", "message": "login"}]})
+                    return
+                self._answer(200, held(who.subject))
                 return
             if url.path != "/token":
                 self._answer(404, {"errors": [{"code": "NOT_FOUND"}]})
@@ -389,6 +400,26 @@ def main(settings: Settings, alive: Callable[[], bool] | None = None) -> None:
             held = hub_events.repositories_of(conn, tenant)
         return repository in held or len(held) < quota.images
 
+    def held(tenant: str) -> dict[str, Any]:
+        with transaction(settings.database_url) as conn:
+            images = hub_events.images_of(conn, tenant)
+            held_bytes = hub_events.stored_bytes(conn, tenant)
+        quota = quotas.of(tenant)
+        return {
+            "images": [
+                {
+                    "name": i.name,
+                    "digest": i.digest,
+                    "pushed_at": i.pushed_at.isoformat(),
+                    "size": i.size,
+                }
+                for i in images
+            ],
+            "held_bytes": held_bytes,
+            "quota_mb": quota.image_mb,
+            "quota_images": quota.images,
+        }
+
     def record(events: list[HubEvent]) -> None:
         with transaction(settings.database_url) as conn:
             hub_events.record(conn, events)
@@ -414,7 +445,7 @@ def main(settings: Settings, alive: Callable[[], bool] | None = None) -> None:
     host, _ = hub_address(settings)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(server_pem(settings))
-    handler = _handler(issuer, share, SecretsService(settings))
+    handler = _handler(issuer, share, SecretsService(settings), held)
     server = _TlsServer((host, settings.hub_auth_port), handler, context)
     log.info("hub-auth: tokens for %s on %s:%d", AUDIENCE, host, settings.hub_auth_port)
     if alive is None:

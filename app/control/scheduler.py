@@ -127,13 +127,14 @@ class Scheduler:
         self.settings = settings
         self.keyring = Keyring.from_settings(settings)
         self.publisher = bus.Publisher(settings)
+        digests = StoredDigests.from_settings(settings)
         self.dispatcher = Dispatcher(
             settings, self.keyring, BrokerPartitions(self.publisher, lambda: self.partition_count),
             heartbeat_timeout, PostgresTrajectoryLog(settings.database_url),
             metrics.SchedulerTally(), StoredQuotas.from_settings(settings),
             StoredShares.from_settings(settings).readers,
             StoredSecrets.from_settings(settings).for_sandbox,
-            StoredDigests.from_settings(settings).digest_of,
+            digests.digest_of, digests.deleted,
         )  # fmt: skip
         self.placement = self.dispatcher.placement
         # Every tenant's replies topic exists before its first answer is sent (a send to

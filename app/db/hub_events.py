@@ -6,8 +6,10 @@ images (``image_shares``)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
 
-from sqlalchemy import Connection, delete, func, select
+from sqlalchemy import BigInteger, Connection, DateTime, Text, column, delete, func, select, table
 from sqlalchemy.dialects.postgresql import insert
 
 from app.db.tables import hub_events, image_shares
@@ -37,28 +39,99 @@ def repositories_of(conn: Connection, tenant: str) -> set[str]:
     return {row.repository for row in conn.execute(query)}
 
 
-def first_digest(conn: Connection, repository: str, tag: str) -> str | None:
-    """The manifest ``repository:tag`` was first pushed with (None: no push of it is
-    known yet): what the name means, whatever the tag was moved to after."""
+@dataclass(frozen=True)
+class NamePin:
+    """What ``repository:tag`` means now: the manifest of its first push since its last
+    deletion (``digest``), or that it was deleted and not pushed again (``deleted``);
+    neither: no push of it is known yet."""
+
+    digest: str | None
+    deleted: bool = False
+
+
+def name_pin(conn: Connection, repository: str, tag: str) -> NamePin:
+    """What ``repository:tag`` means (:class:`NamePin`): a name keeps its first push,
+    whatever the tag was moved to after, until a deletion of content it was pushed
+    with; the first push after that is what it means from then on."""
     t = hub_events
-    query = (
-        select(t.c.digest)
+    pushes = conn.execute(
+        select(t.c.digest, t.c.at)
         .where(t.c.repository == repository, t.c.tag == tag, t.c.action == "push")
         .order_by(t.c.at, t.c.event_id)
-        .limit(1)
-    )
-    found = conn.execute(query).scalar()
-    return str(found) if found is not None else None
+    ).all()
+    if not pushes:
+        return NamePin(None)
+    deleted_at = conn.execute(
+        select(func.max(t.c.at)).where(
+            t.c.action == "delete",
+            t.c.repository == repository,
+            t.c.digest.in_({row.digest for row in pushes}),
+        )
+    ).scalar()
+    for row in pushes:
+        if deleted_at is None or row.at > deleted_at:
+            return NamePin(str(row.digest))
+    return NamePin(None, deleted=True)
+
+
+def last_deletion(conn: Connection) -> datetime | None:
+    """When the hub last reported a deletion (what a cache of names checks against)."""
+    t = hub_events
+    return conn.execute(select(func.max(t.c.recorded_at)).where(t.c.action == "delete")).scalar()
+
+
+@dataclass(frozen=True)
+class HeldImage:
+    """One of a tenant's images the hub holds, as its owner lists them."""
+
+    name: str
+    digest: str
+    pushed_at: datetime
+    #: Its manifest, configuration and layers (shared ones counted in each image).
+    size: int
+
+
+def images_of(conn: Connection, tenant: str) -> list[HeldImage]:
+    """``tenant``'s images the hub holds: each name whose meaning was not deleted."""
+    t = hub_events
+    rows = conn.execute(
+        select(t.c.repository, t.c.tag, t.c.digest, t.c.at, t.c.size, t.c.refs)
+        .where(t.c.tenant == tenant, t.c.action == "push", t.c.tag.is_not(None))
+        .order_by(t.c.at, t.c.event_id)
+    ).all()
+    held: list[HeldImage] = []
+    for repository, tag in dict.fromkeys((row.repository, row.tag) for row in rows):
+        pin = name_pin(conn, repository, tag)
+        first = next((r for r in rows if r.repository == repository and r.tag == tag
+                      and r.digest == pin.digest), None)  # fmt: skip
+        if first is None:
+            continue
+        size = first.size + sum(int(ref.get("size", 0)) for ref in first.refs or ())
+        held.append(HeldImage(f"{repository}:{tag}", str(first.digest), first.at, size))
+    return held
+
+
+#: Every blob a tenant's images hold or held (migration 0019): from its first push
+#: until the last manifest referencing it was deleted (``released_at``; None: held).
+hub_blobs = table(
+    "hub_blobs",
+    column("tenant", Text),
+    column("job", Text),
+    column("digest", Text),
+    column("size", BigInteger),
+    column("first_at", DateTime(timezone=True)),
+    column("released_at", DateTime(timezone=True)),
+)
 
 
 def stored_bytes(conn: Connection, tenant: str) -> int:
-    """Bytes of the distinct blobs ``tenant`` pushed (what its images hold in the hub,
-    shared layers counted once per tenant)."""
-    t = hub_events
+    """Bytes of the distinct blobs ``tenant``'s images hold in the hub now (shared
+    layers counted once per tenant; what it deleted no longer counts)."""
+    b = hub_blobs
     blobs = (
-        select(t.c.digest, func.max(t.c.size).label("size"))
-        .where(t.c.tenant == tenant, t.c.action == "push", t.c.tag.is_(None))
-        .group_by(t.c.digest)
+        select(b.c.digest, func.max(b.c.size).label("size"))
+        .where(b.c.tenant == tenant, b.c.released_at.is_(None))
+        .group_by(b.c.digest)
         .subquery()
     )
     return int(conn.execute(select(func.coalesce(func.sum(blobs.c.size), 0))).scalar_one())

@@ -221,6 +221,8 @@ hub_events = Table(
     Column("media_type", Text, nullable=False),
     Column("size", BigInteger, nullable=False),
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    #: A manifest push's references (``[{"digest", "size"}]``): the blobs it holds.
+    Column("refs", JSONB(none_as_null=True)),
 )
 
 #: Who besides its owner may use a tenant's image (app/db/hub_events.py).

@@ -11,8 +11,9 @@ Decisions:
 - Nodes pull, and only pull: a node that is taken over cannot change an image every
   other node runs.
 - Operators (the platform's own CLI on a control host) pull, push and delete.
-- A tenant's images live under ``tenants/<tenant>/``: it pulls and pushes there and
-  nowhere else, and pulls the platform's images (every repository outside
+- A tenant's images live under ``tenants/<tenant>/``: it pulls, pushes and deletes
+  there and nowhere else (what it deletes stops counting against its quota and its
+  bill), and pulls the platform's images (every repository outside
   ``tenants/``), which its images may start FROM. Another tenant's are not readable:
   private by default. A create that names another tenant's image is refused by the
   scheduler (:func:`may_use`) before any node pulls it with its own, wider, login.
@@ -52,7 +53,7 @@ PUBLIC = "*"
 #: Where tenants' images live: ``tenants/<tenant>/<name>``.
 TENANTS = "tenants"
 #: What a tenant may do in its own namespace, and elsewhere.
-OWN = frozenset({HubAction.PULL, HubAction.PUSH})
+OWN = frozenset(HubAction)
 PLATFORM = frozenset({HubAction.PULL})
 
 #: A repository path as the OCI distribution spec allows it (lower case components).

@@ -20,6 +20,13 @@ from app.domain.hub_access import job_of, owner_of
 KEPT = frozenset({"push", "delete"})
 
 
+class _Reference(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    digest: str = Field(min_length=1, max_length=200)
+    size: int = Field(0, ge=0)
+
+
 class _Target(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -28,6 +35,8 @@ class _Target(BaseModel):
     digest: str = Field(min_length=1, max_length=200)
     repository: str = Field(min_length=1, max_length=255)
     tag: str | None = Field(None, max_length=128)
+    #: A manifest's blobs (its configuration and layers).
+    references: list[_Reference] = Field(default_factory=list)
 
 
 class _Actor(BaseModel):
@@ -63,6 +72,8 @@ class HubEvent(BaseModel):
     digest: str
     media_type: str
     size: int
+    #: What a manifest push references (None: a blob, or a deletion).
+    refs: list[dict[str, str | int]] | None = None
 
 
 def read_envelope(body: object) -> tuple[list[HubEvent], int]:
@@ -94,6 +105,15 @@ def read_envelope(body: object) -> tuple[list[HubEvent], int]:
                 digest=target.digest,
                 media_type=target.media_type or "application/octet-stream",
                 size=target.size,
+                refs=_refs(event.action, target),
             )
         )
     return kept, dropped
+
+
+def _refs(action: str, target: _Target) -> list[dict[str, str | int]] | None:
+    """A manifest push's references as the audit keeps them; None for anything else
+    (a manifest is what names a tag or references blobs)."""
+    if action != "push" or not (target.references or target.tag is not None):
+        return None
+    return [{"digest": r.digest, "size": r.size} for r in target.references]

@@ -38,6 +38,12 @@ OCI_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
 DOCKER_LAYER = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+#: What a tag may name, as a HEAD asks for it (an index or list too: a deletion needs
+#: the digest of whatever the tag holds).
+ANY_MANIFEST = ", ".join((
+    OCI_MANIFEST, DOCKER_MANIFEST, "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+))  # fmt: skip
 #: The largest manifest or index an archive may hold (they are a few KiB).
 _MAX_JSON = 1 << 20
 #: What a rootfs image runs when a sandbox names no command, and finds its tools by.
@@ -159,6 +165,31 @@ class Images:
         body = {"repository": repository, "readers": tenants, "remove": remove}
         self._hub.call("POST", "/share", body, f"sharing {name}")
 
+    def delete(self, name: str, *, tag: str = "latest") -> list[str]:
+        """Delete this tenant's image ``name:tag`` from the hub; returns the manifest
+        digests deleted. The content goes with every tag of it in the repository (the
+        registry deletes by digest); creates of the name are refused from then on,
+        sandboxes running it keep running, and what only it held stops counting
+        against the tenant's quota and its bill (``image_storage``) at once."""
+        repository = tenant_repository(self.credential.subject, name)
+        if repository is None or TAG.fullmatch(tag) is None:
+            raise ConfigError(f"{name}:{tag} is not an image name the hub can hold")
+        ref = HubReference(repository, tag)
+        status, headers = self._call("HEAD", f"/v2/{repository}/manifests/{tag}", repository,
+                                     headers={"Accept": ANY_MANIFEST}, ok=(200, 404),
+                                     actions="pull,push,delete")  # fmt: skip
+        digests = {str(headers.get("Docker-Content-Digest"))} if status == 200 else set()
+        # What the name means may be other content than the tag holds now (a tag moved
+        # behind the SDK's back): that goes too.
+        held = self.list().get("images", [])
+        digests |= {str(i["digest"]) for i in held if i.get("name") == str(ref)}
+        if not digests - {"None"}:
+            raise ConfigError(f"{ref}: the hub holds no such image")
+        for digest in sorted(digests - {"None"}):
+            self._call("DELETE", f"/v2/{repository}/manifests/{digest}", repository,
+                       ok=(202, 404), actions="pull,push,delete")  # fmt: skip
+        return sorted(digests - {"None"})
+
     # --- the protocol ---------------------------------------------------------------
 
     def _blob(self, repository: str, digest: str, size: int, body: IO[bytes]) -> None:
@@ -178,6 +209,7 @@ class Images:
     def _call(
         self, method: str, path: str, repository: str, body: Any = None,
         headers: dict[str, str] | None = None, ok: tuple[int, ...] = (200, 201, 202),
+        actions: str = "pull,push",
     ) -> tuple[int, Any]:  # fmt: skip
         url = path if path.startswith("https://") else f"https://{self.settings.hub}{path}"
         for attempt in range(2):
@@ -191,7 +223,8 @@ class Images:
                 if exc.code in ok:
                     return exc.code, exc.headers
                 if exc.code == 401 and attempt == 0:
-                    self._token = self._login(exc.headers.get("WWW-Authenticate", ""), repository)
+                    challenge = exc.headers.get("WWW-Authenticate", "")
+                    self._token = self._login(challenge, repository, actions)
                     if hasattr(body, "seek"):
                         body.seek(0)
                     continue
@@ -201,13 +234,13 @@ class Images:
                 raise PushError(f"the hub at {self.settings.hub} did not answer: {exc}") from exc
         raise PushError(f"{method} {path}: the hub refused this tenant's login")
 
-    def _login(self, challenge: str, repository: str) -> str:
-        """A token for pushing to ``repository``, from the realm the hub named."""
+    def _login(self, challenge: str, repository: str, actions: str) -> str:
+        """A token for ``actions`` on ``repository``, from the realm the hub named."""
         fields = read_challenge(challenge)
         realm, service = fields.get("realm"), fields.get("service", "")
         if not challenge.startswith("Bearer ") or not realm or not realm.startswith("https://"):
             raise PushError(f"the hub asked for an unexpected login: {challenge!r}")
-        scope = f"repository:{repository}:pull,push"
+        scope = f"repository:{repository}:{actions}"
         query = urllib.parse.urlencode({"service": service, "scope": scope})
         request = urllib.request.Request(
             f"{realm}?{query}", headers={"Authorization": self._hub.basic()}
@@ -217,6 +250,13 @@ class Images:
                 return str(json.load(r)["token"])
         except (OSError, ValueError, KeyError) as exc:
             raise PushError(f"no token from the hub's token service: {exc}") from exc
+
+    # Last in the class: its name would stand for the builtin in annotations below it.
+    def list(self) -> dict[str, Any]:
+        """This tenant's images the hub holds (``name``, ``digest``, ``pushed_at``,
+        ``size``), with what they hold together and its quota: ``{"images": [...],
+        "held_bytes": N, "quota_mb": M or None}``."""
+        return dict(self._hub.call("GET", "/images", None, "listing images"))
 
 
 def _archive_kind(path: Path) -> str:

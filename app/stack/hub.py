@@ -86,8 +86,10 @@ def prepare(settings: Settings) -> None:
             }
         },
         "health": {"storagedriver": {"enabled": False}},
-        # Pushes and deletions, reported to the token service for the audit trail.
+        # Pushes and deletions, reported to the token service for the audit trail; a
+        # manifest's report names the blobs it references (what its deletion releases).
         "notifications": {
+            "events": {"includereferences": True},
             "endpoints": [
                 {
                     "name": "dsec-audit",
@@ -98,7 +100,7 @@ def prepare(settings: Settings) -> None:
                     "backoff": "5s",
                     "ignore": {"actions": ["pull"]},
                 }
-            ]
+            ],
         },
     }
     # JSON is YAML: the registry reads this as its configuration.

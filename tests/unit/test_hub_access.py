@@ -92,11 +92,11 @@ def test_the_hub_password_is_derived_from_the_secret_and_checked_in_constant_tim
 @pytest.mark.parametrize(
     ("repository", "asked", "granted"),
     [
-        ("tenants/acme/tools", ("pull", "push", "delete"), ("pull", "push")),
+        ("tenants/acme/tools", ("pull", "push", "delete"), ("pull", "push", "delete")),
         ("tenants/acme/deep/tools", ("pull", "push"), ("pull", "push")),
-        ("tenants/other/tools", ("pull", "push"), ()),  # private by default
+        ("tenants/other/tools", ("pull", "push", "delete"), ()),  # private by default
         ("tenants/acmex/tools", ("pull",), ()),  # a prefix of a name is not the name
-        ("dsec/busybox", ("pull", "push"), ("pull",)),  # FROM the platform's
+        ("dsec/busybox", ("pull", "push", "delete"), ("pull",)),  # FROM the platform's
         ("tenants/acme", ("pull", "push"), ("pull",)),  # no name under it: the platform's
     ],
 )
@@ -131,7 +131,7 @@ def test_names_that_could_reach_an_image_by_other_means_are_refused(image: str) 
 
 
 def test_a_shared_repository_is_readable_by_its_readers_only() -> None:
-    scope = Scope("repository", "tenants/acme/tools", ("pull", "push"))
+    scope = Scope("repository", "tenants/acme/tools", ("pull", "push", "delete"))
     assert grant(Role.TENANT, scope, "bob", readers={"bob"}).actions == ("pull",)
     assert grant(Role.TENANT, scope, "eve", readers={"bob"}).actions == ()
     assert grant(Role.TENANT, scope, "eve", readers={"*"}).actions == ("pull",)

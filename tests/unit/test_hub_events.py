@@ -58,3 +58,24 @@ def test_pulls_are_not_kept_and_malformed_events_are_counted_not_half_read() -> 
     assert kept == [] and dropped == 3
     assert read_envelope({"nothing": 1}) == ([], 1)
     assert read_envelope([1, 2]) == ([], 1)
+
+
+def test_a_manifest_push_keeps_the_blobs_it_references_and_nothing_else_does() -> None:
+    layers = [{"mediaType": "x", "digest": "sha256:c1", "size": 9}, {"digest": "sha256:l1",
+              "size": 1_000_000, "urls": ["ignored"]}]  # fmt: skip
+    body = {
+        "events": [
+            _event("push", tag="1", references=layers),
+            _event(
+                "push", digest="sha256:l1", size=1_000_000, mediaType="application/octet-stream"
+            ),
+            _event("delete", digest="sha256:aa"),
+        ]
+    }
+    manifest, blob, deletion = read_envelope(body)[0]
+    assert manifest.refs == [{"digest": "sha256:c1", "size": 9},
+                             {"digest": "sha256:l1", "size": 1_000_000}]  # fmt: skip
+    assert blob.refs is None and deletion.refs is None
+    # a reference without a digest is malformed: the event is dropped, never half-kept
+    broken = _event("push", tag="2", references=[{"size": 3}])
+    assert read_envelope({"events": [broken]}) == ([], 1)
