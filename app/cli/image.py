@@ -390,3 +390,22 @@ def delete(
     except (ConfigError, PushError) as exc:
         raise _fail(str(exc)) from None
     console.print(f"[green]✓[/] deleted {image}:{tag} ({', '.join(digests)})")
+
+
+@image_cli.command()
+def gc(
+    dry_run: Annotated[bool, typer.Option(help="Say what would go; remove nothing.")] = False,
+) -> None:
+    """Free the hub's disk of layers no image references any more (what deleted images
+    held). Run as root on the hub's host: the hub stops for its length (seconds for
+    thousands of blobs) and serves again after; pushes and pulls meanwhile fail."""
+    from app.errors import ConfigError
+    from app.stack import hub
+
+    try:
+        before, after, summary = hub.collect_garbage(get_settings(), dry_run)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    freed = "would free" if dry_run else "freed"
+    console.print(f"[green]✓[/] {summary}; {freed} {(before - after) / 1e6:.1f} MB of "
+                  f"{before / 1e6:.1f} MB")  # fmt: skip

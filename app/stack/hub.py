@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from app import secret_files
@@ -35,6 +36,7 @@ from app.control.hub_auth import (
     token_cert_file,
     token_key_file,
 )
+from app.errors import ConfigError
 from app.stack import tls
 from app.stack.process import Service, port_open
 
@@ -139,6 +141,45 @@ def auth_service(settings: Settings) -> Service:
 def services(settings: Settings) -> list[Service]:
     """The hub's processes, token service first ([] when the stack has no hub)."""
     return [auth_service(settings), registry_service(settings)] if settings.hub else []
+
+
+def storage_bytes(settings: Settings) -> int:
+    """Bytes the hub's storage holds on disk."""
+    return sum(f.stat().st_size for f in (hub_dir(settings) / "storage").rglob("*") if f.is_file())
+
+
+#: How long the hub may take to serve again after its garbage collection.
+READY_S = 30.0
+
+
+def collect_garbage(settings: Settings, dry_run: bool = False) -> tuple[int, int, str]:
+    """Free the hub's disk of the blobs no manifest references any more (what deleted
+    images held): the registry stops for the length of its garbage collection, which
+    must not run beside it, and starts again. Manifests a tag no longer names are kept:
+    a tenant's image name means its first push, which a moved tag leaves untagged.
+    Returns the storage's bytes before and after, and the collector's summary line."""
+    import subprocess
+
+    registry = registry_service(settings)
+    before = storage_bytes(settings)
+    stopped = registry.stop(settings)
+    try:
+        argv = ["docker-registry", "garbage-collect", str(config_file(settings))]
+        done = subprocess.run(
+            argv + (["--dry-run"] if dry_run else []), capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise ConfigError(f"the hub's garbage collection failed: {done.stderr.strip()[-500:]}")
+    finally:
+        if stopped:
+            registry.start(settings)
+            deadline = time.monotonic() + READY_S
+            while registry.ready is not None and not registry.ready():
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"the hub did not serve again within {READY_S:.0f} s")
+                time.sleep(0.1)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    return before, storage_bytes(settings), lines[-1] if lines else ""
 
 
 def run(settings: Settings) -> None:

@@ -204,3 +204,48 @@ def test_deleting_images_brings_a_tenant_back_under_its_megabytes_quota(
             assert f"tenants/{tenant}/tools:2" in held.output and '"quota_mb": 1' in held.output
     finally:
         forget_tenant(stack, tenant)
+
+
+def test_the_hubs_garbage_collection_frees_what_deleted_images_held_and_no_more(
+    stack: Settings, db: Any, tmp_path: Path
+) -> None:
+    tenant = f"hubg{uuid.uuid4().hex[:6]}"
+    blobs = stack.state_dir / "hub" / "storage" / "docker" / "registry" / "v2" / "blobs"
+
+    def on_disk(digest: str) -> bool:
+        hexa = digest.removeprefix("sha256:")
+        return (blobs / "sha256" / hexa[:2] / hexa / "data").exists()
+
+    try:
+        with tenant_client(stack, tenant, "hub") as client:
+            # Given two images of a tenant, each with a layer of its own
+            layers = {}
+            for name in ("gone", "kept"):
+                rootfs = tmp_path / f"{name}.tar"
+                rootfs.write_bytes(_rootfs(f"{name} {tenant}"))
+                client.images.push(name, rootfs, tag="1")
+                with db() as conn:
+                    refs = wait_for(
+                        lambda n=name: conn.execute(
+                            text("SELECT refs FROM hub_events WHERE repository = :r AND tag = '1'"),
+                            {"r": f"tenants/{tenant}/{n}"},
+                        ).scalar(),
+                        20,
+                        "the manifest's references",
+                    )
+                layers[name] = max(refs, key=lambda r: r["size"])["digest"]
+                assert on_disk(layers[name])
+            # When one is deleted, its layer is still on the hub's disk
+            client.images.delete("gone", tag="1")
+            assert on_disk(layers["gone"])
+            # Then the operator's garbage collection frees it, and only it
+            done = runner.invoke(cli, ["image", "gc"])
+            assert done.exit_code == 0, done.output
+            assert "freed" in done.output
+            assert not on_disk(layers["gone"])
+            assert on_disk(layers["kept"])
+            # and the hub serves again at once: the kept image starts a sandbox
+            with client.create(image=f"tenants/{tenant}/kept:1") as sandbox:
+                assert sandbox.exec("cat /etc/marker").text == f"kept {tenant}"
+    finally:
+        forget_tenant(stack, tenant)
