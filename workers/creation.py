@@ -58,6 +58,10 @@ class ImageSource(Protocol):
         """Make the store's ``image`` the content ``digest`` (its first push)."""
         ...
 
+    def holds(self, image: str, digest: str) -> bool:
+        """Whether the store's ``image`` is the content ``digest`` already (no pull)."""
+        ...
+
     def forget(self, image: str) -> None:
         """``image`` may be gone from the store (check it again before trusting it)."""
         ...
@@ -213,8 +217,13 @@ class Creation:
                     f" ({node.egress_unenforced}): refused rather than unfenced"
                 )
             self.check_room()
-            # A claim hands a pre-started container over; None: start one cold.
-            claimed = node.warm.claim(spec) if node.warm is not None else None
+            # A claim hands a pre-started container over; None: start one cold. A warm
+            # container of a tenant's image serves only if the name still holds the
+            # content it was first pushed as (the cold path replaces it otherwise).
+            warm_ok = image_digest is None or (
+                node.images is not None and node.images.holds(spec.image, image_digest)
+            )
+            claimed = node.warm.claim(spec) if node.warm is not None and warm_ok else None
             if claimed is None:
                 spec.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
                 node.agents.register(request.sandbox_id, spec.run_dir)

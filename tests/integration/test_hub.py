@@ -674,7 +674,12 @@ def test_a_tag_moved_behind_the_sdks_back_changes_nothing_a_sandbox_runs(
             # and this node's store holds the moved content under the name (pulled by
             # its tag, as a node that never checked would have)
             node_key = credentials.load(credentials.node_file(stack, stack.node_id))
-            HubClient(stack, node_key).pull(image)
+            hub = HubClient(stack, node_key)
+            hub.pull(image)
+            # (a warm container of the name would not be handed over: the node sees that
+            # the name does not hold its first push)
+            assert not hub.holds(image, pushes[0].digest)
+            assert hub.holds(image, pushes[1].digest)
             # Then a sandbox of it runs what the name was first pushed as
             with client.create(image=image) as box:
                 assert box.exec("cat /etc/marker").text == "first-content"
@@ -688,6 +693,7 @@ def test_a_tag_moved_behind_the_sdks_back_changes_nothing_a_sandbox_runs(
             assert started == pushes[0].digest
             described = runner.invoke(cli, ["describe", box.id, "--json"])
             assert json.loads(described.output)["image_digest"] == pushes[0].digest
+            assert hub.holds(image, pushes[0].digest)  # the name holds its first push again
     finally:
         forget_tenant(stack, tenant)
         image_store.remove_image(f"tenants/{tenant}/tools:1", stack)

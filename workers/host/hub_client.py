@@ -171,6 +171,21 @@ class HubClient:
         self._after_pull(name, refresh=True)
         return took
 
+    def holds(self, image: str, digest: str) -> bool:
+        """Whether the store's ``image`` is already the manifest ``digest`` (never pulls:
+        what a warm container of the name runs is checked with it)."""
+        ref = hub_reference(image)
+        if ref is None:
+            return False
+        name = local_name(ref)
+        with self._lock(name):
+            if self._verified.get(name) == digest:
+                return True
+            if image_exists(name, self.settings) and digest in self._digests_of(name):
+                self._verified[name] = digest
+                return True
+        return False
+
     def prefetch(self, images: list[str], retry_s: float = PREFETCH_RETRY_S) -> None:
         """Pull each of ``images`` the store lacks, again every ``retry_s`` for those
         that failed (the hub may not answer yet as a node starts), until it has all."""
