@@ -220,10 +220,11 @@ class Creation:
             # A claim hands a pre-started container over; None: start one cold. A warm
             # container of a tenant's image serves only if the name still holds the
             # content it was first pushed as (the cold path replaces it otherwise).
-            warm_ok = image_digest is None or (
-                node.images is not None and node.images.holds(spec.image, image_digest)
-            )
-            claimed = node.warm.claim(spec) if node.warm is not None and warm_ok else None
+            warm = node.warm if node.warm is not None and node.warm.matches(spec) else None
+            if warm is not None and image_digest is not None:
+                held = node.images is not None and node.images.holds(spec.image, image_digest)
+                warm = warm if held else None
+            claimed = warm.claim(spec) if warm is not None else None
             if claimed is None:
                 spec.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
                 node.agents.register(request.sandbox_id, spec.run_dir)

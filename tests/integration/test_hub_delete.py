@@ -19,6 +19,7 @@ from app import credentials
 from app.cli.main import cli
 from app.config import Settings
 from app.errors import ConfigError, SandboxRejectedError
+from app.images import store as image_store
 from app.sdk.images import Images
 from tests.conftest import forget_tenant, tenant_client, wait_for
 from tests.integration.test_hub import _audit, _granted, _tls, _token
@@ -118,6 +119,14 @@ def test_an_owner_deletes_its_image_and_it_leaves_its_bill_and_its_creates(
             assert _storage(db, tenant)[0] > 1_000_000
     finally:
         forget_tenant(stack, tenant)
+        _leave_store(stack, f"tenants/{tenant}/tools:1")
+
+
+def _leave_store(settings: Settings, image: str) -> None:
+    """Take a pulled image out of the node's store again (a later test's disk budget
+    counts every pulled image)."""
+    wait_for(lambda: not image_store.image_users(image, settings), 30, "its sandboxes to go")
+    image_store.remove_image(image, settings)
 
 
 def _raw_delete(settings: Settings, repository: str, digest: str, token: str) -> int:
@@ -249,3 +258,4 @@ def test_the_hubs_garbage_collection_frees_what_deleted_images_held_and_no_more(
                 assert sandbox.exec("cat /etc/marker").text == f"kept {tenant}"
     finally:
         forget_tenant(stack, tenant)
+        _leave_store(stack, f"tenants/{tenant}/kept:1")
