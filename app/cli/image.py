@@ -374,11 +374,16 @@ def held(as_json: JsonOpt = False, tenant: TenantOpt = "") -> None:
 
 @image_cli.command()
 def delete(
-    name: Annotated[str, typer.Argument(help="The tenant's image, NAME[:TAG] (no tenants/).")],
+    name: Annotated[
+        str,
+        typer.Argument(help="The tenant's image, NAME[:TAG] (an operator: the whole name)."),
+    ],
     tenant: TenantOpt = "",
 ) -> None:
     """Delete a tenant's image from the hub: creates of it are refused from then on,
-    running sandboxes keep running, and what only it held leaves the quota and the bill."""
+    running sandboxes keep running, and what only it held leaves the quota and the bill.
+    With an operator's credential (`--tenant operator`), any image by its whole name
+    (`tenants/acme/tools:1`)."""
     from app.errors import ConfigError
     from app.sdk.hub_service import PushError
 

@@ -29,12 +29,23 @@ def record(conn: Connection, events: Iterable[HubEvent]) -> int:
 
 
 def repositories_of(conn: Connection, tenant: str) -> set[str]:
-    """The repositories ``tenant`` has pushed a manifest to."""
-    t = hub_events
+    """The repositories where ``tenant`` holds an image: a manifest pushed with a tag
+    and not deleted since (a repository whose images were all deleted is free again)."""
+    p, d = hub_events.alias("p"), hub_events.alias("d")
+    deleted_since = (
+        select(d.c.event_id)
+        .where(
+            d.c.action == "delete",
+            d.c.repository == p.c.repository,
+            d.c.digest == p.c.digest,
+            d.c.at >= p.c.at,
+        )
+        .exists()
+    )
     query = (
-        select(t.c.repository)
-        .where(t.c.tenant == tenant, t.c.action == "push", t.c.tag.is_not(None))
-        .group_by(t.c.repository)
+        select(p.c.repository)
+        .where(p.c.tenant == tenant, p.c.action == "push", p.c.tag.is_not(None), ~deleted_since)
+        .group_by(p.c.repository)
     )
     return {row.repository for row in conn.execute(query)}
 

@@ -27,7 +27,14 @@ from typing import IO, Any, Protocol
 
 from app.config import Settings
 from app.credentials import Credential
-from app.domain.hub_access import TAG, HubReference, oversize, tenant_repository
+from app.domain.hub_access import (
+    TAG,
+    HubReference,
+    oversize,
+    tenant_repository,
+    valid_repository,
+)
+from app.domain.proof import Role
 from app.errors import ConfigError
 from app.sdk.hub_service import HubService, PushError
 from app.sdk.hub_service import challenge as read_challenge
@@ -170,8 +177,14 @@ class Images:
         digests deleted. The content goes with every tag of it in the repository (the
         registry deletes by digest); creates of the name are refused from then on,
         sandboxes running it keep running, and what only it held stops counting
-        against the tenant's quota and its bill (``image_storage``) at once."""
-        repository = tenant_repository(self.credential.subject, name)
+        against the tenant's quota and its bill (``image_storage``) at once. An
+        operator's credential names any repository in full (``tenants/acme/tools``,
+        a platform image) and deletes what its tag holds now."""
+        operator = self.credential.role == Role.OPERATOR
+        repository = (
+            name if operator and valid_repository(name)
+            else tenant_repository(self.credential.subject, name)
+        )  # fmt: skip
         if repository is None or TAG.fullmatch(tag) is None:
             raise ConfigError(f"{name}:{tag} is not an image name the hub can hold")
         ref = HubReference(repository, tag)
@@ -181,8 +194,9 @@ class Images:
         digests = {str(headers.get("Docker-Content-Digest"))} if status == 200 else set()
         # What the name means may be other content than the tag holds now (a tag moved
         # behind the SDK's back): that goes too.
-        held = self.list().get("images", [])
-        digests |= {str(i["digest"]) for i in held if i.get("name") == str(ref)}
+        if not operator:
+            held = self.list().get("images", [])
+            digests |= {str(i["digest"]) for i in held if i.get("name") == str(ref)}
         if not digests - {"None"}:
             raise ConfigError(f"{ref}: the hub holds no such image")
         for digest in sorted(digests - {"None"}):

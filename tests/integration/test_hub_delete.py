@@ -259,3 +259,45 @@ def test_the_hubs_garbage_collection_frees_what_deleted_images_held_and_no_more(
     finally:
         forget_tenant(stack, tenant)
         _leave_store(stack, f"tenants/{tenant}/kept:1")
+
+
+def test_an_operator_deletes_a_tenants_image_and_its_repository_is_free_again(
+    stack: Settings, db: Any, tmp_path: Path
+) -> None:
+    tenant = f"hubp{uuid.uuid4().hex[:6]}"
+    rootfs = tmp_path / "rootfs.tar"
+    rootfs.write_bytes(_rootfs(tenant))
+    operator = credentials.for_client(stack, "operator")
+    try:
+        with tenant_client(stack, tenant, "hub") as client:
+            # Given a tenant allowed one image repository, which it holds
+            quota = runner.invoke(cli, ["tenant", "quota", tenant, "--images", "1"])
+            assert quota.exit_code == 0, quota.output
+            client.images.push("tools", rootfs, tag="1")
+            _manifest_recorded(db, tenant, "1")
+            other = f"repository:tenants/{tenant}/other:pull,push"
+            wait_for(
+                lambda: _granted(_token(stack, client.credential, other)) == ["pull"],
+                15,
+                "the repositories quota to hold",
+            )
+            # When an operator deletes it by its whole name (an abusive image, say)
+            done = runner.invoke(
+                cli, ["image", "delete", f"tenants/{tenant}/tools:1", "--tenant", "operator"]
+            )
+            assert done.exit_code == 0, done.output
+            # Then the audit trail names the operator's key, the tenant holds nothing,
+            deletions = wait_for(
+                lambda: [r for r in _audit(db, tenant) if r.action == "delete"], 20, "the audit"
+            )
+            assert {r.actor_key for r in deletions} == {operator.key_id}
+            assert client.images.list()["images"] == []
+            # and its one repository is free again: a new one takes a push
+            wait_for(
+                lambda: "push" in _granted(_token(stack, client.credential, other)),
+                15,
+                "the repository freed",
+            )
+            assert client.images.push("other", rootfs, tag="1") == f"tenants/{tenant}/other:1"
+    finally:
+        forget_tenant(stack, tenant)
