@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis as redis_lib
 from sqlalchemy import text
 
 from app.config import Settings
@@ -56,6 +57,11 @@ def state() -> Iterator[Path]:
 def _one(settings: Settings, sql: str, **params: Any) -> Any:
     with transaction(settings.database_url) as conn:
         return conn.execute(text(sql), params).first()
+
+
+def _holds_a_task(client: Any) -> bool:
+    """A queue (a Redis list) of ``client``'s holds a message."""
+    return any(client.type(key) == b"list" and client.llen(key) for key in client.keys("*"))
 
 
 def _sound(settings: Settings, since: datetime) -> None:
@@ -106,6 +112,11 @@ def test_a_create_lost_with_its_worker_and_redis_ends_create_lost_and_frees_its_
                              " WHERE job_id = :j AND state = 'scheduled'", j=job),
                 15, "the create placed on the node",
             )  # fmt: skip
+            # (the scheduler sends the task a moment after the log has the placement:
+            # it is in Redis before Redis dies, or a send retried into the new Redis
+            # would deliver it after all)
+            queued = redis_lib.Redis.from_url(redis_settings.celery_broker_url)
+            wait_for(lambda: _holds_a_task(queued), 15, "the create's task in Redis")
             # When Redis dies and comes back empty (the task lost for good), and the
             # worker comes back before its node is declared lost
             redis.kill()
