@@ -384,12 +384,11 @@ def delete(
     running sandboxes keep running, and what only it held leaves the quota and the bill.
     With an operator's credential (`--tenant operator`), any image by its whole name
     (`tenants/acme/tools:1`)."""
+    from app.domain.hub_access import split_tag
     from app.errors import ConfigError
     from app.sdk.hub_service import PushError
 
-    image, sep, tag = name.rpartition(":")
-    if not sep or "/" in tag:
-        image, tag = name, "latest"
+    image, tag = split_tag(name)
     try:
         digests = _tenant_images(tenant).delete(image, tag=tag)
     except (ConfigError, PushError) as exc:

@@ -5,9 +5,10 @@ images (``image_shares``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import BigInteger, Connection, DateTime, Text, column, delete, func, select, table
 from sqlalchemy.dialects.postgresql import insert
@@ -72,17 +73,26 @@ def name_pin(conn: Connection, repository: str, tag: str) -> NamePin:
     ).all()
     if not pushes:
         return NamePin(None)
-    deleted_at = conn.execute(
-        select(func.max(t.c.at)).where(
+    deleted = conn.execute(
+        select(t.c.digest, func.max(t.c.at))
+        .where(
             t.c.action == "delete",
             t.c.repository == repository,
             t.c.digest.in_({row.digest for row in pushes}),
         )
-    ).scalar()
-    for row in pushes:
-        if deleted_at is None or row.at > deleted_at:
-            return NamePin(str(row.digest))
-    return NamePin(None, deleted=True)
+        .group_by(t.c.digest)
+    ).all()
+    first = _first_live(pushes, dict(deleted))
+    return NamePin(str(first.digest)) if first is not None else NamePin(None, deleted=True)
+
+
+def _first_live(pushes: Sequence[Any], deleted: Mapping[str, datetime]) -> Any | None:
+    """Of a name's pushes (oldest first, each with its ``digest`` and ``at``), the one it
+    means: the first after the last deletion (``deleted``: when each digest was last
+    deleted in the name's repository) of content it was pushed with; None: deleted."""
+    times = [deleted[row.digest] for row in pushes if row.digest in deleted]
+    deleted_at = max(times, default=None)
+    return next((row for row in pushes if deleted_at is None or row.at > deleted_at), None)
 
 
 def last_deletion(conn: Connection) -> datetime | None:
@@ -103,22 +113,30 @@ class HeldImage:
 
 
 def images_of(conn: Connection, tenant: str) -> list[HeldImage]:
-    """``tenant``'s images the hub holds: each name whose meaning was not deleted."""
+    """``tenant``'s images the hub holds: each name whose meaning was not deleted
+    (what :func:`name_pin` says of each, in two queries for all of them)."""
     t = hub_events
     rows = conn.execute(
         select(t.c.repository, t.c.tag, t.c.digest, t.c.at, t.c.size, t.c.refs)
         .where(t.c.tenant == tenant, t.c.action == "push", t.c.tag.is_not(None))
         .order_by(t.c.at, t.c.event_id)
     ).all()
+    deleted: dict[str, dict[str, datetime]] = {}
+    for repository, digest, at in conn.execute(
+        select(t.c.repository, t.c.digest, func.max(t.c.at))
+        .where(t.c.tenant == tenant, t.c.action == "delete")
+        .group_by(t.c.repository, t.c.digest)
+    ):
+        deleted.setdefault(repository, {})[digest] = at
+    names: dict[tuple[str, str], list[Any]] = {}
+    for row in rows:
+        names.setdefault((row.repository, row.tag), []).append(row)
     held: list[HeldImage] = []
-    for repository, tag in dict.fromkeys((row.repository, row.tag) for row in rows):
-        pin = name_pin(conn, repository, tag)
-        first = next((r for r in rows if r.repository == repository and r.tag == tag
-                      and r.digest == pin.digest), None)  # fmt: skip
-        if first is None:
-            continue
-        size = first.size + sum(int(ref.get("size", 0)) for ref in first.refs or ())
-        held.append(HeldImage(f"{repository}:{tag}", str(first.digest), first.at, size))
+    for (repository, tag), pushes in names.items():
+        first = _first_live(pushes, deleted.get(repository, {}))
+        if first is not None:
+            size = first.size + sum(int(ref.get("size", 0)) for ref in first.refs or ())
+            held.append(HeldImage(f"{repository}:{tag}", str(first.digest), first.at, size))
     return held
 
 

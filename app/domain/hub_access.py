@@ -146,14 +146,19 @@ class HubReference:
         return f"{self.repository}:{self.tag}"
 
 
+def split_tag(name: str) -> tuple[str, str]:
+    """``name`` as repository and tag (``latest`` where it names none; a ``:`` before
+    the last ``/`` is a registry's port, not a tag)."""
+    repository, sep, tag = name.rpartition(":")
+    return (repository, tag) if sep and "/" not in tag else (name, "latest")
+
+
 def hub_reference(image: str) -> HubReference | None:
     """The hub's name for a sandbox's ``image`` (``team/tools:1``, ``tools``), or None
     for a name the hub cannot hold: one naming another registry, a digest, or bad
     characters. ``localhost/`` (how the layer store names local images) is dropped."""
     name = image.removeprefix("localhost/")
-    repository, sep, tag = name.rpartition(":")
-    if not sep or "/" in tag:
-        repository, tag = name, "latest"
+    repository, tag = split_tag(name)
     first = repository.split("/", 1)[0]
     if "." in first or ":" in first or "@" in name:
         return None  # another registry's host, or a digest

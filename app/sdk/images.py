@@ -191,18 +191,19 @@ class Images:
         status, headers = self._call("HEAD", f"/v2/{repository}/manifests/{tag}", repository,
                                      headers={"Accept": ANY_MANIFEST}, ok=(200, 404),
                                      actions="pull,push,delete")  # fmt: skip
-        digests = {str(headers.get("Docker-Content-Digest"))} if status == 200 else set()
+        current = headers.get("Docker-Content-Digest") if status == 200 else None
+        digests = {str(current)} if current else set()
         # What the name means may be other content than the tag holds now (a tag moved
         # behind the SDK's back): that goes too.
         if not operator:
             held = self.list().get("images", [])
             digests |= {str(i["digest"]) for i in held if i.get("name") == str(ref)}
-        if not digests - {"None"}:
+        if not digests:
             raise ConfigError(f"{ref}: the hub holds no such image")
-        for digest in sorted(digests - {"None"}):
+        for digest in sorted(digests):
             self._call("DELETE", f"/v2/{repository}/manifests/{digest}", repository,
                        ok=(202, 404), actions="pull,push,delete")  # fmt: skip
-        return sorted(digests - {"None"})
+        return sorted(digests)
 
     # --- the protocol ---------------------------------------------------------------
 

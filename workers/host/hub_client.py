@@ -155,17 +155,14 @@ class HubClient:
         ref = self._reference(image)
         name = local_name(ref)
         with self._lock(name):
-            if self._verified.get(name) == digest:
+            held = self._verify(name, digest)
+            if held:
                 return 0.0
-            if image_exists(name, self.settings):
-                if digest in self._digests_of(name):
-                    self._verified[name] = digest
-                    return 0.0
-                if store_podman(self.settings, "rmi", name, check=False).returncode != 0:
-                    raise ImageRefused(
-                        f"image {image} on this node is not what its name was first pushed"
-                        f" as ({digest[:19]}...) and a container uses it: refused"
-                    )
+            if held is False and store_podman(self.settings, "rmi", name, check=False).returncode:
+                raise ImageRefused(
+                    f"image {image} on this node is not what its name was first pushed"
+                    f" as ({digest[:19]}...) and a container uses it: refused"
+                )
             took = self._fetch(image, ref, f"{ref.repository}@{digest}", name)
             self._verified[name] = digest
         self._after_pull(name, refresh=True)
@@ -179,12 +176,19 @@ class HubClient:
             return False
         name = local_name(ref)
         with self._lock(name):
-            if self._verified.get(name) == digest:
-                return True
-            if image_exists(name, self.settings) and digest in self._digests_of(name):
-                self._verified[name] = digest
-                return True
-        return False
+            return self._verify(name, digest) is True
+
+    def _verify(self, name: str, digest: str) -> bool | None:
+        """Whether the store's ``name`` is the manifest ``digest`` (None: no such image
+        in the store). Called under the name's lock; a match is remembered."""
+        if self._verified.get(name) == digest:
+            return True
+        if not image_exists(name, self.settings):
+            return None
+        if digest not in self._digests_of(name):
+            return False
+        self._verified[name] = digest
+        return True
 
     def prefetch(self, images: list[str], retry_s: float = PREFETCH_RETRY_S) -> None:
         """Pull each of ``images`` the store lacks, again every ``retry_s`` for those
