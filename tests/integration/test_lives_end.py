@@ -103,13 +103,17 @@ def test_a_create_lost_with_its_worker_and_redis_ends_create_lost_and_frees_its_
             ThreadPoolExecutor(1) as pool,
         ):
             worker.start()
-            first_sandbox(client, node).close()  # the node serves
+            served = first_sandbox(client, node)  # the node serves
+            served.close()
             # Given the node's worker killed, and a create placed on it meanwhile
             worker.kill()
             waiting = pool.submit(client.create, timeout_s=120)
+            # (not the first sandbox: its row may still say 'scheduled' while the
+            # projector gathers the rest of its life)
             placed = wait_for(
                 lambda: _one(side.settings, "SELECT sandbox_id FROM sandboxes"
-                             " WHERE job_id = :j AND state = 'scheduled'", j=job),
+                             " WHERE job_id = :j AND state = 'scheduled' AND sandbox_id <> :s",
+                             j=job, s=served.id),
                 15, "the create placed on the node",
             )  # fmt: skip
             # (the scheduler sends the task a moment after the log has the placement:
