@@ -37,7 +37,7 @@ from workers.host.podman_watch import PodmanWatch
 from workers.host.setup import ensure_node_user, fence_egress
 from workers.inbox import READY_WAIT_S, Inbox
 from workers.ports import PortProxy
-from workers.redis_state import Claims, Routes, StepGuard, claim_ttl_s, connect
+from workers.redis_state import Claims, Routes, StepGuard, claim_ttl_s, connect, connect_claims
 from workers.upkeep import Upkeep
 from workers.warm_pool import WarmPool
 
@@ -84,7 +84,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
     store = connect(settings.celery_broker_url)
     courier = Courier(settings, credential, lambda: Publisher(settings, login=credential.kafka))
     ttl_s = claim_ttl_s(settings.request_max_age_s)
-    claims = Claims(store, node_id, credential.secret, ttl_s)
+    claims = Claims(connect_claims(settings.celery_broker_url), node_id, credential.secret, ttl_s)
     routes = Routes(store, node_id, credential.secret, ttl_s)
     node = Node(
         settings, node_id, driver, agents, credential, courier, claims, StepGuard(store), tally,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -47,6 +48,7 @@ from app.domain.records import StoredOffset
 from app.domain.requests import Exec
 from app.domain.trajectory import RecordedStep
 from workers.errors import RedisFailed, RedisUnavailable
+from workers.socket_timeout import set_read_timeout, set_write_timeout
 from workers.state_port import DirectRoute
 
 log = logging.getLogger(__name__)
@@ -87,9 +89,45 @@ return 0
 """
 
 
+# Both hashes in one round trip (a command's scope is in one of them).
+_ANSWERED = """
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+"""
+
+
+#: How long a call on the claims' connection may wait for Redis.
+CLAIMS_TIMEOUT_S = 5.0
+
+
+class _KernelTimed(redis.Connection):
+    """A connection whose socket blocks, with its timeouts kept by the kernel
+    (workers/socket_timeout.py): each round trip is a write and a read, no polls."""
+
+    def _connect(self) -> socket.socket:
+        sock: socket.socket = super()._connect()  # type: ignore[no-untyped-call]
+        set_read_timeout(sock, CLAIMS_TIMEOUT_S)
+        set_write_timeout(sock, CLAIMS_TIMEOUT_S)
+        return sock
+
+
 def connect(url: str) -> redis.Redis:
     """A client of the Redis at ``url`` (connecting on first use)."""
     return redis.Redis.from_url(url)
+
+
+def connect_claims(url: str) -> redis.Redis:
+    """The client of the claims, which are on every command's path twice: one
+    connection, shared under a lock (a pooled one is checked before every use, for
+    data left unread and for its owning process: four system calls), blocking with
+    kernel timeouts. It connects at once."""
+    return redis.Redis.from_url(
+        url,
+        single_connection_client=True,
+        connection_class=_KernelTimed,
+        socket_timeout=None,
+        socket_connect_timeout=CLAIMS_TIMEOUT_S,
+    )
 
 
 def _translated(call: Callable[P, T]) -> Callable[P, T]:
@@ -119,6 +157,7 @@ class Claims:
         self._in_flight = f"dsec:inflight:{node_id}"
         self._tasks = f"dsec:inflight-tasks:{node_id}"
         self._claim: Any = client.register_script(_CLAIM)
+        self._answered: Any = client.register_script(_ANSWERED)
 
     @_translated
     def claim(self, request: Exec, reply_key: bytes | None) -> bool:
@@ -137,10 +176,7 @@ class Claims:
     def answered(self, scope: str) -> None:
         """The command or task of the request of ``scope`` was answered (or will never
         need to be)."""
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hdel(self._in_flight, scope)
-        pipe.hdel(self._tasks, scope)
-        pipe.execute()
+        self._answered(keys=[self._in_flight, self._tasks], args=[scope])
 
     @_translated
     def hold(self, scope: str, task: str, args: list[str]) -> None:

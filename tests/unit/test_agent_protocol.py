@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from workers.agent.connection import AgentConnection, peer_is_sandbox_init
-from workers.agent.errors import AgentProtocolError
+from workers.agent.errors import AgentProtocolError, AgentTimeout
 from workers.agent.messages import (
     HEADER_LEN,
     MAX_REQUEST_FRAME,
@@ -328,6 +328,38 @@ def test_the_host_enforces_the_file_size_it_asked_for() -> None:
     conn, server, fake_agent = _fake_agent(encode_response(ReadFileResult(b"y" * 100, False)))
     with pytest.raises(AgentProtocolError):
         conn.read_file("/workspace/x", max_bytes=10)
+    fake_agent.close()
+    server.join()
+
+
+def test_bytes_after_a_response_are_refused_not_kept_for_the_next_request() -> None:
+    # A forged answer sent ahead, in the same write as the real one: read as the next
+    # request's answer, it would be believed.
+    forged = encode_response(AgentExecResult(0, b"all tests passed", b""))
+    conn, server, fake_agent = _fake_agent(
+        encode_response(AgentExecResult(1, b"", b"failed")) + forged
+    )
+    with pytest.raises(AgentProtocolError, match="after its response"):
+        conn.exec(["pytest"], max_output=1024)
+    assert conn.closed
+    fake_agent.close()
+    server.join()
+
+
+def test_a_silent_agent_times_out_and_a_slow_large_answer_is_read_whole() -> None:
+    conn, server, fake_agent = _fake_agent()  # reads the request, never answers
+    with pytest.raises(AgentTimeout):
+        conn.request(PingRequest(), timeout_s=0.2)
+    assert conn.closed
+    fake_agent.close()
+    server.join()
+    # A frame larger than one read, coming in pieces, is read to its exact length.
+    data = bytes(range(256)) * 1024  # 256 KiB
+    whole = encode_response(ReadFileResult(data, False))
+    conn, server, fake_agent = _fake_agent(whole[:1000], whole[1000:200_000], whole[200_000:])
+    assert conn.read_file("/workspace/big", max_bytes=len(data)) == (data, False)
+    assert not conn.closed
+    conn.close()
     fake_agent.close()
     server.join()
 

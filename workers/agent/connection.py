@@ -60,6 +60,7 @@ from workers.agent.protocol import (
     response_limit,
 )
 from workers.containers.spec import AGENT_SOCKET_NAME
+from workers.socket_timeout import set_read_timeout, set_write_timeout
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ EXEC_MARGIN_S = 5.0
 #: Socket timeout for PING and file transfers (at most 64 MiB each).
 IO_TIMEOUT_S = 30.0
 HELLO_FRAME_LEN = HEADER_LEN + HELLO_PAYLOAD_LEN
+#: Bytes asked of the socket at once while frames are small: a response's header and
+#: body, and a streamed command's next frames, come in one read instead of one each
+#: (each read a system call and a wait on this node's busiest path). A larger frame is
+#: read to its exact length.
+READ_CHUNK = 64 * 1024
 _UCRED = struct.Struct("3i")
 _DEAD_EVENTS = select.POLLHUP | select.POLLERR | select.POLLRDHUP | select.POLLNVAL
 
@@ -126,7 +132,17 @@ class AgentConnection:
         exec_margin_s: float = EXEC_MARGIN_S,
     ) -> None:
         self._sock = sock
+        # Blocking, its timeouts kept by the kernel (workers/socket_timeout.py).
         self._sock.setblocking(True)
+        self._read_timeout: float | None = None
+        self._write_timeout: float | None = None
+        # Read from the socket and not yet handed over: the start of the next frame.
+        self._pending = bytearray()
+        self._chunk = bytearray(READ_CHUNK)
+        # The round trip's timeout and deadline, and whether its first read was made.
+        self._timeout: float | None = None
+        self._deadline: float | None = None
+        self._reading = False
         self.hello = hello
         self.io_timeout_s = io_timeout_s
         self.exec_margin_s = exec_margin_s
@@ -256,16 +272,21 @@ class AgentConnection:
         with self._lock:
             if self._closed:
                 raise AgentUnavailable("agent connection is closed")
-            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            self._timeout = timeout_s
+            self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            self._reading = False
             try:
-                self._sock.settimeout(timeout_s)
-                self._sock.sendall(data)
+                if self._write_timeout != timeout_s:  # each set is a system call
+                    set_write_timeout(self._sock, timeout_s)
+                    self._write_timeout = timeout_s
+                try:
+                    self._sock.sendall(data)
+                except BlockingIOError as exc:
+                    raise TimeoutError from exc
                 op = op_of(request)
                 limit, caps = response_limit(request), CapCheck(request)
                 while True:
-                    header = self._recv_exact(HEADER_LEN, deadline)
-                    length = frame_length(header, limit)
-                    response = decode_response(op, self._recv_exact(length, deadline))
+                    response = decode_response(op, self._read_frame(limit))
                     caps.check(response)
                     if not isinstance(response, Output):
                         break
@@ -275,6 +296,12 @@ class AgentConnection:
                         except Exception:  # the command's result must still be read
                             log.exception("output handler failed: no more output passed on")
                             on_output = None
+                if self._pending:
+                    # More than the request asked for: whatever it is, it would be
+                    # read as the next request's answer.
+                    raise AgentProtocolError(
+                        f"agent sent {len(self._pending)} bytes after its response"
+                    )
             except TimeoutError as exc:
                 # A late answer would desynchronise the stream; closing also makes the
                 # agent kill the command.
@@ -290,21 +317,56 @@ class AgentConnection:
             raise AgentRefused(response.message, response.errno)
         return response
 
-    def _recv_exact(self, n: int, deadline: float | None) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        pos = 0
-        while pos < n:
-            if pos and deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError
-                self._sock.settimeout(remaining)
-            got = self._sock.recv_into(view[pos:])
-            if got == 0:
-                raise AgentUnavailable("agent closed the connection")
-            pos += got
-        return buf
+    def _read_frame(self, limit: int) -> bytearray:
+        """The next frame's payload, at most ``limit`` bytes."""
+        self._fill(HEADER_LEN)
+        length = frame_length(self._pending[:HEADER_LEN], limit)
+        end = HEADER_LEN + length
+        if end > READ_CHUNK and len(self._pending) < end:
+            # A large frame (a file, a long output) is read into its own buffer, to
+            # its exact length.
+            body = bytearray(length)
+            have = len(self._pending) - HEADER_LEN
+            body[:have] = self._pending[HEADER_LEN:]
+            self._pending.clear()
+            view = memoryview(body)
+            while have < length:
+                have += self._recv_into(view[have:])
+            return body
+        self._fill(end)
+        body = self._pending[HEADER_LEN:end]
+        del self._pending[:end]
+        return body
+
+    def _fill(self, n: int) -> None:
+        """Read until :attr:`_pending` holds ``n`` bytes (as many more as come in one
+        read, up to :data:`READ_CHUNK`)."""
+        while len(self._pending) < n:
+            want = max(n, READ_CHUNK) - len(self._pending)
+            view = memoryview(self._chunk)[: min(want, READ_CHUNK)]
+            got = self._recv_into(view)
+            self._pending += view[:got]
+
+    def _recv_into(self, view: memoryview) -> int:
+        """One read into ``view``, within the round trip's deadline: the first waits
+        the request's whole timeout (most requests have the same one: set once), the
+        next ones what is left of it."""
+        wait = self._timeout
+        if self._reading and self._deadline is not None:
+            wait = self._deadline - time.monotonic()
+            if wait <= 0:
+                raise TimeoutError
+        self._reading = True
+        if wait != self._read_timeout:
+            set_read_timeout(self._sock, wait)
+            self._read_timeout = wait
+        try:
+            got = self._sock.recv_into(view)
+        except BlockingIOError as exc:
+            raise TimeoutError from exc
+        if got == 0:
+            raise AgentUnavailable("agent closed the connection")
+        return got
 
     def _close_locked(self) -> None:
         self._closed = True

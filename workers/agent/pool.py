@@ -200,7 +200,7 @@ class AgentPool:
                         raise AgentUnavailable(f"sandbox {sandbox_id} has no agent listener")
                     alive: list[AgentConnection] = []
                     for conn in slot.conns:
-                        (alive if conn.is_alive() else dead).append(conn)
+                        (dead if conn.closed else alive).append(conn)
                     slot.conns = alive
                     now = time.monotonic()
                     chosen = next((conn for conn in alive if conn.users == 0), None)
@@ -214,6 +214,12 @@ class AgentPool:
                         )
                     ):
                         chosen = min(alive, key=lambda conn: conn.users)
+                    if chosen is not None and not chosen.is_alive():
+                        # Only the one chosen is asked (a system call under the pool's
+                        # lock, on every command); the others when their turn comes.
+                        slot.conns.remove(chosen)
+                        dead.append(chosen)
+                        continue
                     if chosen is not None:
                         if hold:
                             chosen.users += 1
