@@ -16,6 +16,7 @@ from app.domain.codec import DeadLetterReason
 from app.domain.direct import DirectRefusal, DirectRules, admit_direct
 from app.domain.node_tasks import NodeTask, revoked_keys, unseal
 from app.domain.records import Record
+from app.domain.requests import Exec
 from workers import runtime, tasks
 from workers.errors import DirectRefused, SandboxNotRunning
 
@@ -32,9 +33,16 @@ def rules(settings: Settings, reply_partitions: Callable[[str], int | None]) -> 
     )
 
 
-def carry_out(record: Record, rules: DirectRules, consumer: str) -> None:
+def carry_out(
+    record: Record,
+    rules: DirectRules,
+    consumer: str,
+    starts: list[tuple[Exec, bytes | None]] | None = None,
+) -> None:
     """Start the command a direct record carries, or refuse it: answered under the
-    sandbox's key where it is proven, else dead-lettered and answered never."""
+    sandbox's key where it is proven, else dead-lettered and answered never. With
+    ``starts``, a command to start is added there instead (claimed and started with
+    the others read with it)."""
     node = runtime.node()
     sandbox_id = record.key.decode(errors="replace") if record.key else ""
     route = node.routes.route(sandbox_id) if sandbox_id else None
@@ -65,7 +73,10 @@ def carry_out(record: Record, rules: DirectRules, consumer: str) -> None:
             node.failures.fail(request, failure)
         return
     node.tally.task("direct", "ok")
-    tasks.start_command(request, reply_key)
+    if starts is not None:
+        starts.append((request, reply_key))
+    else:
+        tasks.start_command(request, reply_key)
 
 
 def revoke(args: list[str], consumer: str) -> None:

@@ -166,7 +166,29 @@ class ExecPath:
         task again) and return what is left to do, the command itself or the answer of
         a step another request runs; None if this request ran already. Until that job
         ends the command is recorded as in flight (see :meth:`answer_interrupted`)."""
-        claims = self.node.claims
+        if not self._fresh(request):
+            return None
+        return self._job(request, self.node.claims.claim(request, reply_key))
+
+    def admit_execs(
+        self, commands: list[tuple[Exec, bytes | None]]
+    ) -> list[tuple[Exec, bytes | None, Job]]:
+        """:meth:`admit_exec` for several commands read together, claimed in one round
+        trip to Redis: those left to do, in order, each with its reply key and job."""
+        fresh = [(request, key) for request, key in commands if self._fresh(request)]
+        if len(fresh) == 1:
+            claimed = [self.node.claims.claim(*fresh[0])]
+        else:
+            claimed = self.node.claims.claim_many(fresh) if fresh else []
+        admitted = []
+        for (request, key), won in zip(fresh, claimed, strict=True):
+            job = self._job(request, won)
+            if job is not None:
+                admitted.append((request, key, job))
+        return admitted
+
+    def _fresh(self, request: Exec) -> bool:
+        """True if the command may still run; a stale one is answered as such."""
         max_age_s = self.node.settings.request_max_age_s
         waited = (utcnow() - request.sent_at).total_seconds()
         if waited > max_age_s:
@@ -175,10 +197,15 @@ class ExecPath:
                 f"sent {waited:.0f}s ago, longer than DSEC_REQUEST_MAX_AGE_S"
                 f" ({max_age_s:g}s): no one waits for it"
             ))  # fmt: skip
-            return None
-        if not claims.claim(request, reply_key):
+            return False
+        return True
+
+    def _job(self, request: Exec, claimed: bool) -> Job | None:
+        """What is left to do for a command once its claim is known (None: it ran)."""
+        if not claimed:
             log.info("exec %s already ran on this node; skipping", request.request_id)
             return None
+        claims = self.node.claims
         traj, step = request.trajectory_id, request.step
         replayed = (
             traj is not None

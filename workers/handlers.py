@@ -263,6 +263,12 @@ class Node:
         """Claim an exec and return what is left to do; None if it ran already."""
         return self.execs.admit_exec(request, reply_key)
 
+    def admit_execs(
+        self, commands: list[tuple[Exec, bytes | None]]
+    ) -> list[tuple[Exec, bytes | None, Job]]:
+        """Claim several execs in one round trip; those left to do, with their jobs."""
+        return self.execs.admit_execs(commands)
+
     def answer_interrupted(self) -> int:
         """Answer (``interrupted``) the commands a previous worker left unanswered."""
         return self.execs.answer_interrupted()

@@ -33,6 +33,10 @@ class InMemoryClaims:
             self._in_flight[request.scope] = (request, reply_key)
             return True
 
+    def claim_many(self, commands: list[tuple[Exec, bytes | None]]) -> list[bool]:
+        """:meth:`claim` for each command, in order."""
+        return [self.claim(request, key) for request, key in commands]
+
     def answered(self, scope: str) -> None:
         """No longer in flight (the claim stays: the command never runs again)."""
         with self._lock:

@@ -164,13 +164,24 @@ class Claims:
         """True the first time ``request`` is seen (its id, from its sender: see
         :attr:`~app.domain.requests.RequestBase.scope`); it is then in flight here
         until :meth:`answered`."""
+        return bool(self._claim(**self._claim_call(request, reply_key)))
+
+    @_translated
+    def claim_many(self, commands: list[tuple[Exec, bytes | None]]) -> list[bool]:
+        """:meth:`claim` for each of ``commands`` (with its reply key), in one round
+        trip."""
+        pipe = self._redis.pipeline(transaction=False)
+        for request, reply_key in commands:
+            self._claim(**self._claim_call(request, reply_key), client=pipe)
+        return [bool(claimed) for claimed in pipe.execute()]
+
+    def _claim_call(self, request: Exec, reply_key: bytes | None) -> dict[str, list[Any]]:
         sealed = seal_secret(self._secret, reply_key) if reply_key else ""
         record = {"request": request.model_dump_json(), "reply_key_sealed": sealed}
-        claimed = self._claim(
-            keys=[f"dsec:done:{request.scope}", self._in_flight],
-            args=[self._node_id, self._claim_ttl_s, request.scope, json.dumps(record)],
-        )
-        return bool(claimed)
+        return {
+            "keys": [f"dsec:done:{request.scope}", self._in_flight],
+            "args": [self._node_id, self._claim_ttl_s, request.scope, json.dumps(record)],
+        }
 
     @_translated
     def answered(self, scope: str) -> None:

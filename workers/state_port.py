@@ -25,6 +25,10 @@ class ClaimStore(Protocol):
         :meth:`answered`."""
         ...
 
+    def claim_many(self, commands: list[tuple[Exec, bytes | None]]) -> list[bool]:
+        """:meth:`claim` for each command (with its reply key), at once."""
+        ...
+
     def answered(self, scope: str) -> None:
         """The command or task of the request of ``scope`` was answered."""
         ...

@@ -176,6 +176,18 @@ def start_command(request: Exec, reply_key: bytes | None) -> None:
         )
 
 
+def start_commands(commands: list[tuple[Exec, bytes | None]]) -> None:
+    """Claim commands read together in one round trip, and start them in order."""
+    node = runtime.node()
+    for request, reply_key, job in node.admit_execs(commands):
+        try:
+            node.commands.submit(
+                Running(request.request_id, request.sandbox_id, request.tenant), reply_key, job
+            )
+        except Exception:
+            log.exception("starting command %s failed", request.request_id)
+
+
 def _key(request: CreateSandbox, opened: Opened) -> SandboxKey | None:
     """The direct route's key the scheduler handed over with a create, if it did."""
     key_id = opened.envelope.sandbox_key_id

@@ -23,13 +23,15 @@ def stores(request: pytest.FixtureRequest) -> Iterator[tuple[ClaimStore, StepSto
     if request.param == "memory":
         yield InMemoryClaims(), InMemoryStepGuard()
         return
-    from workers.redis_state import Claims, StepGuard, connect
+    from workers.redis_state import Claims, StepGuard, connect, connect_claims
 
     stack: Settings = request.getfixturevalue("stack")
     client = connect(stack.celery_broker_url)
     # A node of its own: another test's (or node's) claims are not this one's.
     node = f"contract-{uuid.uuid4().hex[:8]}"
-    yield Claims(client, node, SECRET, 660), StepGuard(client)
+    own = connect_claims(stack.celery_broker_url)  # as a node's worker has it
+    yield Claims(own, node, SECRET, 660), StepGuard(client)
+    own.close()
     client.close()
 
 
@@ -57,6 +59,22 @@ def test_a_command_is_claimed_once_and_in_flight_until_answered(
     assert claims.unanswered() == []
     # Answered is not forgotten: the command never runs again.
     assert not claims.claim(command, REPLY_KEY)
+
+
+def test_commands_claimed_together_are_claimed_once_each_in_order(
+    stores: tuple[ClaimStore, StepStore],
+) -> None:
+    claims, _ = stores
+    first, second, third = _exec(), _exec(), _exec()
+    assert claims.claim(second, None)
+
+    assert claims.claim_many([(first, REPLY_KEY), (second, None), (third, None)]) == [
+        True, False, True
+    ]  # fmt: skip
+    assert claims.claim_many([(first, REPLY_KEY), (third, None)]) == [False, False]
+    in_flight = {found.request_id: key for _field, (found, key) in claims.unanswered()}
+    assert in_flight == {first.request_id: REPLY_KEY, second.request_id: None,
+                         third.request_id: None}  # fmt: skip
 
 
 def test_a_task_is_held_until_answered(stores: tuple[ClaimStore, StepStore]) -> None:

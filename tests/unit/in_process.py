@@ -147,9 +147,9 @@ class Platform:
         while (task := self.queue.take(self.settings.node_queue(NODE), wait_s=0)) is not None:
             tasks.carry_out(task[0], tuple(task[1]))
             moved += 1
-        for record in self._new(self.settings.node_topic(NODE)):
-            inbox.carry_out(record, self.direct_rules, f"inbox {NODE}")
-            moved += 1
+        records = self._new(self.settings.node_topic(NODE))
+        inbox.carry_out_all(records, self.direct_rules, f"inbox {NODE}")
+        moved += len(records)
         return moved
 
     def _send(self, out: Outbox) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -129,3 +129,43 @@ def test_a_revocation_is_sealed_for_its_node_alone() -> None:
     assert isinstance(unseal(NodeTask.REVOKE_KEYS, args, "k-node", other), str)
     # nor does it pass for another task
     assert isinstance(unseal(NodeTask.EXEC, args, "k-node", node), str)
+
+
+@dataclass(frozen=True)
+class _Polled:
+    """An inbox record as a poll returns it."""
+
+    key: bytes
+    headers: Sequence[tuple[str, bytes]] | None
+    topic: str = "dsec.node.n1"
+    partition: int = 0
+    offset: int = 0
+    value: bytes | None = b"sealed"
+
+
+def test_a_polls_direct_commands_start_together_and_before_what_follows_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Direct commands of one poll are claimed in one call; a record of another kind
+    (a scheduler's task: a kill, say) acts only after the commands read before it."""
+    from workers import inbox, runtime, tasks
+
+    done: list[Any] = []
+    proven = [("dsec-key", b"k")]
+
+    def direct_command(record: Any, rules: Any, name: str, starts: list[Any] | None = None) -> None:
+        assert starts is not None
+        starts.append((record.key.decode(), None))
+
+    monkeypatch.setattr(runtime, "node", lambda: object())
+    monkeypatch.setattr(inbox.direct, "carry_out", direct_command)
+    monkeypatch.setattr(inbox, "header", lambda headers, name: dict(headers or []).get(name))
+    monkeypatch.setattr(inbox, "HEADER_KEY", "dsec-key")
+    monkeypatch.setattr(inbox, "read_inbox_record", lambda value: (NodeTask.KILL_COMMAND, []))
+    monkeypatch.setattr(tasks, "perform", lambda task, args: done.append(task))
+    monkeypatch.setattr(tasks, "start_commands", lambda starts: done.append([c for c, _ in starts]))
+    records = [
+        _Polled(b"a", proven), _Polled(b"b", proven), _Polled(b"x", None), _Polled(b"c", proven)
+    ]  # fmt: skip
+    inbox.carry_out_all(records, cast(DirectRules, None), "inbox n1")
+    assert done == [["a", "b"], NodeTask.KILL_COMMAND, ["c"]]
