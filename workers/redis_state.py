@@ -117,13 +117,14 @@ def connect(url: str) -> redis.Redis:
 
 
 def connect_claims(url: str) -> redis.Redis:
-    """The client of the claims, which are on every command's path twice: one
-    connection, shared under a lock (a pooled one is checked before every use, for
-    data left unread and for its owning process: four system calls), blocking with
-    kernel timeouts. It connects at once."""
+    """The client of the claims, which are on every command's path: its sockets block,
+    with kernel timeouts. Pooled: the pool checks a connection before each use, which
+    is what finds one that a restarted Redis closed and opens another before the
+    command is sent (a single shared connection saved those system calls, but its
+    first command after a Redis restart failed, and a claim cannot be sent twice: a
+    second SET NX of the same claim would say the command already ran)."""
     return redis.Redis.from_url(
         url,
-        single_connection_client=True,
         connection_class=_KernelTimed,
         socket_timeout=None,
         socket_connect_timeout=CLAIMS_TIMEOUT_S,
