@@ -17,7 +17,7 @@ from app.domain.direct import DirectRefusal, DirectRules, admit_direct
 from app.domain.node_tasks import NodeTask, revoked_keys, unseal
 from app.domain.records import Record
 from app.domain.requests import Exec
-from workers import runtime, tasks
+from workers import runtime
 from workers.errors import DirectRefused, SandboxNotRunning
 
 log = logging.getLogger(__name__)
@@ -37,12 +37,12 @@ def carry_out(
     record: Record,
     rules: DirectRules,
     consumer: str,
-    starts: list[tuple[Exec, bytes | None]] | None = None,
+    starts: list[tuple[Exec, bytes | None]],
 ) -> None:
-    """Start the command a direct record carries, or refuse it: answered under the
-    sandbox's key where it is proven, else dead-lettered and answered never. With
-    ``starts``, a command to start is added there instead (claimed and started with
-    the others read with it)."""
+    """Take the command a direct record carries, or refuse it: answered under the
+    sandbox's key where it is proven, else dead-lettered and answered never. A command
+    to start is added to ``starts``, to be claimed and started with the others read
+    with it (workers/inbox.py)."""
     node = runtime.node()
     sandbox_id = record.key.decode(errors="replace") if record.key else ""
     route = node.routes.route(sandbox_id) if sandbox_id else None
@@ -73,10 +73,7 @@ def carry_out(
             node.failures.fail(request, failure)
         return
     node.tally.task("direct", "ok")
-    if starts is not None:
-        starts.append((request, reply_key))
-    else:
-        tasks.start_command(request, reply_key)
+    starts.append((request, reply_key))
 
 
 def revoke(args: list[str], consumer: str) -> None:

@@ -136,15 +136,15 @@ def carry_out(
     record: Record,
     rules: DirectRules,
     name: str,
-    starts: list[tuple[Exec, bytes | None]] | None = None,
+    starts: list[tuple[Exec, bytes | None]],
 ) -> None:
     """One inbox record: a trainer's direct command, a revocation, or a task the
     scheduler sealed; refused (dead-lettered) if none of these. Never raises: one bad
     record must not stop the node's inbox.
 
-    With ``starts``, direct commands gather there, to be claimed together (one round
-    trip to Redis for a whole poll's commands, not one each); any other record first
-    starts those gathered before it, so a record acts after everything read before it.
+    Direct commands gather in ``starts``, to be claimed together (one round trip to
+    Redis for a whole poll's commands, not one each); any other record first starts
+    those gathered before it, so a record acts after everything read before it.
     """
     node = runtime.node()
     if header(record.headers, HEADER_KEY) is not None:
@@ -153,8 +153,7 @@ def carry_out(
         except Exception:
             log.exception("%s: a direct command failed", name)
         return
-    if starts:
-        _start(starts)
+    _start(starts)
     opened = read_inbox_record(record.value or b"")
     if isinstance(opened, str):
         log.error("%s: refused a record: %s", name, opened)

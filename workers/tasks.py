@@ -41,7 +41,7 @@ from app.domain.requests import (
 )
 from workers import runtime
 from workers.celery_app import celery
-from workers.commands import Running
+from workers.commands import Job, Running
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=RequestBase)
@@ -168,24 +168,26 @@ def _start_command(request: Exec, opened: Opened) -> None:
 def start_command(request: Exec, reply_key: bytes | None) -> None:
     """Claim a command and start it off the calling thread (answered under
     ``reply_key``), whichever route it came by."""
-    node = runtime.node()
-    job = node.admit_exec(request, reply_key)
+    job = runtime.node().admit_exec(request, reply_key)
     if job is not None:
-        node.commands.submit(
-            Running(request.request_id, request.sandbox_id, request.tenant), reply_key, job
-        )
+        _submit(request, reply_key, job)
 
 
 def start_commands(commands: list[tuple[Exec, bytes | None]]) -> None:
-    """Claim commands read together in one round trip, and start them in order."""
-    node = runtime.node()
-    for request, reply_key, job in node.admit_execs(commands):
+    """Claim commands read together in one round trip, and start them in order (one
+    that cannot be started does not hold back the others)."""
+    for request, reply_key, job in runtime.node().admit_execs(commands):
         try:
-            node.commands.submit(
-                Running(request.request_id, request.sandbox_id, request.tenant), reply_key, job
-            )
+            _submit(request, reply_key, job)
         except Exception:
             log.exception("starting command %s failed", request.request_id)
+
+
+def _submit(request: Exec, reply_key: bytes | None, job: Job) -> None:
+    """Hand a claimed command to the node's commands, answered under ``reply_key``."""
+    runtime.node().commands.submit(
+        Running(request.request_id, request.sandbox_id, request.tenant), reply_key, job
+    )
 
 
 def _key(request: CreateSandbox, opened: Opened) -> SandboxKey | None:

@@ -341,9 +341,8 @@ class AgentConnection:
     def _fill(self, n: int) -> None:
         """Read until :attr:`_pending` holds ``n`` bytes (as many more as come in one
         read, up to :data:`READ_CHUNK`)."""
-        while len(self._pending) < n:
-            want = max(n, READ_CHUNK) - len(self._pending)
-            view = memoryview(self._chunk)[: min(want, READ_CHUNK)]
+        while len(self._pending) < n:  # n <= READ_CHUNK: larger frames go around
+            view = memoryview(self._chunk)[: READ_CHUNK - len(self._pending)]
             got = self._recv_into(view)
             self._pending += view[:got]
 
