@@ -31,7 +31,7 @@ from app.errors import ConfigError, SandboxFailedError, SandboxRejectedError
 from app.images import store as image_store
 from app.metrics import sample, scrape
 from app.sdk.images import PushError
-from tests.conftest import ensure_tenant, forget_tenant, tenant_client, wait_for
+from tests.conftest import ensure_tenant, forget_tenant, logged, tenant_client, wait_for
 from tests.integration.test_images import _rootfs
 from workers.errors import NodeError
 from workers.host.hub_client import HubClient
@@ -683,14 +683,12 @@ def test_a_tag_moved_behind_the_sdks_back_changes_nothing_a_sandbox_runs(
             # Then a sandbox of it runs what the name was first pushed as
             with client.create(image=image) as box:
                 assert box.exec("cat /etc/marker").text == "first-content"
-            # and its start in the log names the content it ran
-            with db() as conn:
-                started = conn.execute(
-                    text("SELECT payload->>'image_digest' FROM events"
-                         " WHERE sandbox_id = :s AND type = 'SandboxStarted'"),
-                    {"s": box.id},
-                ).scalar_one()  # fmt: skip
-            assert started == pushes[0].digest
+            # and its start in the log names the content it ran (the projector may still
+            # be gathering the sandbox's last events into one transaction)
+            started = wait_for(
+                lambda: logged(db, box.id, "image_digest", "SandboxStarted"), 20, "the start"
+            )
+            assert started == [pushes[0].digest]
             described = runner.invoke(cli, ["describe", box.id, "--json"])
             assert json.loads(described.output)["image_digest"] == pushes[0].digest
             assert hub.holds(image, pushes[0].digest)  # the name holds its first push again
