@@ -7,7 +7,8 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, func, insert, literal, select, update
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 
 from app.db.tables import credentials
 from app.domain.proof import Role
@@ -79,6 +80,17 @@ def load(conn: Connection, role: Role | None = None, subject: str | None = None
     if subject is not None:
         query = query.where(credentials.c.subject == subject)
     return [_row(r) for r in conn.execute(query).all()]
+
+
+def fingerprint(conn: Connection) -> str:
+    """A digest of every credential's id, owner and revocation: it changes whenever a
+    key is issued, revoked or removed, so a reader that keeps the table in memory asks
+    this one-row question instead of reading every row again."""
+    t = credentials
+    line = func.concat_ws(":", t.c.key_id, t.c.role, t.c.subject, t.c.revoked_at)
+    joined = func.string_agg(line, aggregate_order_by(literal(","), t.c.key_id))
+    digest = func.md5(func.coalesce(joined, ""))
+    return str(conn.execute(select(digest)).scalar_one())
 
 
 def find(conn: Connection, key_id: str) -> CredentialRow | None:

@@ -24,6 +24,7 @@ from sqlalchemy import text
 from app import bus
 from app.config import Settings
 from app.credentials import Credential
+from app.db import credentials
 from app.domain.base import utcnow
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload, SandboxStopped, StoppedPayload
@@ -526,11 +527,18 @@ def test_a_forged_or_malformed_inbox_record_runs_nothing(stack: Settings, box: S
 def test_a_revoked_credential_stops_working(stack: Settings, db: Any) -> None:
     from app.control import tenants
 
+    def table() -> str:  # what the keyrings ask every few seconds before reading keys
+        with db() as conn:
+            return credentials.fingerprint(conn)
+
     name = f"gone-{uuid.uuid4().hex[:6]}"
+    before = table()
     ensure_tenant(stack, name)
+    issued = table()
     with Client(stack, tenant=name, job_id="trust", timeout_s=30) as client:
         box = client.create(memory_mb=64, ttl_s=30)  # its TTL ends it: its owner cannot
         tenants.revoke(stack, name)
+        assert len({before, issued, table()}) == 3  # each change is seen as one
         time.sleep(6)  # the keyring's refresh
         since = utcnow()
         request = exec_request(client.request_fields(box.id), "echo still?", timeout_s=5)
