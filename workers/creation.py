@@ -9,6 +9,7 @@ disk is too full; a create that fails leaves nothing behind.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from contextlib import AbstractContextManager
@@ -40,6 +41,8 @@ from workers.tally import NodeTally
 if TYPE_CHECKING:
     from workers.host.egress import EgressFence
     from workers.warm_pool import WarmPool
+
+log = logging.getLogger(__name__)
 
 #: How long a create waits for the in-sandbox agent to call home.
 AGENT_CONNECT_S = 15.0
@@ -238,6 +241,8 @@ class Creation:
                 node.egress.attach(request.sandbox_id, agent.peer_pid, spec.egress, secrets)
         except Exception as exc:
             node.failures.fail(request, exc)
+            if node.warm is not None:
+                node.warm.abandon(request.sandbox_id)
             self.ends.discard(request.sandbox_id)
             return
         node.courier.event(
@@ -256,7 +261,7 @@ class Creation:
             Due(label.expires_at(spec.labels) or utcnow(), request.sandbox_id, request.tenant,
                 request.job_id)
         )  # fmt: skip
-        if restore and not self._restore(request, restore):
+        if restore and not (self._finish_claim(request) and self._restore(request, restore)):
             return
         if key is not None:
             node.routes.keep(request.sandbox_id, key)
@@ -267,7 +272,26 @@ class Creation:
                 node_id=node.node_id, direct=key is not None,
             ),
         )  # fmt: skip
+        # A claimed container's rename is most of a claim's time: the trainer does not
+        # wait for it (its commands go through the agent, which has the sandbox's name).
+        self._finish_claim(request)
         node.tally.created(claimed is not None, time.monotonic() - began)
+
+    def _finish_claim(self, request: CreateSandbox) -> bool:
+        """Give a claimed warm container the sandbox's name (nothing for a cold one);
+        False if that failed and the sandbox was ended."""
+        if self.node.warm is None:
+            return True
+        try:
+            self.node.warm.finish(request.sandbox_id)
+        except Exception as exc:
+            log.exception("%s: its warm container could not be renamed", request.sandbox_id)
+            self.ends.stop(
+                request.sandbox_id, request.tenant, request.job_id, StopReason.FAILED,
+                f"its warm container could not be renamed: {exc}",
+            )  # fmt: skip
+            return False
+        return True
 
     def _start_cold(self, spec: SandboxSpec, digest: str | None) -> str:
         """A new container; an image the node lacks is pulled first where it can be

@@ -19,15 +19,16 @@ create time has to be dealt with at the claim:
     ``rename(2)``; the sandbox's read-only view of them is a bind mount and follows),
     the host-owned run directory (the agent's socket is bound there; the bind mount
     into the sandbox follows too), the agent pool's slot (listener and live
-    connection, :meth:`AgentPool.rename`), and last the container itself (Podman's
-    ``POST /containers/{name}/rename``, atomic in its database): that rename is the
-    commit point. Labels cannot change after create, so the driver takes a sandbox's
-    id from the container's name (:attr:`SandboxContainer.claimed`: name and
-    ``dsec.sandbox_id`` label differ) and what the labels would have said (tenant,
-    job, expiry) is in a claim record, ``sandbox.json`` in the run directory, written
-    by the node before the commit. The run directory is mounted read-only into the
-    sandbox, so the record cannot be forged from inside, and holds nothing the
-    sandbox does not know (its own env, tenant and job).
+    connection, :meth:`AgentPool.rename`). The run directory's rename is the commit
+    point. The container (Podman's ``POST /containers/{name}/rename``, ~7 ms here: most
+    of a claim) is renamed after the trainer has its answer, inside the create's
+    transition (:meth:`WarmPool.finish`): until then its slot stays the pool's (the
+    reconciler leaves it alone), and whatever reaches a container by name (destroy,
+    snapshot, expiry) waits for the transition. Labels cannot change after create, so
+    the driver takes a sandbox's id from the container's name
+    (:attr:`SandboxContainer.claimed`) and what the labels would have said (tenant,
+    job, expiry) is in a claim record in the run directory (workers/claim_record.py),
+    written before the commit.
 (b) **Limits.** memory, pids and CPU are written into the (still warm) cgroups at the
     claim (:meth:`CgroupLimiter.update`); Podman's own copies keep the pool's values,
     which rootless Podman never enforces here anyway. Network and the tmpfs sizes are
@@ -48,9 +49,11 @@ create time has to be dealt with at the claim:
 
 Crashes. Before the commit the claim is undone (the slot is thrown away, the create
 goes cold); a worker that dies in the middle leaves a warm container (removed at the
-next start) and cgroups and a run directory named after the sandbox without a
-container (the reconciler's sweep and the redelivered create deal with them). After
-the commit the sandbox is an ordinary one whose labels say "warm".
+next start) and cgroups named after the sandbox without a container (the reconciler's
+sweep and the redelivered create deal with them). A worker that dies after the commit
+and before the container's rename leaves a warm container whose slot a sandbox's claim
+record names: the next start finishes the rename. After that the sandbox is an
+ordinary one whose labels say "warm".
 
 Lifetime. The pool lives in memory: at start the node removes every unclaimed warm
 container it finds (a previous life's, or one the pool no longer wants: a smaller or
@@ -62,20 +65,19 @@ container that died or that the pool does not know.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import shutil
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from app.domain.requests import SandboxShape
+from workers.claim_record import ClaimRecord, read_record, write_record
 from workers.containers import label
 from workers.containers.port import ContainerDriver, SandboxContainer
 from workers.containers.spec import SandboxSpec
@@ -123,8 +125,6 @@ log = logging.getLogger(__name__)
 
 #: Slot ids (and container names ``dsec-warm-<hex>``) of warm containers.
 SLOT_PREFIX = "warm-"
-#: The claim record in a claimed sandbox's run directory.
-RECORD_NAME = "sandbox.json"
 #: The refill waits until no create, destroy or stop has run for this long.
 REFILL_IDLE_S = 0.2
 #: How long a new warm container's agent has to call home.
@@ -133,51 +133,6 @@ AGENT_CONNECT_S = 15.0
 MAX_BACKOFF_S = 60.0
 #: The shape a warm container has; a claim rewrites memory, pids and CPU.
 POOL_SHAPE = SandboxShape()
-#: Largest claim record read back (it holds a create request's env and labels).
-MAX_RECORD_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class ClaimRecord:
-    """What a claimed sandbox's container labels cannot say."""
-
-    sandbox_id: str
-    #: The warm slot the container was created as (its ``dsec.sandbox_id`` label).
-    slot_id: str
-    image: str
-    #: The labels a cold create would have given it (tenant, job, expiry, node).
-    labels: dict[str, str] = field(default_factory=dict)
-    #: The create request's environment.
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def write_record(run_dir: Path, record: ClaimRecord) -> None:
-    """Write the claim record atomically (the run dir is the node's own)."""
-    tmp = run_dir / f".{RECORD_NAME}.tmp"
-    tmp.write_text(json.dumps(asdict(record)))
-    tmp.chmod(0o644)
-    tmp.replace(run_dir / RECORD_NAME)
-
-
-def read_record(run_dir: Path) -> ClaimRecord | None:
-    """The claim record in ``run_dir``, or None if it is missing or unreadable."""
-    try:
-        fd = os.open(run_dir / RECORD_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            data = json.loads(f.read(MAX_RECORD_BYTES))
-        return ClaimRecord(
-            sandbox_id=str(data["sandbox_id"]),
-            slot_id=str(data["slot_id"]),
-            image=str(data["image"]),
-            labels={str(k): str(v) for k, v in dict(data["labels"]).items()},
-            env={str(k): str(v) for k, v in dict(data["env"]).items()},
-        )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("claim record in %s unreadable: %s", run_dir, exc)
-        return None
 
 
 @dataclass(frozen=True)
@@ -210,6 +165,8 @@ class WarmPool:
         self._ready: dict[str, deque[_Slot]] = {image: deque() for image in self.sizes}
         self._filling: str | None = None
         self._claiming: set[str] = set()
+        #: Claimed sandboxes whose container still has its slot's name: sandbox -> slot.
+        self._handing: dict[str, str] = {}
         self._records: dict[str, ClaimRecord] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -258,7 +215,9 @@ class WarmPool:
 
     def claim(self, spec: SandboxSpec) -> str | None:
         """Hand a warm container over to ``spec``'s sandbox and return its container id;
-        None if there is none to hand (the caller starts one cold).
+        None if there is none to hand (the caller starts one cold). The container keeps
+        its slot's name until :meth:`finish` (or :meth:`abandon`), which the caller
+        calls before it lets the sandbox go.
 
         The caller holds the sandbox busy. A run directory that already exists means a
         redelivered create whose container may exist: the cold path finds it.
@@ -275,33 +234,65 @@ class WarmPool:
                 self._claiming.add(slot.slot_id)
             self._wake.set()
             try:
-                if not self.node.agents.is_connected(slot.slot_id):
+                connected = self.node.agents.is_connected(slot.slot_id)
+                if not connected:
                     log.warning("warm slot %s lost its agent: thrown away", slot.slot_id)
                     self._scrap(slot.slot_id)
-                    continue
-                self._hand_over(slot, spec)
+                else:
+                    self._hand_over(slot, spec)
             except Exception as exc:
                 log.warning("claim of %s for %s failed: %s", slot.slot_id, spec.sandbox_id, exc)
                 self._scrap(slot.slot_id, spec.sandbox_id)
+                self._let_go(slot.slot_id)
                 return None
-            finally:
-                with self._lock:
-                    self._claiming.discard(slot.slot_id)
+            if not connected:
+                self._let_go(slot.slot_id)
+                continue
+            with self._lock:
+                self._handing[spec.sandbox_id] = slot.slot_id
             self.claims += 1
             return slot.container_id
 
+    def finish(self, sandbox_id: str) -> None:
+        """Give a claimed container its sandbox's name (after the trainer was answered,
+        inside the create's transition). If Podman refuses, the container is removed and
+        the error raised: the caller ends the sandbox."""
+        with self._lock:
+            slot_id = self._handing.pop(sandbox_id, None)
+        if slot_id is None:
+            return
+        try:
+            self.node.driver.rename(slot_id, sandbox_id)
+        except Exception:
+            self._scrap(slot_id)
+            raise
+        finally:
+            self._let_go(slot_id)
+
+    def abandon(self, sandbox_id: str) -> None:
+        """Remove a claimed container that will never be renamed (its create failed
+        after the claim); the caller removes what carries the sandbox's name."""
+        with self._lock:
+            slot_id = self._handing.pop(sandbox_id, None)
+        if slot_id is not None:
+            self._scrap(slot_id)
+            self._let_go(slot_id)
+
+    def _let_go(self, slot_id: str) -> None:
+        with self._lock:
+            self._claiming.discard(slot_id)
+
     def _hand_over(self, slot: _Slot, spec: SandboxSpec) -> None:
-        """Rename everything of the slot to the sandbox; the container's rename last."""
+        """Rename everything of the slot but its container to the sandbox."""
         node, w, s = self.node, slot.slot_id, spec.sandbox_id
         record = ClaimRecord(s, w, spec.image, dict(spec.labels), dict(spec.env))
         write_record(node.run_dir(w), record)
         node.driver.update_limits(w, spec.memory_mb, spec.pids_limit, spec.cpus)
         node.driver.rename_cgroups(w, s)
-        node.run_dir(w).rename(spec.run_dir)
+        node.run_dir(w).rename(spec.run_dir)  # the commit point (a restart finishes it)
         node.agents.rename(w, s, spec.run_dir, spec.env)
         with self._lock:
             self._records[s] = record
-        node.driver.rename(w, s)  # the commit point
 
     # --- what the reconciler asks -----------------------------------------------------
 
@@ -446,13 +437,41 @@ class WarmPool:
             log.exception("warm pool: listing containers at start")
             return
         stale = [box.sandbox_id for box in boxes if box.warm]
+        claimed = self._claims_left() if stale else {}
         for slot_id in stale:
+            sandbox_id = claimed.get(slot_id)
+            if sandbox_id is not None and self._finish_left(slot_id, sandbox_id):
+                continue
             self._scrap(slot_id)
         with contextlib.suppress(FileNotFoundError):
             for path in self.node.sandbox_root.glob(f"{SLOT_PREFIX}*"):
                 shutil.rmtree(path, ignore_errors=True)
         if stale:
             log.info("warm pool: removed %d warm containers of a previous run", len(stale))
+
+    def _claims_left(self) -> dict[str, str]:
+        """Slots that a sandbox's claim record names (slot -> sandbox), from the run
+        directories: a previous life that died between a claim's commit and its
+        container's rename left such a slot's container under the slot's name."""
+        found: dict[str, str] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for path in self.node.sandbox_root.iterdir():
+                if path.name.startswith(SLOT_PREFIX) or not path.is_dir():
+                    continue
+                record = read_record(path)
+                if record is not None and record.sandbox_id == path.name:
+                    found[record.slot_id] = record.sandbox_id
+        return found
+
+    def _finish_left(self, slot_id: str, sandbox_id: str) -> bool:
+        try:
+            self.node.driver.rename(slot_id, sandbox_id)
+        except NodeError:
+            log.exception("finishing the claim of %s by %s", slot_id, sandbox_id)
+            return False
+        log.info("warm pool: finished the claim of %s by %s (the worker died in it)",
+                 slot_id, sandbox_id)  # fmt: skip
+        return True
 
     def _scrap(self, slot_id: str, sandbox_id: str | None = None) -> None:
         """Remove a warm container and everything of it, under either name.

@@ -2,10 +2,10 @@
 
 Who owns a key id and whether it was revoked comes from the ``credentials`` table,
 read again when it changed: every few seconds a one-row digest of the table
-(:func:`app.db.credentials.fingerprint`) says whether it did. An unknown key id is looked up by itself at once, so a
-new tenant's first request is not refused for a stale cache; those lookups are
-limited (:data:`MISSES_PER_S`), so a flood of made-up key ids costs the database
-little. A revocation takes effect within :data:`REFRESH_S`.
+(:func:`app.db.credentials.fingerprint`) says whether it did. An unknown key id is
+looked up by itself at once, so a new tenant's first request is not refused for a
+stale cache; those lookups are limited (:data:`MISSES_PER_S`), so a flood of made-up
+key ids costs the database little. A revocation takes effect within :data:`REFRESH_S`.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from workers.claim_record import RECORD_NAME, ClaimRecord, read_record, write_record
 from workers.containers import label
 from workers.containers import limits as limits_mod
 from workers.containers.limits import CgroupLayout, CgroupLimiter, Hierarchy, Limits
@@ -21,7 +22,7 @@ from workers.containers.port import ContainerDriver, SandboxContainer
 from workers.containers.spec import SandboxSpec
 from workers.errors import NodeError
 from workers.upkeep import held
-from workers.warm_pool import RECORD_NAME, ClaimRecord, WarmPool, read_record, write_record
+from workers.warm_pool import WarmPool
 
 IMAGE = "dsec/busybox:latest"
 
@@ -158,15 +159,15 @@ def _spec(node: FakeNode, sandbox_id: str = "sb-1", **kw: Any) -> SandboxSpec:
     return SandboxSpec(sandbox_id=sandbox_id, run_dir=node.run_dir(sandbox_id), **shape)
 
 
-def test_a_claim_renames_everything_and_the_container_last(
+def test_a_claim_moves_everything_and_the_container_follows_at_finish(
     pool: WarmPool, node: FakeNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a look at the node when the container's rename (the commit) begins
-    at_commit: dict[str, Any] = {}
+    # Given a look at the node when the container's rename begins
+    at_rename: dict[str, Any] = {}
     rename = node.driver.rename
 
-    def commit(old: str, new: str) -> None:
-        at_commit.update(
+    def look(old: str, new: str) -> None:
+        at_rename.update(
             old=old,
             limits=node.driver.limits(new),
             run_dir=node.run_dir(new).is_dir(),
@@ -175,17 +176,65 @@ def test_a_claim_renames_everything_and_the_container_last(
         )
         rename(old, new)
 
-    monkeypatch.setattr(node.driver, "rename", commit)
+    monkeypatch.setattr(node.driver, "rename", look)
     # When a sandbox claims a warm container
     container = pool.claim(_spec(node, memory_mb=64))
-    # Then cgroups (with the sandbox's limits), run dir and agent slot had moved first
-    assert container is not None and at_commit["old"].startswith("warm-")
-    assert at_commit["limits"] == Limits.of(64, 256, 1.0)
-    assert at_commit["run_dir"] and at_commit["agent"] and at_commit["container"] is None
+    # Then its container keeps the slot's name until the create finishes the claim (the
+    # trainer is answered first), and the reconciler leaves it alone meanwhile
+    assert container is not None and not at_rename and node.driver.get("sb-1") is None
+    slot = next(b for b in node.driver.list_sandboxes() if b.container_id == container)
+    pool.check(slot)
+    assert node.driver.get(slot.sandbox_id) is not None
+    pool.finish("sb-1")
+    # and cgroups (with the sandbox's limits), run dir and agent slot had moved first
+    assert at_rename["old"] == slot.sandbox_id
+    assert at_rename["limits"] == Limits.of(64, 256, 1.0)
+    assert at_rename["run_dir"] and at_rename["agent"] and at_rename["container"] is None
     claimed = node.driver.get("sb-1")
     assert claimed is not None and claimed.claimed and claimed.container_id == container
     assert node.agents.slots["sb-1"] == {"K": "v"}
     assert read_record(node.run_dir("sb-1")) == pool.record("sb-1")
+    assert slot.sandbox_id not in pool.slot_ids()
+
+
+def test_a_rename_refused_at_finish_removes_the_container_and_says_so(
+    pool: WarmPool, node: FakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool.close(drain=False)  # no refill meanwhile
+    container = pool.claim(_spec(node))
+
+    def refused(old: str, new: str) -> None:
+        raise NodeError("rename refused")
+
+    monkeypatch.setattr(node.driver, "rename", refused)
+    with pytest.raises(NodeError, match="refused"):
+        pool.finish("sb-1")
+    assert all(b.container_id != container for b in node.driver.list_sandboxes())
+    assert pool.slot_ids() == {b.sandbox_id for b in node.driver.list_sandboxes()}
+
+
+def test_an_abandoned_claim_removes_its_container(pool: WarmPool, node: FakeNode) -> None:
+    pool.close(drain=False)  # no refill meanwhile
+    container = pool.claim(_spec(node))
+    pool.abandon("sb-1")
+    assert all(b.container_id != container for b in node.driver.list_sandboxes())
+    pool.finish("sb-1")  # nothing left to finish
+
+
+def test_a_restart_between_a_claims_commit_and_its_rename_finishes_it(
+    pool: WarmPool, node: FakeNode
+) -> None:
+    # Given a worker that died after a claim's commit, before its container's rename
+    pool.close(drain=False)
+    container = pool.claim(_spec(node))
+    # When the next worker's pool starts
+    again = WarmPool(node, {IMAGE: 0})
+    again.start()
+    again.close(drain=False)
+    # Then the sandbox has its container (the unclaimed slot is gone)
+    claimed = node.driver.get("sb-1")
+    assert claimed is not None and claimed.claimed and claimed.container_id == container
+    assert [b.sandbox_id for b in node.driver.list_sandboxes()] == ["sb-1"]
 
 
 def test_shapes_the_pool_cannot_serve_start_cold(pool: WarmPool, node: FakeNode) -> None:
@@ -198,14 +247,14 @@ def test_shapes_the_pool_cannot_serve_start_cold(pool: WarmPool, node: FakeNode)
 def test_a_failed_hand_over_leaves_nothing_and_goes_cold(
     pool: WarmPool, node: FakeNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a full pool whose container rename (the commit) fails
+    # Given a full pool whose agent slot cannot move (after the commit)
     pool.close(drain=False)  # no refill meanwhile
     slots = {b.sandbox_id for b in node.driver.list_sandboxes() if b.warm}
 
-    def refused(old: str, new: str) -> None:
+    def refused(*args: Any, **kwargs: Any) -> None:
         raise NodeError("rename refused")
 
-    monkeypatch.setattr(node.driver, "rename", refused)
+    monkeypatch.setattr(node.agents, "rename", refused)
     # When a sandbox claims one, the create goes cold
     assert pool.claim(_spec(node)) is None
     # Then the slot is gone with all it had, under its name and the sandbox's
