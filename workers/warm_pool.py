@@ -234,24 +234,20 @@ class WarmPool:
                 self._claiming.add(slot.slot_id)
             self._wake.set()
             try:
-                connected = self.node.agents.is_connected(slot.slot_id)
-                if not connected:
-                    log.warning("warm slot %s lost its agent: thrown away", slot.slot_id)
-                    self._scrap(slot.slot_id)
-                else:
+                if self.node.agents.is_connected(slot.slot_id):
                     self._hand_over(slot, spec)
+                    with self._lock:
+                        self._handing[spec.sandbox_id] = slot.slot_id
+                    self.claims += 1
+                    return slot.container_id
+                log.warning("warm slot %s lost its agent: thrown away", slot.slot_id)
+                self._scrap(slot.slot_id)
             except Exception as exc:
                 log.warning("claim of %s for %s failed: %s", slot.slot_id, spec.sandbox_id, exc)
                 self._scrap(slot.slot_id, spec.sandbox_id)
                 self._let_go(slot.slot_id)
                 return None
-            if not connected:
-                self._let_go(slot.slot_id)
-                continue
-            with self._lock:
-                self._handing[spec.sandbox_id] = slot.slot_id
-            self.claims += 1
-            return slot.container_id
+            self._let_go(slot.slot_id)  # the next slot is tried
 
     def finish(self, sandbox_id: str) -> None:
         """Give a claimed container its sandbox's name (after the trainer was answered,
@@ -438,10 +434,11 @@ class WarmPool:
             return
         stale = [box.sandbox_id for box in boxes if box.warm]
         claimed = self._claims_left() if stale else {}
+        stale = [
+            slot_id for slot_id in stale
+            if slot_id not in claimed or not self._finish_left(slot_id, claimed[slot_id])
+        ]  # fmt: skip
         for slot_id in stale:
-            sandbox_id = claimed.get(slot_id)
-            if sandbox_id is not None and self._finish_left(slot_id, sandbox_id):
-                continue
             self._scrap(slot_id)
         with contextlib.suppress(FileNotFoundError):
             for path in self.node.sandbox_root.glob(f"{SLOT_PREFIX}*"):
