@@ -111,9 +111,27 @@ class _KernelTimed(redis.Connection):
         return sock
 
 
+#: Connections one client keeps to Redis at most. Every command thread of a node
+#: (thousands, ``DSEC_NODE_MAX_COMMANDS``) may call at once; redis-py's own pool
+#: refuses a caller past its cap (100 since redis-py 6) with "Too many connections",
+#: and a command whose ``answered`` was refused stayed in flight, to be answered again
+#: as interrupted at the worker's next start. These calls take well under a
+#: millisecond each: past the cap a thread waits for a connection instead.
+POOL_SIZE = 32
+
+
+def _client(url: str, **kwargs: Any) -> redis.Redis:
+    """A client whose callers wait (up to :data:`CLAIMS_TIMEOUT_S`) for one of
+    :data:`POOL_SIZE` connections."""
+    pool = redis.BlockingConnectionPool.from_url(
+        url, max_connections=POOL_SIZE, timeout=CLAIMS_TIMEOUT_S, **kwargs
+    )
+    return redis.Redis(connection_pool=pool)
+
+
 def connect(url: str) -> redis.Redis:
     """A client of the Redis at ``url`` (connecting on first use)."""
-    return redis.Redis.from_url(url)
+    return _client(url)
 
 
 def connect_claims(url: str) -> redis.Redis:
@@ -123,7 +141,7 @@ def connect_claims(url: str) -> redis.Redis:
     command is sent (a single shared connection saved those system calls, but its
     first command after a Redis restart failed, and a claim cannot be sent twice: a
     second SET NX of the same claim would say the command already ran)."""
-    return redis.Redis.from_url(
+    return _client(
         url,
         connection_class=_KernelTimed,
         socket_timeout=None,

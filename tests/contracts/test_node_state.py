@@ -3,8 +3,10 @@ Redis and the in-memory stand-ins the in-process round trip uses alike."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -75,6 +77,26 @@ def test_commands_claimed_together_are_claimed_once_each_in_order(
     in_flight = {found.request_id: key for _field, (found, key) in claims.unanswered()}
     assert in_flight == {first.request_id: REPLY_KEY, second.request_id: None,
                          third.request_id: None}  # fmt: skip
+
+
+def test_thousands_of_commands_answered_at_once_all_leave_the_in_flight_set(
+    stores: tuple[ClaimStore, StepStore],
+) -> None:
+    # A node's command threads finish together (2,000 `sleep 10` end within a second):
+    # a client whose pool refuses callers past a cap left refused commands in flight,
+    # to be answered a second time, as interrupted, at the worker's next start.
+    claims, _ = stores
+    commands = [_exec() for _ in range(300)]
+    assert claims.claim_many([(command, None) for command in commands]) == [True] * 300
+    together = threading.Barrier(300)
+
+    def answer(command: Exec) -> None:
+        together.wait()
+        claims.answered(command.scope)
+
+    with ThreadPoolExecutor(300) as pool:
+        list(pool.map(answer, commands))  # re-raises what any thread raised
+    assert claims.unanswered() == []
 
 
 def test_a_task_is_held_until_answered(stores: tuple[ClaimStore, StepStore]) -> None:
