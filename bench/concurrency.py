@@ -77,15 +77,26 @@ def main() -> None:
             Exec(**client.request_fields(b.id), command=f"sleep {args.sleep:g}", timeout_s=600)
             for b in boxes
         ]
+        answered: list[float] = []
         started = time.perf_counter()
         # Each straight to its sandbox's node where it may (the direct route), as exec does.
         futures = [client.send(r, node=b.route(r)) for r, b in zip(requests, boxes, strict=True)]
+        sent = time.perf_counter() - started
+        for future in futures:
+            # Called on the reply reader's thread: list.append is atomic.
+            future.add_done_callback(lambda _f: answered.append(time.perf_counter() - started))
         busy_execs, busy_creates = probes(client, probe, args.probes)
         for request, future in zip(requests, futures, strict=True):
             client.wait(request, future, 600)
         wall = time.perf_counter() - started
         # The figures first: destroying thousands of sandboxes takes a while.
         print(f"{args.n} x sleep {args.sleep:g}: all answered after {wall:.2f}s", flush=True)
+        # Where the time past the sleep went: sending, the node starting them, answering.
+        answered.sort()
+        print(
+            f"sent in {sent:.2f}s; answers from {answered[0]:.2f}s,"
+            f" p50 {percentile(answered, 50):.2f}s, to {answered[-1]:.2f}s"
+        )
         print(
             f"short exec p50: idle {p50(idle_execs):.1f} ms, meanwhile {p50(busy_execs):.1f} ms;"
             f" create p50: idle {p50(idle_creates):.1f} ms,"
