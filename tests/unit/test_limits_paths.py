@@ -161,7 +161,24 @@ def test_names_that_are_no_single_safe_component_are_refused(bad: str) -> None:
 def test_limit_values_stay_within_kernel_bounds() -> None:
     tiny = Limits.of(memory_mb=16, pids=8, cpus=0.001)
     assert (tiny.cpu_quota_us, tiny.cpu_shares, tiny.cpu_weight) == (1000, 2, 1)
+    assert tiny.cpu_period_us == 1_000_000
     assert Limits.of(16, 8, 200).cpu_weight == 10_000
+
+
+def test_a_small_cpu_share_comes_over_a_longer_period_in_pieces_a_command_fits() -> None:
+    # 0.005 core over 100 ms would be 0.5 ms, under the kernel's 1 ms floor (twice the
+    # share), and under the ~2 ms one process start costs: two periods per command.
+    small = Limits.of(memory_mb=16, pids=8, cpus=0.005)
+    assert (small.cpu_period_us, small.cpu_quota_us) == (1_000_000, 5_000)
+    assert small.cpu_quota_us / small.cpu_period_us == pytest.approx(0.005)
+    assert (Limits.of(16, 8, 0.05).cpu_period_us, Limits.of(16, 8, 0.05).cpu_quota_us) == (
+        200_000, 10_000
+    )
+    # A tenth of a core or more keeps the usual period.
+    for cpus in (0.1, 0.5, 2.0):
+        limits = Limits.of(16, 8, cpus)
+        assert limits.cpu_period_us == 100_000
+        assert limits.cpu_quota_us == int(cpus * 100_000)
 
 
 def test_flat_keyed_files_parse() -> None:

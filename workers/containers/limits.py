@@ -30,7 +30,8 @@ What is written (:meth:`CgroupLayout.writes`):
 - pids: ``pids.max``. Without it a fork bomb in one sandbox reaches the node user's
   NPROC limit, which every sandbox of the node shares (and pid_max is 32768 here).
 - cpu: CFS quota over a 100 ms period (``cpu.cfs_quota_us``/``cpu.max``) for the hard
-  cap, and shares/weight proportional to the cores asked for, for fairness under
+  cap (a longer one, up to 1 s, for shares under 0.1 core: :data:`CPU_RUN_MIN_US`),
+  and shares/weight proportional to the cores asked for, for fairness under
   contention. cpuacct (v1) only accounts.
 
 OOM detection: the kernel counts kills per cgroup (``oom_kill`` in v1's
@@ -72,8 +73,16 @@ CONTROLLERS_V1 = ("memory", "pids", "cpu", "cpuacct")
 CONTROLLERS_V2 = ("memory", "pids", "cpu")
 #: Name of the hierarchy every dsec cgroup lives under.
 ROOT_NAME = "dsec"
-#: CFS period: quota = cores x period.
+#: CFS period of a sandbox whose share is not tiny: quota = cores x period.
 CPU_PERIOD_US = 100_000
+#: The longest period the kernel takes.
+CPU_PERIOD_MAX_US = 1_000_000
+#: Least CPU time per period a sandbox gets where the period can stretch to give it.
+#: Starting one process costs ~2 ms of CPU in a sandbox here (fork, exec, exit;
+#: measured in cpuacct): over a 100 ms period, a 0.005-core sandbox (its quota then at
+#: the kernel's floor of 1 ms, twice its share) was held two periods for every command,
+#: 200 ms for `true`. Over a longer period the same share comes in larger pieces.
+CPU_RUN_MIN_US = 10_000
 #: Where the sandbox sees its own cgroups.
 CONTAINER_CGROUP_DIR = "/sys/fs/cgroup"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -103,9 +112,18 @@ class Limits:
         return cls(memory_bytes=memory_mb << 20, pids=pids, cpus=cpus)
 
     @property
+    def cpu_period_us(self) -> int:
+        """CFS period: :data:`CPU_PERIOD_US`, or longer (up to the kernel's 1 s) for a
+        share so small that its quota would be under :data:`CPU_RUN_MIN_US`."""
+        if self.cpus <= 0:
+            return CPU_PERIOD_US
+        stretched = round(CPU_RUN_MIN_US / self.cpus)
+        return min(CPU_PERIOD_MAX_US, max(CPU_PERIOD_US, stretched))
+
+    @property
     def cpu_quota_us(self) -> int:
-        """CFS quota per :data:`CPU_PERIOD_US` (at least 1 ms, the kernel's floor)."""
-        return max(1000, int(self.cpus * CPU_PERIOD_US))
+        """CFS quota per :attr:`cpu_period_us` (at least 1 ms, the kernel's floor)."""
+        return max(1000, int(self.cpus * self.cpu_period_us))
 
     @property
     def cpu_shares(self) -> int:
@@ -240,14 +258,14 @@ class CgroupLayout:
                 (u / "memory.max", str(limits.memory_bytes), True),
                 (u / "memory.swap.max", "0", False),
                 (u / "pids.max", str(limits.pids), True),
-                (u / "cpu.max", f"{limits.cpu_quota_us} {CPU_PERIOD_US}", True),
+                (u / "cpu.max", f"{limits.cpu_quota_us} {limits.cpu_period_us}", True),
                 (u / "cpu.weight", str(limits.cpu_weight), False),
             ]
         out: list[Write] = [
             (d["memory"] / "memory.limit_in_bytes", str(limits.memory_bytes), True),
             (d["memory"] / "memory.memsw.limit_in_bytes", str(limits.memory_bytes), False),
             (d["pids"] / "pids.max", str(limits.pids), True),
-            (d["cpu"] / "cpu.cfs_period_us", str(CPU_PERIOD_US), True),
+            (d["cpu"] / "cpu.cfs_period_us", str(limits.cpu_period_us), True),
             (d["cpu"] / "cpu.cfs_quota_us", str(limits.cpu_quota_us), True),
             (d["cpu"] / "cpu.shares", str(limits.cpu_shares), False),
         ]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from workers.containers import label
-from workers.containers.limits import CPU_PERIOD_US, Limits, View
+from workers.containers.limits import Limits, View
 from workers.containers.port import SandboxContainer, sandbox_id_of
 from workers.containers.spec import (
     AGENT_BIN_MOUNT,
@@ -35,6 +35,7 @@ def container_args(spec: SandboxSpec, cgroup_views: Sequence[View] = ()) -> dict
     ``cgroup_views`` replace Podman's view of the host's cgroup hierarchies with the
     sandbox's own cgroups (:meth:`workers.containers.limits.CgroupLayout.views`).
     """
+    limits = Limits.of(spec.memory_mb, spec.pids_limit, spec.cpus)
     return {
         "name": spec.container_name,
         "labels": {**spec.labels, label.SANDBOX_ID: spec.sandbox_id},
@@ -61,8 +62,8 @@ def container_args(spec: SandboxSpec, cgroup_views: Sequence[View] = ()) -> dict
         "pids_limit": spec.pids_limit,
         "mem_limit": f"{spec.memory_mb}m",
         "memswap_limit": f"{spec.memory_mb}m",
-        "cpu_period": CPU_PERIOD_US,
-        "cpu_quota": Limits.of(spec.memory_mb, spec.pids_limit, spec.cpus).cpu_quota_us,
+        "cpu_period": limits.cpu_period_us,
+        "cpu_quota": limits.cpu_quota_us,
         "ulimits": [{"Name": "nofile", "Soft": NOFILE, "Hard": NOFILE}],
         "tty": False,
         "stdin_open": False,
