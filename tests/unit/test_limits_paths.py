@@ -172,7 +172,8 @@ def test_a_small_cpu_share_comes_over_a_longer_period_in_pieces_a_command_fits()
     assert (small.cpu_period_us, small.cpu_quota_us) == (1_000_000, 5_000)
     assert small.cpu_quota_us / small.cpu_period_us == pytest.approx(0.005)
     assert (Limits.of(16, 8, 0.05).cpu_period_us, Limits.of(16, 8, 0.05).cpu_quota_us) == (
-        200_000, 10_000
+        200_000,
+        10_000,
     )
     # A tenth of a core or more keeps the usual period.
     for cpus in (0.1, 0.5, 2.0):
