@@ -1,7 +1,7 @@
 """Density: how many idle sandboxes one node holds, and the host memory each costs.
 
     .venv/bin/python bench/density.py [--steps 200 500 1000 2000] [--batch 50]
-                                      [--min-available-mb 4096]
+                                      [--min-available-mb 4096] [--cpu-window 0]
 
 Creates idle sandboxes through the platform (SDK ``create_many`` in batches, the
 smallest shape: 16 MiB, 0.005 CPU, so placement admits thousands), up to each step in
@@ -12,7 +12,10 @@ turn; after each step it lets the node settle and measures, per sandbox:
 - PSS of the sandbox's own processes (its conmon and its agent, from
   ``/proc/<pid>/smaps_rollup``), and the growth of the node's Podman service and
   worker (PSS) since the start;
-- how long listing the node's containers takes (the reconciler does it every 5 s).
+- how long listing the node's containers takes (the reconciler does it every 5 s, or
+  ten times as long as it takes, whichever is longer);
+- with ``--cpu-window S``, the CPU the node's Podman service and worker spend over S
+  seconds with the sandboxes idle (percent of a core).
 Other work on the machine moves MemAvailable too: the PSS figures are the precise ones.
 It stops early when MemAvailable falls below ``--min-available-mb`` or a create fails,
 then destroys everything it made. Needs `dsec up`. The last line prints the headline.
@@ -96,6 +99,39 @@ def tree_pss(pid: int) -> int:
     return total
 
 
+def tree_ticks(pid: int) -> int:
+    """CPU ticks (user + system) of a process and its children, conmons left out (the
+    Podman service does its work in a child re-executed in its user namespace)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total = int(fields[11]) + int(fields[12])
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return 0
+    for child in children:
+        try:
+            if Path(f"/proc/{child}/comm").read_text().strip() == "conmon":
+                continue
+        except OSError:
+            continue
+        total += tree_ticks(int(child))
+    return total
+
+
+def idle_cpu(settings: Settings, seconds: float) -> dict[str, float]:
+    """Percent of a core each of the node's services spends over ``seconds``."""
+    pids = service_pids(settings)
+    before = {name: tree_ticks(pid) for name, pid in pids.items()}
+    started = time.perf_counter()
+    time.sleep(seconds)
+    took = time.perf_counter() - started
+    hz = os.sysconf("SC_CLK_TCK")
+    return {
+        f"{name}_cpu_pct": (tree_ticks(pid) - before[name]) / hz / took * 100
+        for name, pid in pids.items()
+    }
+
+
 def measure(
     settings: Settings, driver: PodmanDriver, limiter: CgroupLimiter, ids: list[str]
 ) -> dict[str, float]:
@@ -125,6 +161,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[200, 500])
     parser.add_argument("--batch", type=int, default=50)
     parser.add_argument("--min-available-mb", type=int, default=4096)
+    parser.add_argument(
+        "--cpu-window", type=float, default=0.0, help="seconds of idle CPU measured per step"
+    )
     args = parser.parse_args()
     settings = get_settings()
     driver = PodmanDriver(set_up_node_user(settings.node_id, settings).socket_url)
@@ -152,6 +191,8 @@ def main() -> None:
                 created_s = time.perf_counter() - started
                 time.sleep(SETTLE_S)
                 now = measure(settings, driver, limiter, [b.id for b in boxes])
+                if args.cpu_window:
+                    now.update(idle_cpu(settings, args.cpu_window))
                 rows.append((len(boxes), now))
                 report(len(boxes), base, now, created_s)
                 if now["available_kb"] < args.min_available_mb * 1024:
@@ -184,6 +225,11 @@ def report(n: int, base: dict[str, float], now: dict[str, float], created_s: flo
         f" {int(now['conmons'])} conmons, {int(now['agents'])} agents;"
         f" listing took {now['list_s']:.2f} s"
     )
+    if "podman_cpu_pct" in now:
+        print(
+            f"       idle CPU: Podman service {now['podman_cpu_pct']:.1f} %,"
+            f" worker {now['worker_cpu_pct']:.1f} % of a core"
+        )
 
 
 def cleanup(client: Client, boxes: list[Sandbox]) -> None:
