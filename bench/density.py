@@ -90,32 +90,38 @@ def service_pids(settings: Settings) -> dict[str, int]:
     }
 
 
+def children(pid: int) -> list[int]:
+    """A process's children but its conmons, whichever of its threads made them (a Go
+    program such as the Podman service forks from any thread)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in kids:
+            try:
+                if Path(f"/proc/{child}/comm").read_text().strip() != "conmon":
+                    found.append(int(child))
+            except OSError:
+                continue
+    return found
+
+
 def tree_pss(pid: int) -> int:
-    """PSS of a process and its children (the worker runs under a wrapper)."""
-    total = pss_kb(pid)
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        if Path(f"/proc/{child}/comm").read_text().strip() != "conmon":
-            total += tree_pss(int(child))
-    return total
+    """PSS of a process and its children (the worker runs under a wrapper; the Podman
+    service does its work in a child re-executed in its user namespace)."""
+    return pss_kb(pid) + sum(tree_pss(child) for child in children(pid))
 
 
 def tree_ticks(pid: int) -> int:
-    """CPU ticks (user + system) of a process and its children, conmons left out (the
-    Podman service does its work in a child re-executed in its user namespace)."""
+    """CPU ticks (user + system) of a process and its children, conmons left out."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total = int(fields[11]) + int(fields[12])
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        own = int(fields[11]) + int(fields[12])
+        return own + sum(tree_ticks(child) for child in children(pid))
     except OSError:
         return 0
-    for child in children:
-        try:
-            if Path(f"/proc/{child}/comm").read_text().strip() == "conmon":
-                continue
-        except OSError:
-            continue
-        total += tree_ticks(int(child))
-    return total
 
 
 def idle_cpu(settings: Settings, seconds: float) -> dict[str, float]:
