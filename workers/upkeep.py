@@ -57,6 +57,10 @@ IDLE_ROUND_S = 15.0
 #: 2,000 sandboxes instead of ~7. Commands to a dead container fail at once anyway
 #: (its agent's connection breaks), and deadlines have a thread of their own.
 ROUND_SPACING = 10.0
+#: Longest pause between rounds, however slow the last one was: a listing made while
+#: Podman removes a thousand containers can take 15 s, and what a round finds (an
+#: exited container, billed until the node ends it) must not wait minutes for it.
+ROUND_PAUSE_MAX_S = 30.0
 #: Podman states of a container whose process has ended.
 ENDED_STATES = frozenset({"exited", "stopped", "dead"})
 
@@ -197,8 +201,10 @@ def reconcile(node: Node) -> list[str]:
 def pause_after(round_s: float, interval_s: float) -> float:
     """How long the reconciler waits after a round that took ``round_s``: the rest of
     ``interval_s``, at least 1 s, and long enough that rounds start at least
-    :data:`ROUND_SPACING` times their length apart."""
-    return max(1.0, interval_s - round_s, round_s * (ROUND_SPACING - 1))
+    :data:`ROUND_SPACING` times their length apart, but never more than
+    :data:`ROUND_PAUSE_MAX_S`."""
+    spaced = min(ROUND_PAUSE_MAX_S, round_s * (ROUND_SPACING - 1))
+    return max(1.0, interval_s - round_s, spaced)
 
 
 class Upkeep(threading.Thread):
