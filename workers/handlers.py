@@ -70,6 +70,10 @@ if TYPE_CHECKING:
     from workers.ports import PortProxy
     from workers.warm_pool import WarmPool
 
+#: How long a transition's end is remembered for the reconciler: longer than a listing
+#: takes, even one made while Podman removes thousands of containers.
+ENDED_KEPT_S = 300.0
+
 
 class Node:
     """One node's sandboxes: Podman, their agents and what the node tells the log."""
@@ -109,6 +113,10 @@ class Node:
         # alone, or it would see a half-made or half-removed container as failed.
         self._busy: set[str] = set()
         self._busy_lock = threading.Lock()
+        # When each recent transition ended (monotonic), oldest first: a reconciler's
+        # listing shows a sandbox as it was when the listing began, and one destroyed
+        # since must not get its listener back (nor a second end).
+        self._ended: dict[str, float] = {}
         #: When the last transition ended (monotonic): the warm pool refills after a lull.
         self.last_transition = 0.0
         #: Warm containers creates claim (workers/warm_pool.py); None: always cold.
@@ -167,9 +175,23 @@ class Node:
 
     def release(self, sandbox_id: str) -> None:
         """A sandbox's lifecycle transition ended."""
+        now = time.monotonic()
         with self._busy_lock:
             self._busy.discard(sandbox_id)
-            self.last_transition = time.monotonic()
+            self.last_transition = now
+            self._ended.pop(sandbox_id, None)
+            self._ended[sandbox_id] = now
+            while self._ended:
+                oldest = next(iter(self._ended))
+                if now - self._ended[oldest] <= ENDED_KEPT_S:
+                    break
+                del self._ended[oldest]
+
+    def ended_after(self, sandbox_id: str, since: float) -> bool:
+        """A transition of the sandbox ended after ``since`` (monotonic), as far back
+        as :data:`ENDED_KEPT_S`."""
+        with self._busy_lock:
+            return self._ended.get(sandbox_id, -1.0) > since
 
     def busy_ids(self) -> set[str]:
         """Sandboxes in a lifecycle transition now (being created count as running)."""

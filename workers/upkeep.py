@@ -137,6 +137,7 @@ def reconcile(node: Node) -> list[str]:
     leftovers = set(node.driver.cgroup_sandbox_ids())
     listening = node.agents.registered()
     busy_before = node.busy_ids()
+    listed_at = time.monotonic()
     live: set[str] = set()
     for box in node.driver.list_sandboxes():
         leftovers.discard(box.sandbox_id)
@@ -149,6 +150,14 @@ def reconcile(node: Node) -> list[str]:
         # as it was then (created, "configured"), not as it is.
         if box.sandbox_id in busy_before or node.is_busy(box.sandbox_id):
             live.add(box.sandbox_id)
+            continue
+        if node.ended_after(box.sandbox_id, listed_at):
+            # Listed as it was before a transition that ended meanwhile: a destroy
+            # unregistered its listener (re-registering it put a removed sandbox in every
+            # heartbeat until the next round) and stated its end. The next round sees
+            # it as it is.
+            if node.agents.is_registered(box.sandbox_id):
+                live.add(box.sandbox_id)
             continue
         labels = node.warm.labels_of(box) if node.warm is not None else box.labels
         tenant = labels.get(label.TENANT, "unknown")

@@ -24,6 +24,8 @@ from app.sdk.results import exec_request
 from tests.unit.in_process import HOST_CPUS, NODE, PARTITIONS, Platform
 from workers import runtime
 from workers.agent.messages import ExecRequest
+from workers.containers.port import SandboxContainer
+from workers.upkeep import held, reconcile
 
 
 @pytest.fixture
@@ -190,3 +192,29 @@ def test_a_node_that_cannot_enforce_allowlists_refuses_them(platform: Platform) 
         )
     assert refused.value.reason == "refused"
     assert "no nft" in str(refused.value) and "rather than unfenced" in str(refused.value)
+
+
+def test_a_sandbox_destroyed_while_the_reconciler_lists_stays_ended(
+    platform: Platform, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a running sandbox, and a reconciler round whose listing (slow while Podman
+    # removes thousands of containers) was taken before the sandbox's destroy ended
+    client = platform.client()
+    sandbox = _create(platform)
+    listed = platform.driver.list_sandboxes
+
+    def slow_listing() -> list[SandboxContainer]:
+        listing = listed()
+        platform.run(client.destroy_steps(sandbox.id))
+        return listing
+
+    monkeypatch.setattr(platform.driver, "list_sandboxes", slow_listing)
+    # When the round goes through that listing
+    assert reconcile(platform.node) == []
+    # Then the sandbox gets no listener back, heartbeats leave it out (the scheduler
+    # would take it for an orphan), and its life ends once in the log
+    assert not platform.node.agents.is_registered(sandbox.id)
+    assert held(platform.node) == []
+    platform.settle()
+    ends = [e for e in _events(platform) if isinstance(e, SandboxStopped)]
+    assert [e.sandbox_id for e in ends] == [sandbox.id]
