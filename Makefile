@@ -5,15 +5,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit lint fmt bench bootstrap venv up down status clean dist
+.PHONY: demo test unit lint fmt bench bootstrap venv up down status clean dist lock
 
 # The SDK's distribution first: the server's depends on that very version of it. Both
-# editable, so the checkout's files are what runs (sdk/app only links to them).
-$(STAMP): pyproject.toml sdk/pyproject.toml setup.py
+# editable, so the checkout's files are what runs (sdk/app only links to them). Every
+# other package at the version constraints.txt holds: what the suite passed with.
+$(STAMP): pyproject.toml sdk/pyproject.toml setup.py constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ./sdk
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e ./sdk
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -58,3 +59,9 @@ dist: venv
 
 bench: up
 	$(BIN)/python bench/exec.py
+
+# Records the venv's third-party versions as the constraints fresh installs use: run
+# after `make test` passed on them (for example after `pip install -U` of a package).
+lock: venv
+	{ sed -n '/^#/p' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^#'; } \
+		> constraints.txt.new && mv constraints.txt.new constraints.txt

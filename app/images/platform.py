@@ -97,12 +97,14 @@ def build_platform_images(
 
 def fill_wheelhouse(log: Callable[[str], None] = lambda _m: None) -> Path:
     """Wheels of both distributions (built from this checkout each time) and of their
-    dependencies (pip skips what is there) in :data:`WHEELHOUSE`."""
+    dependencies, at the versions the suite passed with (constraints.txt; pip skips
+    what is there), in :data:`WHEELHOUSE`."""
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     # The SDK's source beside the server's: the server pins that very version of it.
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(WHEELHOUSE),
+         "--constraint", str(REPO / "constraints.txt"),
          str(REPO / "sdk"), str(REPO), *IMAGE_PYTHON_EXTRAS],
         capture_output=True, text=True, check=False,
     )  # fmt: skip

@@ -99,7 +99,9 @@ def _venv(where: Path, *wheel_files: Path) -> Path:
     venv of its own would first install pip, for nothing."""
     _run([sys.executable, "-m", "venv", "--without-pip", str(where)], cwd=where.parent)
     pip = [sys.executable, "-m", "pip", "--python", str(where / "bin" / "python")]
-    _run([*pip, "install", "-q", "--no-compile", *map(str, wheel_files)], cwd=where.parent)
+    constraints = ["--constraint", str(REPO / "constraints.txt")]
+    _run([*pip, "install", "-q", "--no-compile", *constraints, *map(str, wheel_files)],
+         cwd=where.parent)  # fmt: skip
     return where / "bin"
 
 
