@@ -5,7 +5,17 @@ anything else: one message that raised something else would stop the consumer th
 read it. Valid messages take one pydantic pass over the bytes (Rust); only refusals
 take the slow path that names the reason, which parses with the same parser
 (``pydantic_core.from_json``: no recursion in Python, lone surrogates refused) after a
-byte scan that refuses nesting deeper than :data:`MAX_DEPTH`.
+byte scan that refuses nesting deeper than :data:`MAX_DEPTH` and more arrays and
+objects than :data:`MAX_CONTAINERS`.
+
+A refusal costs about what reading the bytes costs, whatever their shape: anyone with
+a credential may write a record of up to 1 MiB that a shared consumer (the scheduler,
+a node's inbox) decodes before anything else. A parser spends ~1 us on each array or
+object, and pydantic one error object on each wrong item of a list: a record of
+300,000 empty arrays, or of 450,000 numbers where a command's strings go, cost 4-5 s
+of CPU to refuse (bench/refusals.py). Hence the cap on arrays and objects, checked
+before any parse, and ``fail_fast`` on every list and dict field of the messages:
+their first wrong item is their refusal.
 """
 
 from __future__ import annotations
@@ -26,6 +36,9 @@ from app.errors import DsecError
 
 #: Deepest nesting of arrays and objects a message may have (the schemas need 4).
 MAX_DEPTH = 64
+#: Most arrays and objects a message may hold (brackets in strings do not count): the
+#: schemas need about a dozen.
+MAX_CONTAINERS = 1024
 
 
 class DeadLetterReason(StrEnum):
@@ -33,6 +46,8 @@ class DeadLetterReason(StrEnum):
 
     TOO_LARGE = "too_large"
     TOO_DEEP = "too_deep"
+    #: More arrays and objects than :data:`MAX_CONTAINERS`.
+    TOO_COMPLEX = "too_complex"
     MALFORMED_JSON = "malformed_json"
     NOT_AN_OBJECT = "not_an_object"
     UNKNOWN_TYPE = "unknown_type"
@@ -79,18 +94,36 @@ _STEP[ord("]")] = _STEP[ord("}")] = -1
 _BACKSLASH = ord("\\")
 
 
-def _too_deep(raw: bytes) -> bool:
-    """Whether ``raw`` opens more than :data:`MAX_DEPTH` arrays or objects at once
-    (brackets inside strings do not count). Linear; a count settles most messages."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
-        return False
+def _opened(raw: bytes) -> int:
+    """Arrays and objects ``raw`` may open, brackets in strings counted too: at least
+    as many as it opens, found at memchr's speed."""
+    return raw.count(b"[") + raw.count(b"{")
+
+
+def _check_shape(raw: bytes) -> None:
+    """Refuse ``raw`` if it nests arrays and objects deeper than :data:`MAX_DEPTH` or
+    holds more than :data:`MAX_CONTAINERS` of them (brackets inside strings do not
+    count). Linear; a count settles most messages."""
+    if _opened(raw) <= MAX_DEPTH:
+        return
     brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > MAX_DEPTH
+    if max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > MAX_DEPTH:
+        raise DecodeError(DeadLetterReason.TOO_DEEP, f"nested deeper than {MAX_DEPTH}")
+    opened = brackets.count(b"[") + brackets.count(b"{")
+    if opened > MAX_CONTAINERS:
+        raise DecodeError(
+            DeadLetterReason.TOO_COMPLEX, f"{opened} arrays and objects > {MAX_CONTAINERS}"
+        )
+
+
+def _fast(raw: bytes, max_bytes: int) -> bool:
+    """Whether ``raw`` may take the fast path: a refusal there would cost as much as the
+    bytes could make it (the slow path's scan refuses first what it must)."""
+    return len(raw) <= max_bytes and _opened(raw) <= MAX_CONTAINERS
 
 
 def _parse(raw: bytes) -> Any:
-    if _too_deep(raw):
-        raise DecodeError(DeadLetterReason.TOO_DEEP, f"nested deeper than {MAX_DEPTH}")
+    _check_shape(raw)
     try:
         return from_json(raw, allow_inf_nan=False)
     except (ValueError, RecursionError, MemoryError) as exc:
@@ -144,7 +177,7 @@ def _summary(exc: ValidationError) -> str:
 
 def decode_event(raw: bytes, max_bytes: int = 1 << 20) -> Event:
     """Validate an event; raise :class:`DecodeError` with the reason otherwise."""
-    if len(raw) <= max_bytes:
+    if _fast(raw, max_bytes):
         # Fast path: pydantic parses and validates the bytes in one pass (Rust);
         # only a refusal takes the slow path that names the reason. (Its parser stops
         # at 200 levels by itself, and a valid message is 4 deep: no depth scan here.)
@@ -165,7 +198,7 @@ def decode_request(raw: bytes, max_bytes: int = 1 << 20) -> Request:
     says lands in the log, and Postgres' jsonb cannot store U+0000.
     """
     request: Request | None = None
-    if len(raw) <= max_bytes:
+    if _fast(raw, max_bytes):
         try:
             request = REQUEST_ADAPTER.validate_json(raw, context=WIRE)
         except Exception:  # any refusal: as in decode_event
@@ -208,7 +241,7 @@ def decode_reply(raw: bytes, max_bytes: int = 48 << 20) -> Reply:
     """Validate a reply, as a tolerant reader: fields this version does not know are
     dropped, so a platform that adds one does not break the trainers' older SDKs
     (requests and events stay strict; see docs/protocol.md, "Evolving the messages")."""
-    if len(raw) <= max_bytes:
+    if _fast(raw, max_bytes):
         # Fast path, as in decode_event: a reply with no unknown field (the usual one).
         try:
             fast: Reply = REPLY_ADAPTER.validate_json(raw)

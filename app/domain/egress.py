@@ -117,6 +117,7 @@ class NetworkPolicy(Message):
     allow: Annotated[list[str], AfterValidator(_checked)] = Field(
         min_length=1,
         max_length=MAX_RULES,
+        fail_fast=True,
         description=(
             "Destinations the sandbox may reach over TCP: 'name[:ports]',"
             " '*.domain[:ports]', 'a.b.c.d[/len][:ports]'; ports '443', '8000-8100',"

@@ -60,7 +60,7 @@ class RequestedPayload(Message):
     egress: NetworkPolicy | None = Field(
         None, description="The allowlist egress keeps to; None: anywhere (or no network)."
     )
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
+    labels: dict[str, str] = Field(default_factory=dict, fail_fast=True, description="Labels.")
 
 
 class ScheduledPayload(Message):
@@ -140,6 +140,7 @@ class LastState(Message):
     egress_refused_sample: list[Annotated[str, Field(max_length=300)]] | None = Field(
         None,
         max_length=16,
+        fail_fast=True,
         description=(
             "Some of what it was refused: names its resolver refused, and TCP"
             " destinations as address:port (allowlisted only; at most 16)."
@@ -167,7 +168,7 @@ class CommandPayload(Message):
 
     request_id: uuid.UUID = Field(description="The Exec request.")
     actor: str = Field(description="Who asked.")
-    command: str | list[str] = Field(description="What ran.")
+    command: str | Annotated[list[str], Field(fail_fast=True)] = Field(description="What ran.")
     exit_code: int = Field(description="Exit status; negative: killed by that signal.")
     duration_ms: float = Field(description="Wall time inside the sandbox.")
     stdout_bytes: int = Field(description="Bytes of stdout kept.")
@@ -230,10 +231,14 @@ class NodePayload(Message):
     capacity_cpus: float = Field(description="CPUs it offers.")
     capacity_memory_mb: int = Field(description="Memory it offers, MiB.")
     running: int = Field(0, description="Sandboxes running now.")
-    images: list[str] = Field(default_factory=list, description="Images in its layer store.")
+    images: list[str] = Field(
+        default_factory=list, fail_fast=True, description="Images in its layer store."
+    )
     queue: str = Field(description="Celery queue the node consumes.")
     sandboxes: list[str] | None = Field(
-        None, description="Sandboxes it runs (or is creating) now; None: not reported."
+        None,
+        fail_fast=True,
+        description="Sandboxes it runs (or is creating) now; None: not reported.",
     )
     max_sandbox_cpus: float | None = Field(
         None, description="Most CPUs one sandbox may have here (the host's cores)."

@@ -57,6 +57,7 @@ class ExecOutput(ReplyBase):
     )
     sha256: dict[str, str] = Field(
         default_factory=dict,
+        fail_fast=True,
         description="SHA-256 (hex) of each part sent in pieces: stdout, stderr.",
     )
 
@@ -99,7 +100,9 @@ class FileContent(ReplyBase):
         0, ge=0, description="ReplyPiece records sent before this one with the content."
     )
     sha256: dict[str, str] = Field(
-        default_factory=dict, description="SHA-256 (hex) of the content (part data) if in pieces."
+        default_factory=dict,
+        fail_fast=True,
+        description="SHA-256 (hex) of the content (part data) if in pieces.",
     )
 
 

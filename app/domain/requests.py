@@ -35,11 +35,14 @@ Labels = Annotated[
         Annotated[str, Field(min_length=1, max_length=128)],
         Annotated[str, Field(max_length=1024)],
     ],
-    Field(max_length=66),
+    Field(max_length=66, fail_fast=True),
 ]
 #: An environment variable's name (no "="), and a value Linux takes (MAX_ARG_STRLEN).
 EnvName = Annotated[str, Field(pattern=r"^[^=]+$", max_length=1024)]
-Env = Annotated[dict[EnvName, Annotated[str, Field(max_length=128 << 10)]], Field(max_length=1024)]
+Env = Annotated[
+    dict[EnvName, Annotated[str, Field(max_length=128 << 10)]],
+    Field(max_length=1024, fail_fast=True),
+]
 
 
 def _strict_base64(value: str) -> str:
@@ -70,7 +73,9 @@ def _bounded_command(command: str | list[str]) -> str | list[str]:
     return command
 
 
-Command = Annotated[str | list[str], AfterValidator(_bounded_command)]
+Command = Annotated[
+    str | Annotated[list[str], Field(fail_fast=True)], AfterValidator(_bounded_command)
+]
 
 
 #: A UUID as text in its canonical form: lower-case hex, hyphenated 8-4-4-4-12.
@@ -219,7 +224,9 @@ class CreateGroup(RequestBase, SandboxShape):
     """
 
     type: Literal["CreateGroup"] = "CreateGroup"
-    members: list[SandboxId] = Field(min_length=1, max_length=4096, description="Member ids.")
+    members: list[SandboxId] = Field(
+        min_length=1, max_length=4096, fail_fast=True, description="Member ids."
+    )
 
 
 class DestroyGroup(RequestBase):
