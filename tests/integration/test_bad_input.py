@@ -251,3 +251,26 @@ def test_bad_requests_in_a_batch_cost_the_good_ones_nothing(client: Any) -> None
     finally:
         for box in boxes:
             box.close()
+
+
+def test_a_request_of_many_arrays_is_too_complex_and_costs_the_next_nothing(
+    stack: Settings, client: Any
+) -> None:
+    # Given a tenant's signed Exec whose command is 150,000 empty arrays (refusing one
+    # such record took the scheduler, which serves every tenant, seconds of CPU)
+    body = json.loads(encode(Exec(sandbox_id="sb-complex", tenant="tests", command="x")))
+    raw = json.dumps(body | {"command": [[]] * 150_000}, separators=(",", ":")).encode()
+    publisher = bus.Publisher(stack)
+    ours = _dead_letters_after(
+        stack,
+        lambda: publisher.publish(
+            stack.topic_requests, "sb-complex", raw, wait=True, headers=_signed(stack, raw)
+        ),
+        raw,
+    )
+    publisher.close()
+    # Then the scheduler sets it aside, saying why, before parsing it
+    assert [(d["consumer"], d["reason"]) for d in ours] == [("scheduler", "too_complex")]
+    # And the next tenant's command is answered as usual
+    with client.create() as box:
+        assert box.exec("echo next").stdout == b"next\n"
