@@ -100,10 +100,11 @@ def _opened(raw: bytes) -> int:
     return raw.count(b"[") + raw.count(b"{")
 
 
-def _check_shape(raw: bytes) -> None:
+def check_shape(raw: bytes) -> None:
     """Refuse ``raw`` if it nests arrays and objects deeper than :data:`MAX_DEPTH` or
     holds more than :data:`MAX_CONTAINERS` of them (brackets inside strings do not
-    count). Linear; a count settles most messages."""
+    count), raising :class:`DecodeError`: before parsing any JSON a client wrote.
+    Linear; a count settles most messages."""
     if _opened(raw) <= MAX_DEPTH:
         return
     brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
@@ -123,7 +124,7 @@ def _fast(raw: bytes, max_bytes: int) -> bool:
 
 
 def _parse(raw: bytes) -> Any:
-    _check_shape(raw)
+    check_shape(raw)
     try:
         return from_json(raw, allow_inf_nan=False)
     except (ValueError, RecursionError, MemoryError) as exc:

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import Field
 
 from app.domain.base import Message
+from app.domain.codec import DecodeError, check_shape
 from app.domain.egress import EgressSecret
 from app.domain.proof import Purpose, check_mac, mac
 from app.domain.requests import (
@@ -125,6 +126,12 @@ def inbox_record(task: NodeTask, args: list[str]) -> bytes:
 
 def read_inbox_record(value: bytes) -> tuple[NodeTask, list[str]] | str:
     """The task and its sealed arguments from an inbox record; else why not."""
+    try:
+        # Trainers write to the inbox too (the direct route): a record without their
+        # header is anybody's until its seal is checked, and parsing may cost more.
+        check_shape(value)
+    except DecodeError as exc:
+        return f"not an inbox record: {exc}"
     try:
         doc = json.loads(value)
         task = NodeTask(doc["task"])

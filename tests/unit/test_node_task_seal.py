@@ -10,7 +10,9 @@ from app.domain.node_tasks import (
     NodeTask,
     Opened,
     TaskEnvelope,
+    inbox_record,
     open_secret,
+    read_inbox_record,
     seal,
     seal_secret,
     unseal,
@@ -68,3 +70,16 @@ def test_a_reply_key_sealed_for_one_node_is_not_opened_by_another() -> None:
     assert open_secret(os.urandom(32), sealed) is None
     assert open_secret(NODE_KEY, sealed[:-4] + "AAAA") is None
     assert open_secret(NODE_KEY, "not base64!") is None
+
+
+def test_an_inbox_record_of_many_arrays_is_refused_before_it_is_parsed() -> None:
+    # Given a record a trainer wrote to a node's inbox without the direct route's
+    # header: anybody's until its seal is checked, and 1 MiB of empty arrays costs a
+    # parser ~0.5 s of the node worker's CPU
+    hostile = b'{"task":"exec","args":[' + b",".join([b"[]"] * 2000) + b"]}"
+    # Then the inbox refuses it for its shape, without reading it
+    refused = read_inbox_record(hostile)
+    assert isinstance(refused, str) and "too_complex" in refused
+    # While a sealed task, brackets and all in its strings, still opens
+    args, _key = _sealed(NodeTask.EXEC)
+    assert read_inbox_record(inbox_record(NodeTask.EXEC, args)) == (NodeTask.EXEC, args)
