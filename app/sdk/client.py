@@ -20,6 +20,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, Self
 
 from app import credentials
+from app.bus import KafkaLogin
 from app.config import Settings, get_settings
 from app.credentials import Credential
 from app.domain import proof
@@ -59,6 +60,7 @@ from app.sdk.results import exec_request as exec_request
 from app.sdk.secrets import Secrets
 from app.sdk.steps import Answer, Steps, blocking
 from app.sdk.transport import KafkaTransport, Transport
+from app.sdk.transport_rdkafka import RdkafkaTransport
 
 #: A request the brokers cannot store within this long (fewer in-sync replicas than
 #: the topic needs, no broker at all) fails its wait with ServiceUnavailable. Longer
@@ -69,6 +71,15 @@ DELIVERY_TIMEOUT_S = 45.0
 STORING_KEPT = 10_000
 #: Destroys sent for one sandbox before its trainer hears RequestTimeout.
 DESTROY_ATTEMPTS = 2
+
+
+def _kafka_transport(
+    settings: Settings, login: KafkaLogin | None, delivery_timeout_s: float
+) -> Transport:
+    """The Kafka transport ``settings.sdk_kafka_client`` names."""
+    if settings.sdk_kafka_client == "librdkafka":
+        return RdkafkaTransport(settings, login, delivery_timeout_s)
+    return KafkaTransport(settings, login, delivery_timeout_s)
 
 
 class Client:
@@ -105,7 +116,8 @@ class Client:
         ServiceUnavailable (a trainer that would rather fail fast than sit out a
         broker's restart lowers it).
 
-        ``transport`` is how requests leave and replies come back: Kafka unless given
+        ``transport`` is how requests leave and replies come back: Kafka unless given,
+        through the client library ``settings.sdk_kafka_client`` names
         (:class:`app.memory.InMemoryTransport` runs a client on an in-memory bus)."""
         self.settings = settings or get_settings()
         self.credential = credential or credentials.for_client(self.settings, tenant)
@@ -119,7 +131,7 @@ class Client:
         self._storing: dict[uuid.UUID, float] = {}
         self._storing_lock = threading.Lock()
         self._delivery_timeout_s = delivery_timeout_s
-        self._transport: Transport = transport or KafkaTransport(
+        self._transport: Transport = transport or _kafka_transport(
             self.settings, self.credential.kafka, delivery_timeout_s
         )
         topic = self.settings.replies_topic(self.tenant)

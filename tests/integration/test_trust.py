@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from app.db import credentials
 from app.domain.base import utcnow
 from app.domain.codec import encode
 from app.domain.events import NodeHeartbeat, NodePayload, SandboxStopped, StoppedPayload
-from app.domain.proof import Purpose, Role, headers, reply_key
+from app.domain.proof import Purpose, Role, headers
 from app.domain.replies import ExecOutput
 from app.domain.requests import (
     CreateSandbox,
@@ -42,6 +41,7 @@ from app.errors import RequestTimeout, SandboxNotFound, SandboxRejectedError, Se
 from app.sdk import Client, Sandbox
 from app.sdk.client import exec_request
 from tests.conftest import ensure_tenant, forget_tenant, scalar, tenant_client, wait_for
+from tests.forger import forging
 
 pytestmark = pytest.mark.integration
 
@@ -368,56 +368,15 @@ def test_a_forged_reply_never_reaches_the_trainer(
     # Given an outsider who reads alice's requests (on the requests topic and on the
     # node's inbox) and answers on her replies partition first, with exit 0 and stdout
     # of its choice
-    stop = threading.Event()
-    forged = 0
-
-    def forger() -> None:
-        nonlocal forged
-        consumer = bus.make_consumer(stack)
-        parts = bus.partitions(consumer, stack.topic_requests)
-        parts += bus.partitions(consumer, stack.node_topic(box.node_id))
-        consumer.assign(parts)
-        for tp, end in bus.high_watermarks(stack, parts).items():
-            consumer.seek(tp, end)
-        publisher = bus.Publisher(stack)
-        while not stop.is_set():
-            for records in consumer.poll(timeout_ms=50).values():
-                for record in records:
-                    body = json.loads(record.value)
-                    if body.get("type") != "Exec" or body.get("sandbox_id") != box.id:
-                        continue
-                    lie = ExecOutput(
-                        request_id=uuid.UUID(body["request_id"]), sandbox_id=box.id,
-                        exit_code=0, stdout_b64="Zm9yZ2VkCg==", stderr_b64="",
-                        duration_ms=1.0,
-                    )  # fmt: skip
-                    value = encode(lie)
-                    # Its best guess at a proof: a key it does not have.
-                    guess = reply_key(os.urandom(32), lie.request_id)
-                    publisher.publish(
-                        body["reply_to"]["topic"], box.id, value,
-                        partition=body["reply_to"]["partition"],
-                        headers=headers(Purpose.REPLY, None, guess, value),
-                    )  # fmt: skip
-                    publisher.flush()
-                    forged += 1
-        publisher.close()
-        consumer.close()
-
-    thread = threading.Thread(target=forger, daemon=True)
-    thread.start()
-    time.sleep(1.0)
-    before = alice.forged_replies
-    try:
+    with forging(stack, box.id, box.node_id) as forger:
+        time.sleep(1.0)
+        before = alice.forged_replies
         # When alice runs a failing command five times
         results = [box.exec("echo real; exit 3") for _ in range(5)]
-    finally:
-        stop.set()
-        thread.join(timeout=5)
     # Then every answer is the real one
     assert [(r.exit_code, r.stdout) for r in results] == [(3, b"real\n")] * 5
     # And the forgeries were seen and dropped
-    assert forged >= 1 and alice.forged_replies > before
+    assert forger.forged >= 1 and alice.forged_replies > before
 
 
 def test_forged_platform_events_change_nothing(stack: Settings, box: Sandbox, db: Any) -> None:
