@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -147,17 +148,27 @@ def client_options(settings: Settings, login: KafkaLogin | None = None) -> dict[
     return options
 
 
-def _tls_context(settings: Settings, who: KafkaLogin | None) -> ssl.SSLContext:
-    """Checks the brokers against the configured CA file, else the credential's CA,
-    else the stack's own CA where readable; a client certificate where configured."""
+def broker_ca(settings: Settings, who: KafkaLogin | None) -> tuple[Path | None, str | None]:
+    """What the brokers are checked against, as (CA file, CA PEM), at most one set: the
+    configured CA file, else the credential's CA, else the stack's own CA where
+    readable; neither: the system's."""
     cafile = settings.kafka_ssl_cafile
     if cafile is None and (who is None or who.ca_pem is None):
         local = settings.ca_dir / "ca.pem"
         cafile = local if local.exists() else None
     if cafile is not None:
+        return cafile, None
+    return None, who.ca_pem if who is not None else None
+
+
+def _tls_context(settings: Settings, who: KafkaLogin | None) -> ssl.SSLContext:
+    """Checks the brokers against :func:`broker_ca`; a client certificate where
+    configured."""
+    cafile, cadata = broker_ca(settings, who)
+    if cafile is not None:
         context = ssl.create_default_context(cafile=str(cafile))
-    elif who is not None and who.ca_pem is not None:
-        context = ssl.create_default_context(cadata=who.ca_pem)
+    elif cadata is not None:
+        context = ssl.create_default_context(cadata=cadata)
     else:
         context = ssl.create_default_context()
     if settings.kafka_ssl_certfile is not None:

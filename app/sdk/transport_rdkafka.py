@@ -67,15 +67,11 @@ def rdkafka_config(settings: Settings, login: bus.KafkaLogin | None) -> dict[str
             "sasl.password": options["sasl_plain_password"],
         })  # fmt: skip
     if options["security_protocol"] in ("SSL", "SASL_SSL"):
-        who = bus.resolve_login(settings, login)
-        cafile = settings.kafka_ssl_cafile
-        if cafile is None and (who is None or who.ca_pem is None):
-            local = settings.ca_dir / "ca.pem"
-            cafile = local if local.exists() else None
+        cafile, cadata = bus.broker_ca(settings, bus.resolve_login(settings, login))
         if cafile is not None:
             config["ssl.ca.location"] = str(cafile)
-        elif who is not None and who.ca_pem is not None:
-            config["ssl.ca.pem"] = who.ca_pem
+        elif cadata is not None:
+            config["ssl.ca.pem"] = cadata
         if settings.kafka_ssl_certfile is not None:
             config["ssl.certificate.location"] = str(settings.kafka_ssl_certfile)
             if settings.kafka_ssl_keyfile is not None:
