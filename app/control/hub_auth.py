@@ -56,6 +56,7 @@ from app.domain.hub_access import (
 )
 from app.domain.hub_events import HubEvent, read_envelope
 from app.domain.proof import Role
+from app.errors import StorageRefused
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,11 @@ def _handler(
             if refused is not None:
                 self._answer(403, {"errors": [{"code": "DENIED", "message": refused}]})
                 return
-            share(repository, readers, who.key, remove)
+            try:
+                share(repository, readers, who.key, remove)
+            except StorageRefused as exc:  # past the readers a repository may have
+                self._answer(403, {"errors": [{"code": "DENIED", "message": str(exc)}]})
+                return
             self._answer(200, {"repository": repository, "readers": readers, "removed": remove})
 
         def do_GET(self) -> None:

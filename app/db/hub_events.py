@@ -14,7 +14,9 @@ from sqlalchemy import BigInteger, Connection, DateTime, Text, column, delete, f
 from sqlalchemy.dialects.postgresql import insert
 
 from app.db.tables import hub_events, image_shares
+from app.domain.hub_access import readers_refusal
 from app.domain.hub_events import HubEvent
+from app.errors import StorageRefused
 
 
 def record(conn: Connection, events: Iterable[HubEvent]) -> int:
@@ -175,10 +177,22 @@ def readers(conn: Connection) -> dict[str, frozenset[str]]:
 
 
 def share(conn: Connection, repository: str, readers_: list[str], by: str) -> None:
-    """Let ``readers_`` use ``repository``'s images (already allowed: unchanged)."""
-    if readers_:
-        rows = [{"repository": repository, "reader": r, "shared_by": by} for r in readers_]
-        conn.execute(insert(image_shares).values(rows).on_conflict_do_nothing())
+    """Let ``readers_`` use ``repository``'s images (already allowed: unchanged);
+    raises :class:`StorageRefused` (nothing shared) past
+    :data:`~app.domain.hub_access.MAX_SHARED_READERS` readers in all."""
+    if not readers_:
+        return
+    t = image_shares
+    # One share of a repository at a time: two at once must not both pass the count.
+    conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(repository))))
+    rows = [{"repository": repository, "reader": r, "shared_by": by} for r in readers_]
+    conn.execute(insert(t).values(rows).on_conflict_do_nothing())
+    held = conn.execute(
+        select(func.count()).select_from(t).where(t.c.repository == repository)
+    ).scalar_one()
+    refused = readers_refusal(repository, int(held))
+    if refused is not None:
+        raise StorageRefused(refused)  # the transaction rolls back what it inserted
 
 
 def unshare(conn: Connection, repository: str, readers_: list[str]) -> int:

@@ -255,6 +255,17 @@ def share_refusal(role: Role, subject: str, repository: str, readers: list[str])
 
 #: Most readers one share names.
 MAX_READERS = 100
+#: Most tenants one repository is shared with, all shares together: every token the
+#: service issues for the repository reads them, and each is a row a tenant adds.
+MAX_SHARED_READERS = 1_000
+
+
+def readers_refusal(repository: str, readers_after: int) -> str | None:
+    """Why a share that leaves ``repository`` with ``readers_after`` readers is
+    refused; None if it is not."""
+    if readers_after > MAX_SHARED_READERS:
+        return f"{repository} may be shared with at most {MAX_SHARED_READERS} tenants"
+    return None
 
 
 def hub_password(secret: bytes) -> str:

@@ -8,11 +8,14 @@ import base64
 import json
 import urllib.error
 import urllib.request
+import uuid
 
 import pytest
+from sqlalchemy import text
 
 from app.config import Settings
-from app.domain.hub_access import hub_password
+from app.db.engine import transaction
+from app.domain.hub_access import MAX_READERS, MAX_SHARED_READERS, hub_password
 from tests.conftest import ensure_tenant
 from tests.integration.test_hub import _tls
 
@@ -42,3 +45,24 @@ def test_a_body_of_many_arrays_is_refused_before_it_is_read(
     # Then the service refuses it for its shape, saying so
     status, message = _post(stack, path, method, body)
     assert status == 400 and "too_complex" in message, (status, message)
+
+
+def test_a_repository_is_shared_with_a_bounded_number_of_tenants(stack: Settings) -> None:
+    # Given a tenant's repository shared with the most tenants a repository may have,
+    # a hundred at a time (the most one call names)
+    repository = f"tenants/tests/many-{uuid.uuid4().hex[:8]}"
+    names = [f"reader-{i:04d}" for i in range(MAX_SHARED_READERS + 1)]
+    for start in range(0, MAX_SHARED_READERS, MAX_READERS):
+        body = json.dumps({"repository": repository, "readers": names[start : start + 100]})
+        assert _post(stack, "/share", "POST", body.encode())[0] == 200
+    # When it names one more
+    body = json.dumps({"repository": repository, "readers": names[-1:]})
+    status, message = _post(stack, "/share", "POST", body.encode())
+    # Then the service refuses, saying why, and stores none of it
+    assert status == 403 and f"at most {MAX_SHARED_READERS}" in message, (status, message)
+    with transaction(stack.database_url) as conn:
+        held = conn.execute(
+            text("SELECT count(*) FROM image_shares WHERE repository = :r"), {"r": repository}
+        ).scalar_one()
+        assert held == MAX_SHARED_READERS
+        conn.execute(text("DELETE FROM image_shares WHERE repository = :r"), {"r": repository})

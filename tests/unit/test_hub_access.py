@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.domain.hub_access import (
+    MAX_SHARED_READERS,
     HubReference,
     Scope,
     grant,
@@ -14,6 +15,7 @@ from app.domain.hub_access import (
     owner_of,
     parse_scopes,
     password_matches,
+    readers_refusal,
     share_refusal,
 )
 from app.domain.proof import Role
@@ -158,3 +160,9 @@ def test_who_may_share_what(
 ) -> None:
     said = share_refusal(role, subject, repository, readers)
     assert said is None if refused is None else said is not None and refused in said
+
+
+def test_a_repository_has_a_bounded_number_of_readers() -> None:
+    assert readers_refusal("tenants/a/x", MAX_SHARED_READERS) is None
+    said = readers_refusal("tenants/a/x", MAX_SHARED_READERS + 1)
+    assert said is not None and f"at most {MAX_SHARED_READERS}" in said
