@@ -42,6 +42,14 @@ class Settings(EgressSettings, ImageSettings):
             " costs the trainer a third of the CPU (app/sdk/transport_rdkafka.py)."
         ),
     )
+    node_kafka_client: Literal["kafka-python", "librdkafka"] = Field(
+        "kafka-python",
+        description=(
+            "The Kafka client a node reads its inbox and sends its events and replies"
+            " with. librdkafka (the `librdkafka` extra: confluent-kafka) keeps Kafka's"
+            " I/O out of the worker's Python threads (app/rdkafka_bus.py)."
+        ),
+    )
     kafka_sasl_username: str | None = Field(
         None,
         description=(

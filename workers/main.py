@@ -14,11 +14,13 @@ import threading
 from typing import cast
 
 from app import credentials, metrics
-from app.bus import Publisher
+from app.bus import KafkaLogin, Publisher
 from app.config import Settings, get_settings
 from app.consuming import PositionedConsumer
 from app.domain.port_urls import url_key
-from app.partition_cache import PartitionCache
+from app.partition_cache import Metadata, PartitionCache
+from app.ports import PositionedReader, Producer
+from app.rdkafka_bus import RdkafkaPublisher, RdkafkaReader
 from workers import direct, runtime, tasks
 from workers.agent.connection import peer_is_sandbox_init
 from workers.agent.pool import AgentPool
@@ -82,7 +84,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
     )
     agents = AgentPool(verify=peer_is_sandbox_init)
     store = connect(settings.celery_broker_url)
-    courier = Courier(settings, credential, lambda: Publisher(settings, login=credential.kafka))
+    courier = Courier(settings, credential, lambda: _producer(settings, credential.kafka))
     ttl_s = claim_ttl_s(settings.request_max_age_s)
     claims = Claims(connect_claims(settings.celery_broker_url), node_id, credential.secret, ttl_s)
     routes = Routes(store, node_id, credential.secret, ttl_s)
@@ -116,8 +118,8 @@ def run(node_id: str, concurrency: int = 16) -> None:
     topic = settings.node_topic(node_id)
     inbox = Inbox(
         settings, node_id, courier, store,
-        lambda: PositionedConsumer(settings, topic, f"inbox {node_id}", login=credential.kafka),
-        tally, direct.rules(settings, PartitionCache(lambda: cast(Publisher, courier.publisher))),
+        lambda: _reader(settings, topic, f"inbox {node_id}", credential.kafka),
+        tally, direct.rules(settings, PartitionCache(lambda: cast(Metadata, courier.publisher))),
     )  # fmt: skip
     inbox.start(ready=upkeep.rounds)
     upkeep.start()
@@ -135,6 +137,22 @@ def run(node_id: str, concurrency: int = 16) -> None:
         watch.stop()  # a service stopped with the node must not be started again
         inbox.stop()
         node.warm.close(drain=True)
+
+
+def _producer(settings: Settings, login: KafkaLogin | None) -> Producer:
+    """The node's one producer, on the Kafka client its settings name."""
+    if settings.node_kafka_client == "librdkafka":
+        return RdkafkaPublisher(settings, login=login)
+    return Publisher(settings, login=login)
+
+
+def _reader(
+    settings: Settings, topic: str, name: str, login: KafkaLogin | None
+) -> PositionedReader:
+    """A reader of the node's inbox, on the Kafka client its settings name."""
+    if settings.node_kafka_client == "librdkafka":
+        return RdkafkaReader(settings, topic, name, login=login)
+    return PositionedConsumer(settings, topic, name, login=login)
 
 
 def _egress(settings: Settings, node_id: str, key: bytes) -> tuple[EgressFence | None, str | None]:

@@ -12,8 +12,9 @@ partition kafka-python's default partitioner picks (``murmur2_random``), every
 producer is idempotent with acks from all in-sync replicas, and one partition of the
 tenant's replies topic is followed from the end it has when the client starts.
 
-confluent-kafka is not a dependency of the SDK: install it beside it
-(``pip install confluent-kafka``, 2.6.1 or newer for SCRAM against Kafka 4).
+confluent-kafka is not a dependency of the SDK: install its ``librdkafka`` extra
+(``pip install 'dsec-sdk[librdkafka]'``, confluent-kafka 2.6.1 or newer for SCRAM
+against Kafka 4). The settings are the platform's (:mod:`app.rdkafka_config`).
 """
 
 from __future__ import annotations
@@ -21,62 +22,21 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from app import bus
 from app.config import Settings
+from app.domain.records import Inbound
 from app.errors import ServiceUnavailable
+from app.rdkafka_config import consumer_config, inbound, load, producer_config, take
 from app.sdk.reader import ReplySource
 from app.sdk.transport import Headers
 
 #: How long the delivery thread waits for the producer's events when none come: it is
 #: woken by each one, so this sets only how often an idle client wakes.
 DELIVERY_POLL_S = 2.0
-#: Most replies taken in one poll after the first.
+#: Most replies taken in one poll.
 BATCH = 500
-
-
-@dataclass(frozen=True)
-class _Record:
-    """A reply as :class:`app.domain.records.Record` reads it."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]] | None
-
-
-def rdkafka_config(settings: Settings, login: bus.KafkaLogin | None) -> dict[str, Any]:
-    """librdkafka's names for what :func:`app.bus.client_options` gives kafka-python:
-    brokers, security protocol, SASL login and the CA the brokers are checked with."""
-    options = bus.client_options(settings, login)
-    config: dict[str, Any] = {
-        "bootstrap.servers": ",".join(options["bootstrap_servers"]),
-        "security.protocol": options["security_protocol"],
-        "reconnect.backoff.max.ms": options["reconnect_backoff_max_ms"],
-        "allow.auto.create.topics": False,
-        "socket.nagle.disable": True,
-    }
-    if "sasl_mechanism" in options:
-        config.update({
-            "sasl.mechanism": options["sasl_mechanism"],
-            "sasl.username": options["sasl_plain_username"],
-            "sasl.password": options["sasl_plain_password"],
-        })  # fmt: skip
-    if options["security_protocol"] in ("SSL", "SASL_SSL"):
-        cafile, cadata = bus.broker_ca(settings, bus.resolve_login(settings, login))
-        if cafile is not None:
-            config["ssl.ca.location"] = str(cafile)
-        elif cadata is not None:
-            config["ssl.ca.pem"] = cadata
-        if settings.kafka_ssl_certfile is not None:
-            config["ssl.certificate.location"] = str(settings.kafka_ssl_certfile)
-            if settings.kafka_ssl_keyfile is not None:
-                config["ssl.key.location"] = str(settings.kafka_ssl_keyfile)
-    return config
 
 
 class RdkafkaTransport:
@@ -89,35 +49,12 @@ class RdkafkaTransport:
         login: bus.KafkaLogin | None = None,
         delivery_timeout_s: float = 120.0,
     ) -> None:
-        try:
-            import confluent_kafka
-        except ImportError as exc:  # pragma: no cover - depends on the trainer's venv
-            raise ServiceUnavailable(
-                "RdkafkaTransport needs confluent-kafka: pip install confluent-kafka"
-            ) from exc
-        self._kafka = confluent_kafka
+        self._kafka = confluent_kafka = load()
         self._settings = settings
-        common = rdkafka_config(settings, login)
-        largest = max(settings.max_message_bytes * 2, settings.max_reply_bytes)
-        self._producer = confluent_kafka.Producer({
-            **common,
-            "acks": "all",
-            "enable.idempotence": True,
-            "linger.ms": 0,
-            "partitioner": "murmur2_random",
-            "message.max.bytes": largest,
-            "delivery.timeout.ms": int(delivery_timeout_s * 1000),
-        })  # fmt: skip
-        self._consumer = confluent_kafka.Consumer({
-            **common,
-            # librdkafka wants a group id even for a consumer that only assigns.
-            "group.id": "dsec-sdk-unused",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "fetch.wait.max.ms": settings.fetch_max_wait_ms,
-            "fetch.message.max.bytes": largest,
-            "enable.partition.eof": False,
-        })  # fmt: skip
+        self._producer = confluent_kafka.Producer(
+            producer_config(settings, login, delivery_timeout_s)
+        )
+        self._consumer = confluent_kafka.Consumer(consumer_config(settings, login))
         self._closing = threading.Event()
         # Delivery callbacks run on whoever polls the producer: this thread.
         self._delivery = threading.Thread(
@@ -185,26 +122,18 @@ class _RdkafkaReplies:
         self._consumer = consumer
         self._kafka = kafka
 
-    def poll(self, timeout_ms: int) -> Mapping[Any, Sequence[_Record]]:
+    def poll(self, timeout_ms: int) -> Mapping[Any, Sequence[Inbound]]:
         try:
-            # consume() waits for its whole count: the first message is waited for
-            # alone, and what else came with it is taken without waiting.
-            first = self._consumer.poll(timeout_ms / 1000)
-            if first is None:
-                return {}
-            messages = [first, *self._consumer.consume(num_messages=BATCH, timeout=0)]
+            messages = take(self._consumer, timeout_ms / 1000, BATCH)
         except self._kafka.KafkaException as exc:
             raise ServiceUnavailable(f"Kafka: reading replies: {exc}") from exc
-        found: dict[tuple[str, int], list[_Record]] = {}
+        found: dict[tuple[str, int], list[Inbound]] = {}
         for message in messages:
             error = message.error()
             if error is not None:
                 if error.fatal():
                     raise ServiceUnavailable(f"Kafka: reading replies: {error}")
                 continue  # transient: librdkafka retries by itself
-            record = _Record(
-                message.topic(), message.partition(), message.offset(),
-                message.key(), message.value(), message.headers(),
-            )  # fmt: skip
+            record = inbound(message)
             found.setdefault((record.topic, record.partition), []).append(record)
         return found

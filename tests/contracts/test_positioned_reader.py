@@ -31,6 +31,8 @@ class Topic:
     name: str
     bus: Bus
     open_reader: Callable[[Sequence[int] | None], PositionedReader]
+    #: The settings the topic was made with (None: in memory).
+    settings: Settings | None = None
     readers: list[PositionedReader] = field(default_factory=list)
 
     def reader(self, partitions: Sequence[int] | None = None) -> PositionedReader:
@@ -60,9 +62,10 @@ def _memory() -> Iterator[Topic]:
 
 
 @contextmanager
-def _kafka(request: pytest.FixtureRequest) -> Iterator[Topic]:
+def _kafka(request: pytest.FixtureRequest, client: str) -> Iterator[Topic]:
     from app.consuming import PositionedConsumer
     from app.kafka_bus import KafkaBus
+    from app.rdkafka_bus import RdkafkaReader
 
     stack: Settings = request.getfixturevalue("stack")
     own = stack.model_copy(
@@ -74,18 +77,24 @@ def _kafka(request: pytest.FixtureRequest) -> Iterator[Topic]:
     kafka_admin.ensure_topics(own)
     real = KafkaBus(own)
     name = own.topic_events
+    reader = RdkafkaReader if client == "librdkafka" else PositionedConsumer
     try:
-        yield Topic(
-            name, real, lambda partitions: PositionedConsumer(own, name, "contract", partitions)
-        )
+        yield Topic(name, real, lambda partitions: reader(own, name, "contract", partitions), own)
     finally:
         real.close()
         kafka_admin.drop_topics(own)
 
 
-@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.integration)])
+@pytest.fixture(
+    params=[
+        "memory",
+        pytest.param("kafka-python", marks=pytest.mark.integration),
+        pytest.param("librdkafka", marks=pytest.mark.integration),
+    ]
+)
 def topic(request: pytest.FixtureRequest) -> Iterator[Topic]:
-    with _kafka(request) if request.param == "kafka" else _memory() as topic:
+    kafka = request.param != "memory"
+    with _kafka(request, request.param) if kafka else _memory() as topic:
         try:
             yield topic
         finally:
@@ -260,3 +269,21 @@ def test_an_empty_assignment_reads_nothing_and_waits_its_timeout(topic: Topic) -
     reader.reassign([], {})
     assert list(reader.partitions) == []
     assert reader.poll(timeout_ms=300) == []
+
+
+@pytest.mark.integration
+def test_both_kafka_clients_name_a_topic_by_the_same_id(request: pytest.FixtureRequest) -> None:
+    """Positions a node stored reading its inbox with one client are positions for the
+    other: switching a node's client must not make it read its inbox again."""
+    from app.consuming import PositionedConsumer
+    from app.rdkafka_bus import RdkafkaReader
+
+    with _kafka(request, "kafka-python") as topic:
+        assert topic.settings is not None
+        python = PositionedConsumer(topic.settings, topic.name, "contract", [0])
+        rdkafka = RdkafkaReader(topic.settings, topic.name, "contract", [0])
+        try:
+            assert python.topic_id == rdkafka.topic_id
+        finally:
+            python.close()
+            rdkafka.close()
