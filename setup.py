@@ -30,6 +30,7 @@ SDK_OWNS = (
     "app/egress_config.py",
     "app/errors.py",
     "app/image_config.py",
+    "app/rdkafka_config.py",
     "app/domain/__init__.py",
     "app/domain/base.py",
     "app/domain/codec.py",

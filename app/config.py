@@ -37,18 +37,13 @@ class Settings(EgressSettings, ImageSettings):
     sdk_kafka_client: Literal["kafka-python", "librdkafka"] = Field(
         "kafka-python",
         description=(
-            "The Kafka client a trainer's SDK sends and reads with. librdkafka (install"
-            " confluent-kafka beside the SDK) answers a serial command ~4 ms sooner and"
-            " costs the trainer a third of the CPU (app/sdk/transport_rdkafka.py)."
+            "The Kafka client of a trainer's SDK (librdkafka: confluent-kafka installed,"
+            " app/sdk/transport_rdkafka.py): a serial command ~4 ms sooner, 1/3 the CPU."
         ),
     )
     node_kafka_client: Literal["kafka-python", "librdkafka"] = Field(
         "kafka-python",
-        description=(
-            "The Kafka client a node reads its inbox and sends its events and replies"
-            " with. librdkafka (the `librdkafka` extra: confluent-kafka) keeps Kafka's"
-            " I/O out of the worker's Python threads (app/rdkafka_bus.py)."
-        ),
+        description="The Kafka client of a node's inbox and producer (app/rdkafka_bus.py).",
     )
     kafka_sasl_username: str | None = Field(
         None,

@@ -1,0 +1,1 @@
+../../app/rdkafka_config.py
