@@ -178,8 +178,14 @@ class RdkafkaReader:
     """Reads chosen partitions of one topic from positions its owner stores: the
     :class:`app.ports.PositionedReader` over librdkafka. Nothing is committed.
 
-    A move (a seek, a rewind, a reassign) is an assignment at the new offsets: the
-    records already fetched from the old place are dropped by librdkafka.
+    It keeps each partition's position itself and hands librdkafka an assignment at
+    those offsets on the next poll after a move (a seek, a rewind, a reassign).
+
+    librdkafka fetches in the background, and the broker holds a fetch that finds
+    nothing for ``fetch_max_wait_ms`` (5 s) and answers the next requests of that
+    connection only after it: a move or a lookup of offsets on a client that has
+    fetched would wait that long. Those (rare: a node's inbox seeks once, when it
+    starts) are done on a new client instead, which costs a connection and a login.
     """
 
     def __init__(
@@ -194,8 +200,12 @@ class RdkafkaReader:
         self._kafka = load()
         self.topic = topic
         self.name = name
-        config = consumer_config(settings, login)
+        config = self._config = consumer_config(settings, login)
         self._consumer = self._kafka.Consumer(config)
+        #: Whether the client may hold a fetch at the broker (it has been polled).
+        self._fetching = False
+        #: Whether positions moved since librdkafka was last told.
+        self._moved = True
         try:
             listed = self._consumer.list_topics(topic, timeout=LOOKUP_S).topics.get(topic)
             found_id = self._topic_id_of(config, topic)
@@ -214,7 +224,6 @@ class RdkafkaReader:
         #: The offset of the next record of each partition read.
         self._next = self._beginnings(self.partitions)
         self._lag_at = 0.0
-        self._assign()
 
     def _topic_id_of(self, config: dict[str, Any], topic: str) -> uuid.UUID:
         from confluent_kafka import TopicCollection
@@ -229,7 +238,16 @@ class RdkafkaReader:
             return self._kafka.TopicPartition(self.topic, partition)
         return self._kafka.TopicPartition(self.topic, partition, offset)
 
+    def _quiet(self) -> None:
+        """A client that holds no fetch: this one, or a new one in its place."""
+        if self._fetching:
+            self._consumer.close()
+            self._consumer = self._kafka.Consumer(self._config)
+            self._fetching = False
+            self._moved = True
+
     def _watermarks(self, partition: int) -> tuple[int, int]:
+        self._quiet()
         try:
             low, high = self._consumer.get_watermark_offsets(self._tp(partition), timeout=LOOKUP_S)
         except self._kafka.KafkaException as exc:
@@ -240,7 +258,9 @@ class RdkafkaReader:
         return {p: self._watermarks(p)[0] for p in partitions}
 
     def _assign(self) -> None:
-        self._consumer.assign([self._tp(p, self._next[p]) for p in self.partitions])
+        """Read from the positions kept, from the next poll on."""
+        self._quiet()
+        self._moved = True
 
     @property
     def topic_id(self) -> uuid.UUID:
@@ -293,6 +313,10 @@ class RdkafkaReader:
         if not self.partitions:
             time.sleep(timeout_ms / 1000)
             return []
+        if self._moved:
+            self._consumer.assign([self._tp(p, self._next[p]) for p in self.partitions])
+            self._moved = False
+        self._fetching = True
         try:
             messages = take(self._consumer, timeout_ms / 1000, max_records)
         except self._kafka.KafkaException as exc:
@@ -306,8 +330,6 @@ class RdkafkaReader:
                 log.debug("%s: %s", self.name, error)  # librdkafka retries by itself
                 continue
             partition, offset = message.partition(), message.offset()
-            if offset < self._next.get(partition, 0):
-                continue  # fetched before a move back and forth: not where we stand
             self._next[partition] = offset + 1
             out.append(inbound(message))
         self._measure_lag()

@@ -149,11 +149,15 @@ def test_the_publisher_partitions_as_kafka_python_and_says_what_it_lost(
                     landed[record.key.decode()] = tp.partition
         consumer.close()
         assert landed == {key: key_partition(key, count) for key in keys}
-        # A record the broker cannot take is reported by the next flush
-        publisher.publish(own.topic_events, "k", b"v", partition=count + 3)
-        with pytest.raises(ServiceUnavailable):
+        # A record the broker refuses (larger than the topic takes) is reported by the
+        # next flush, once
+        publisher.publish(own.topic_events, "k", b"v" * (own.max_message_bytes + 100_000))
+        with pytest.raises(ServiceUnavailable, match="not delivered"):
             publisher.flush(10)
-        publisher.flush()  # told once
+        publisher.flush()
+        # A partition the topic lacks is refused at once
+        with pytest.raises(ServiceUnavailable, match="partition"):
+            publisher.publish(own.topic_events, "k", b"v", partition=count + 3)
     finally:
         publisher.close()
         drop_topics(own)
