@@ -42,7 +42,7 @@ class Settings(EgressSettings, ImageSettings):
         ),
     )
     node_kafka_client: Literal["kafka-python", "librdkafka"] = Field(
-        "kafka-python",
+        "librdkafka",
         description="The Kafka client of a node's inbox and producer (app/rdkafka_bus.py).",
     )
     kafka_sasl_username: str | None = Field(

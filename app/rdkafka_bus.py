@@ -1,13 +1,14 @@
 """The platform's Kafka clients over librdkafka (confluent-kafka), beside kafka-python's
 (:mod:`app.bus`, :mod:`app.consuming`): what a node reads its inbox and sends its
-events and replies with when ``DSEC_NODE_KAFKA_CLIENT=librdkafka``, and the settings a
-trainer's SDK on librdkafka uses too (:mod:`app.sdk.transport_rdkafka`).
+events and replies with (``DSEC_NODE_KAFKA_CLIENT``, librdkafka by default; the
+settings, shared with a trainer's SDK on librdkafka, are :mod:`app.rdkafka_config`).
 
 Why: on these machines kafka-python waits 3.0 ms p50 for a produce's acknowledgement
 and spends 3.8-5.7 ms of CPU per serial record in Python threads, against 1.2 ms and a
 fraction of that for librdkafka on the same broker (docs/BENCHMARKS.md, session 30).
 A command crosses the node's inbox and comes back through its producer: both sit on
-the exec path, and the node's worker was the process the cores ran out on.
+the exec path. With the node on librdkafka a serial command from an SDK on librdkafka
+took 4.1-5.7 ms p50 against 7.3-8.6 on kafka-python (same runs, docs/BENCHMARKS.md).
 
 The contract is kafka-python's: a record sent without a partition lands on the one
 kafka-python's default partitioner picks (``murmur2_random``), so a sandbox's events
@@ -15,7 +16,7 @@ stay in one partition whichever client a node runs; producers are idempotent wit
 acks from every in-sync replica; a reader commits nothing anywhere and reports the
 same topic id, so positions stored by one client are positions for the other.
 
-confluent-kafka is an optional dependency (``pip install dsec[librdkafka]``); it is
+confluent-kafka is a dependency of the server (an optional one of the SDK); it is
 imported when one of these clients is made.
 """
 

@@ -83,8 +83,8 @@ def load() -> ModuleType:
         import confluent_kafka
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise ServiceUnavailable(
-            "librdkafka clients need confluent-kafka: the `librdkafka` extra of dsec or"
-            " dsec-sdk (pip install 'dsec-sdk[librdkafka]')"
+            "librdkafka clients need confluent-kafka: a dependency of dsec, and of"
+            " dsec-sdk's `librdkafka` extra (pip install 'dsec-sdk[librdkafka]')"
         ) from exc
     return confluent_kafka
 

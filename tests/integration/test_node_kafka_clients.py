@@ -1,8 +1,8 @@
-"""A node on librdkafka (``DSEC_NODE_KAFKA_CLIENT=librdkafka``, app/rdkafka_bus.py): its
-inbox read, its events and replies sent by librdkafka, with every guarantee the
-kafka-python node gives: the same partitions for a sandbox's events, proven replies,
-output in pieces, forged direct commands dead-lettered, and the inbox position it
-stored with the other client kept."""
+"""A node's Kafka clients (``DSEC_NODE_KAFKA_CLIENT``): librdkafka by default
+(app/rdkafka_bus.py), kafka-python where set. On either, its inbox is read and its
+events and replies sent with every guarantee: a sandbox's events in the partition
+kafka-python's partitioner picks, proven replies, output in pieces, forged direct
+commands dead-lettered. The rest of the suite runs on the default."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from tests.integration.test_direct_route import _ran, _refused, _send
 
 pytestmark = pytest.mark.integration
 
-CLIENT = "librdkafka"
+#: The client the stack's node does not run by default.
+OTHER = "kafka-python"
 
 
 def _worker(settings: Settings, client: str | None) -> Service:
@@ -55,51 +56,40 @@ def _threads(pid: int) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def node_on_librdkafka(stack: Settings) -> Iterator[Settings]:
-    """The stack's node restarted on librdkafka; back as configured afterwards."""
-    worker = _worker(stack, CLIENT)
-    _restart(stack, worker)
+def node_on_kafka_python(stack: Settings) -> Iterator[Settings]:
+    """The stack's node restarted on kafka-python; back on its default afterwards."""
+    _restart(stack, _worker(stack, OTHER))
     try:
         yield stack
     finally:
         _restart(stack, _worker(stack, None))
 
 
-def test_a_node_on_librdkafka_runs_a_sandbox_through_its_life(
-    node_on_librdkafka: Settings, client: Any, db: Any
-) -> None:
-    stack = node_on_librdkafka
-    pid = _worker(stack, CLIENT).pid(stack)
+def _runs_librdkafka(stack: Settings) -> bool:
+    """Whether librdkafka's own threads run in the node's worker."""
+    pid = _worker(stack, None).pid(stack)
     assert pid is not None
-    # librdkafka's own threads run in the worker: its clients are librdkafka's
-    assert any(name.startswith("rdk:") for name in _threads(pid)), _threads(pid)
+    return any(name.startswith("rdk:") for name in _threads(pid))
+
+
+def _life(stack: Settings, client: Any, db: Any) -> None:
+    """A sandbox through its life on the stack's node, and its events in the log in
+    the partition kafka-python's partitioner picks for it."""
     with client.create(memory_mb=64) as box:
         # Commands through the inbox, answered through the node's producer
-        first = box.exec("echo via librdkafka; exit 3")
-        assert (first.exit_code, first.stdout) == (3, b"via librdkafka\n")
+        first = box.exec("echo via the inbox; exit 3")
+        assert (first.exit_code, first.stdout) == (3, b"via the inbox\n")
         big = box.exec("head -c 900000 /dev/zero | tr '\\0' y")
         assert big.ok and big.stdout == b"y" * 900_000
-        box.write_file("/workspace/f", b"node on librdkafka")
-        assert box.read_file("/workspace/f") == b"node on librdkafka"
+        box.write_file("/workspace/f", b"through the node")
+        assert box.read_file("/workspace/f") == b"through the node"
         sandbox_id = box.id
-    # And its events are in the log, in the partition kafka-python's partitioner picks
     consumer = bus.make_consumer(stack)
     count = len(bus.partitions(consumer, stack.topic_events))
     consumer.close()
+    query = "SELECT count(*) FROM events WHERE sandbox_id = :s AND type = 'CommandCompleted'"
     with db() as conn:
-        completed = wait_for(
-            lambda: (
-                scalar(
-                    conn,
-                    "SELECT count(*) FROM events WHERE sandbox_id = :s"
-                    " AND type = 'CommandCompleted'",
-                    s=sandbox_id,
-                )
-                >= 2
-            ),
-            what="both commands in the log",
-        )
-        assert completed
+        wait_for(lambda: scalar(conn, query, s=sandbox_id) >= 2, what="the commands in the log")
         partitions = conn.execute(
             text("SELECT DISTINCT partition FROM events WHERE sandbox_id = :s"),
             {"s": sandbox_id},
@@ -107,21 +97,33 @@ def test_a_node_on_librdkafka_runs_a_sandbox_through_its_life(
         assert set(partitions) == {key_partition(sandbox_id, count)}
 
 
-def test_a_forged_direct_command_is_dead_lettered_by_a_node_on_librdkafka(
-    node_on_librdkafka: Settings, client: Any
-) -> None:
-    stack = node_on_librdkafka
+def _forged_direct_command_is_refused(stack: Settings, client: Any) -> None:
     attacker = ensure_tenant(stack, "direct-attacker")
     with client.create(memory_mb=64) as box:
         since = utcnow()
         # When another tenant writes a command for it to the node's inbox, proven under
         # the sandbox key its own key derives
         _send(stack, attacker, attacker, box.id, "echo attacker >> /workspace/ran")
-        # Then it never ran, and the node's librdkafka producer dead-lettered it
+        # Then it never ran, and the node's producer dead-lettered it
         assert _ran(box, "attacker") == 0
         wait_for(
             lambda: _refused(stack, since, "does not match the sandbox's key"), 20, "dead letter"
         )
+
+
+def test_the_stacks_node_runs_on_librdkafka(stack: Settings, client: Any, db: Any) -> None:
+    assert _runs_librdkafka(stack)
+    _life(stack, client, db)
+    _forged_direct_command_is_refused(stack, client)
+
+
+def test_a_node_on_kafka_python_keeps_every_guarantee(
+    node_on_kafka_python: Settings, client: Any, db: Any
+) -> None:
+    stack = node_on_kafka_python
+    assert not _runs_librdkafka(stack)
+    _life(stack, client, db)
+    _forged_direct_command_is_refused(stack, client)
 
 
 def test_the_publisher_partitions_as_kafka_python_and_says_what_it_lost(
