@@ -17,7 +17,9 @@ secure defaults the platform uses). Then, in this order:
   turns of ten so that both meet the same machine;
 - the platform from an SDK on librdkafka (``DSEC_SDK_KAFKA_CLIENT=librdkafka``; when
   confluent-kafka is installed, as `make` does), direct, in turns of ten with the
-  kafka-python SDK, and the trainer process's CPU per command with each.
+  kafka-python SDK, and the trainer process's CPU per command with each. The node's
+  own clients are whatever its worker runs (``DSEC_NODE_KAFKA_CLIENT``, librdkafka by
+  default): both ends on librdkafka is the ``librdkafka_end_to_end`` figure.
 Needs `dsec up`. The last line prints the headline figures.
 """
 
