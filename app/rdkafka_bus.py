@@ -34,13 +34,17 @@ from app.config import Settings
 from app.domain.records import Record, StoredOffset, first_offsets, not_a_position
 from app.errors import ServiceUnavailable
 from app.ports import Headers
-from app.rdkafka_config import consumer_config, inbound, load, producer_config, take
+from app.rdkafka_config import (
+    Deliveries,
+    consumer_config,
+    inbound,
+    load,
+    producer_config,
+    take,
+)
 
 log = logging.getLogger(__name__)
 
-#: How long the delivery thread waits for the producer's events when none come: it is
-#: woken by each one, so this sets only how often an idle client wakes.
-DELIVERY_POLL_S = 2.0
 #: How long a send waits for room in a full local queue before it is refused.
 QUEUE_FULL_WAIT_S = 30.0
 #: How often a reader says how far behind it is (metrics.CONSUMER_LAG).
@@ -78,18 +82,11 @@ class RdkafkaPublisher:
         self._last_failure: str | None = None
         self._fatal = False
         self._producer = self._kafka.Producer(self._config)
-        self._closing = threading.Event()
-        # Delivery reports run on whoever polls the producer: this thread.
-        self._delivery = threading.Thread(
-            target=self._deliver, name="dsec-rdkafka-delivery", daemon=True
-        )
-        self._delivery.start()
+        self._deliveries = Deliveries(self._current)
 
-    def _deliver(self) -> None:
-        while not self._closing.is_set():
-            with self._lock:
-                producer = self._producer
-            producer.poll(DELIVERY_POLL_S)
+    def _current(self) -> Any:
+        with self._lock:
+            return self._producer
 
     def _error(self, error: Any) -> None:
         """librdkafka's client-wide errors: a fatal one (an idempotent producer fenced
@@ -171,8 +168,7 @@ class RdkafkaPublisher:
     def close(self) -> None:
         """Flush (10 s at most) and stop."""
         self._producer.flush(10)
-        self._closing.set()
-        self._delivery.join(timeout=DELIVERY_POLL_S + 1)
+        self._deliveries.stop()
 
 
 class RdkafkaReader:

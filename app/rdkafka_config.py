@@ -5,6 +5,8 @@ kafka-python's contract (:mod:`app.rdkafka_bus`, :mod:`app.sdk.transport_rdkafka
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -42,6 +44,11 @@ def rdkafka_config(settings: Settings, login: bus.KafkaLogin | None) -> dict[str
             if settings.kafka_ssl_keyfile is not None:
                 config["ssl.key.location"] = str(settings.kafka_ssl_keyfile)
     return config
+
+
+#: How long a delivery thread waits for its producer's reports when none come: it is
+#: woken by each one, so this sets only how often an idle client wakes.
+DELIVERY_POLL_S = 2.0
 
 
 def producer_config(
@@ -107,3 +114,23 @@ def inbound(message: Any) -> Inbound:
         message.topic(), message.partition(), message.offset(),
         message.key(), message.value(), message.headers() or [],
     )  # fmt: skip
+
+
+class Deliveries:
+    """The thread a librdkafka producer's delivery reports run on: they run on whoever
+    polls the producer (``producer()``: the one in use now)."""
+
+    def __init__(self, producer: Callable[[], Any]) -> None:
+        self._producer = producer
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsec-rdkafka-delivery", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            self._producer().poll(DELIVERY_POLL_S)
+
+    def stop(self) -> None:
+        """Stop after the current wait."""
+        self._closing.set()
+        self._thread.join(timeout=DELIVERY_POLL_S + 1)

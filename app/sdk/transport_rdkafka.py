@@ -20,7 +20,6 @@ against Kafka 4). The settings are the platform's (:mod:`app.rdkafka_config`).
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,13 +27,17 @@ from app import bus
 from app.config import Settings
 from app.domain.records import Inbound
 from app.errors import ServiceUnavailable
-from app.rdkafka_config import consumer_config, inbound, load, producer_config, take
+from app.rdkafka_config import (
+    Deliveries,
+    consumer_config,
+    inbound,
+    load,
+    producer_config,
+    take,
+)
 from app.sdk.reader import ReplySource
 from app.sdk.transport import Headers
 
-#: How long the delivery thread waits for the producer's events when none come: it is
-#: woken by each one, so this sets only how often an idle client wakes.
-DELIVERY_POLL_S = 2.0
 #: Most replies taken in one poll.
 BATCH = 500
 
@@ -55,16 +58,7 @@ class RdkafkaTransport:
             producer_config(settings, login, delivery_timeout_s)
         )
         self._consumer = confluent_kafka.Consumer(consumer_config(settings, login))
-        self._closing = threading.Event()
-        # Delivery callbacks run on whoever polls the producer: this thread.
-        self._delivery = threading.Thread(
-            target=self._deliver, name="dsec-rdkafka-delivery", daemon=True
-        )
-        self._delivery.start()
-
-    def _deliver(self) -> None:
-        while not self._closing.is_set():
-            self._producer.poll(DELIVERY_POLL_S)
+        self._deliveries = Deliveries(lambda: self._producer)
 
     def publish(
         self,
@@ -110,8 +104,7 @@ class RdkafkaTransport:
 
     def close(self) -> None:
         self._producer.flush(10)
-        self._closing.set()
-        self._delivery.join(timeout=DELIVERY_POLL_S + 1)
+        self._deliveries.stop()
         self._consumer.close()
 
 
