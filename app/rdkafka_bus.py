@@ -81,6 +81,8 @@ class RdkafkaPublisher:
         self._failures = 0
         self._last_failure: str | None = None
         self._fatal = False
+        #: Partition counts the broker last gave, by topic.
+        self._counts: dict[str, int] = {}
         self._producer = self._kafka.Producer(self._config)
         self._deliveries = Deliveries(self._current)
 
@@ -156,14 +158,21 @@ class RdkafkaPublisher:
 
     def partitions_of(self, topic: str, wait_s: float) -> int | None:
         """How many partitions ``topic`` has, as the broker's metadata says (None: no
-        such topic, not one this principal may see, or no answer in ``wait_s``)."""
+        such topic, or not one this principal may see).
+
+        librdkafka asks the broker each time. A broker that does not answer within
+        ``wait_s`` (slow, or away) gets the count it last gave for a topic (None if
+        it never gave one): a slow broker must not make every reply's topic unknown,
+        as kafka-python's metadata, answered locally, never did."""
         try:
             listed = self._producer.list_topics(topic, timeout=wait_s).topics.get(topic)
         except self._kafka.KafkaException:
-            return None
+            return self._counts.get(topic)
         if listed is None or listed.error is not None or not listed.partitions:
+            self._counts.pop(topic, None)
             return None
-        return len(listed.partitions)
+        self._counts[topic] = len(listed.partitions)
+        return self._counts[topic]
 
     def close(self) -> None:
         """Flush (10 s at most) and stop."""
