@@ -104,6 +104,11 @@ def _servers(bootstrap: str) -> list[str]:
     return [s.strip() for s in bootstrap.split(",") if s.strip()]
 
 
+def largest_record(settings: Settings) -> int:
+    """The largest record sent or read: a reply may hold an exec's whole output."""
+    return max(settings.max_message_bytes * 2, settings.max_reply_bytes)
+
+
 def client_options(settings: Settings, login: KafkaLogin | None = None) -> dict[str, Any]:
     """Bootstrap servers and security settings of a Kafka client of ours: one
     principal per process (:func:`resolve_login`), the one Kafka's ACLs know it by
@@ -238,9 +243,7 @@ class Publisher:
                 acks="all",
                 enable_idempotence=True,
                 linger_ms=self._linger_ms,
-                # Replies may be large (an exec's output); consumers bound requests and
-                # events themselves, by max_message_bytes.
-                max_request_size=max(settings.max_message_bytes * 2, settings.max_reply_bytes),
+                max_request_size=largest_record(settings),
                 **self._delivery,
             )
         except KafkaError as exc:

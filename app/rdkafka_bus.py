@@ -38,8 +38,10 @@ from app.rdkafka_config import (
     Deliveries,
     consumer_config,
     inbound,
+    listed_partitions,
     load,
     producer_config,
+    rdkafka_config,
     take,
 )
 
@@ -58,15 +60,6 @@ def topic_uuid(found: Any) -> uuid.UUID:
     high = found.get_most_significant_bits() & ((1 << 64) - 1)
     low = found.get_least_significant_bits() & ((1 << 64) - 1)
     return uuid.UUID(int=(high << 64) | low)
-
-
-#: Settings of a consumer that an admin client does not take (it warns of each).
-_CONSUMER_ONLY = ("group.", "enable.auto", "auto.offset", "fetch.", "enable.partition")
-
-
-def admin_config(consumer: dict[str, Any]) -> dict[str, Any]:
-    """An admin client's settings from a consumer's: the same brokers and login."""
-    return {k: v for k, v in consumer.items() if not k.startswith(_CONSUMER_ONLY)}
 
 
 class RdkafkaPublisher:
@@ -165,13 +158,13 @@ class RdkafkaPublisher:
         it never gave one): a slow broker must not make every reply's topic unknown,
         as kafka-python's metadata, answered locally, never did."""
         try:
-            listed = self._producer.list_topics(topic, timeout=wait_s).topics.get(topic)
+            listed = listed_partitions(self._producer, topic, wait_s)
         except self._kafka.KafkaException:
             return self._counts.get(topic)
-        if listed is None or listed.error is not None or not listed.partitions:
+        if listed is None:
             self._counts.pop(topic, None)
             return None
-        self._counts[topic] = len(listed.partitions)
+        self._counts[topic] = len(listed)
         return self._counts[topic]
 
     def close(self) -> None:
@@ -206,36 +199,39 @@ class RdkafkaReader:
         self._kafka = load()
         self.topic = topic
         self.name = name
-        config = self._config = consumer_config(settings, login)
-        self._consumer = self._kafka.Consumer(config)
+        self._config = consumer_config(settings, login)
+        self._consumer = self._kafka.Consumer(self._config)
         #: Whether the client may hold a fetch at the broker (it has been polled).
         self._fetching = False
         #: Whether positions moved since librdkafka was last told.
         self._moved = True
         try:
-            listed = self._consumer.list_topics(topic, timeout=LOOKUP_S).topics.get(topic)
-            found_id = self._topic_id_of(config, topic)
+            listed = listed_partitions(self._consumer, topic, LOOKUP_S)
+            found_id = self._topic_id_of(rdkafka_config(settings, login), topic)
         except self._kafka.KafkaException as exc:
             self._consumer.close()
             raise ServiceUnavailable(f"Kafka: partitions of {topic}: {exc}") from exc
-        if listed is None or listed.error is not None or not listed.partitions:
+        if listed is None:
             self._consumer.close()
             raise ServiceUnavailable(f"topic {topic} does not exist (is the stack up?)")
         #: Every partition of the topic (a caller may read only some).
-        self.all_partitions = sorted(listed.partitions)
+        self.all_partitions = listed
         chosen = set(partitions) if partitions is not None else None
         #: The partitions read.
         self.partitions = [p for p in self.all_partitions if chosen is None or p in chosen]
         self._topic_id = found_id
-        #: The offset of the next record of each partition read.
-        self._next = self._beginnings(self.partitions)
+        #: The offset of the next record of each partition read, once known (one not
+        #: yet positioned is read from its beginning).
+        self._next: dict[int, int] = {}
         self._lag_at = 0.0
 
     def _topic_id_of(self, config: dict[str, Any], topic: str) -> uuid.UUID:
+        """The topic's id, asked through an admin client with ``config`` (the brokers
+        and login alone)."""
         from confluent_kafka import TopicCollection
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient(admin_config(config))
+        admin = AdminClient(config)
         described = admin.describe_topics(TopicCollection([topic]))[topic].result(LOOKUP_S)
         return topic_uuid(described.topic_id)
 
@@ -259,9 +255,6 @@ class RdkafkaReader:
         except self._kafka.KafkaException as exc:
             raise ServiceUnavailable(f"Kafka: offsets of {self.topic}: {exc}") from exc
         return int(low), int(high)
-
-    def _beginnings(self, partitions: Collection[int]) -> dict[int, int]:
-        return {p: self._watermarks(p)[0] for p in partitions}
 
     def _assign(self) -> None:
         """Read from the positions kept, from the next poll on."""
@@ -305,9 +298,8 @@ class RdkafkaReader:
         ones start at their ``stored`` offsets (see :meth:`seek`)."""
         kept = set(self.partitions) & set(partitions)
         self.partitions = [p for p in self.all_partitions if p in set(partitions)]
-        self._next = {p: self._next[p] for p in kept}
+        self._next = {p: offset for p, offset in self._next.items() if p in kept}
         new = [p for p in self.partitions if p not in kept]
-        self._next.update({p: 0 for p in new})
         if not new:
             self._assign()
             return []
@@ -320,7 +312,10 @@ class RdkafkaReader:
             time.sleep(timeout_ms / 1000)
             return []
         if self._moved:
-            self._consumer.assign([self._tp(p, self._next[p]) for p in self.partitions])
+            beginning = self._kafka.OFFSET_BEGINNING
+            self._consumer.assign(
+                [self._tp(p, self._next.get(p, beginning)) for p in self.partitions]
+            )
             self._moved = False
         self._fetching = True
         try:
@@ -350,7 +345,7 @@ class RdkafkaReader:
         self._lag_at = now
         for p in self.partitions:
             _low, high = self._consumer.get_watermark_offsets(self._tp(p), cached=True)
-            if high >= 0:
+            if high >= 0 and p in self._next:
                 lag = max(high - self._next[p], 0)
                 metrics.CONSUMER_LAG.labels(self.name, self.topic, str(p)).set(lag)
 
@@ -367,6 +362,8 @@ class RdkafkaReader:
 
     def position(self, partition: int) -> int:
         """The offset the next read of ``partition`` starts at."""
+        if partition not in self._next:  # never positioned, nothing read: its beginning
+            self._next[partition] = self._watermarks(partition)[0]
         return self._next[partition]
 
     def close(self) -> None:

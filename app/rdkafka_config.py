@@ -61,8 +61,7 @@ def producer_config(
         "enable.idempotence": True,
         "linger.ms": 0,
         "partitioner": "murmur2_random",
-        # Replies may be large (an exec's output); consumers bound requests and events.
-        "message.max.bytes": max(settings.max_message_bytes * 2, settings.max_reply_bytes),
+        "message.max.bytes": bus.largest_record(settings),
         "delivery.timeout.ms": int(delivery_timeout_s * 1000),
     }
 
@@ -70,7 +69,6 @@ def producer_config(
 def consumer_config(settings: Settings, login: bus.KafkaLogin | None) -> dict[str, Any]:
     """A consumer that only assigns (no group is joined, nothing is committed) and
     whose fetches wait on the broker, answered as soon as data arrives."""
-    largest = max(settings.max_message_bytes * 2, settings.max_reply_bytes)
     return {
         **rdkafka_config(settings, login),
         # librdkafka asks for a group id even of a consumer that never joins one.
@@ -79,7 +77,7 @@ def consumer_config(settings: Settings, login: bus.KafkaLogin | None) -> dict[st
         "enable.auto.offset.store": False,
         "auto.offset.reset": "earliest",
         "fetch.wait.max.ms": settings.fetch_max_wait_ms,
-        "fetch.message.max.bytes": largest,
+        "fetch.message.max.bytes": bus.largest_record(settings),
         "enable.partition.eof": False,
     }
 
@@ -134,3 +132,13 @@ class Deliveries:
         """Stop after the current wait."""
         self._closing.set()
         self._thread.join(timeout=DELIVERY_POLL_S + 1)
+
+
+def listed_partitions(client: Any, topic: str, timeout_s: float) -> list[int] | None:
+    """The partitions of ``topic`` as the broker's metadata lists them, asked through
+    a confluent-kafka client (None: no such topic, or not one this principal may
+    see); a broker that does not answer in ``timeout_s`` raises KafkaException."""
+    listed = client.list_topics(topic, timeout=timeout_s).topics.get(topic)
+    if listed is None or listed.error is not None or not listed.partitions:
+        return None
+    return sorted(listed.partitions)

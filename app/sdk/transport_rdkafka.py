@@ -31,6 +31,7 @@ from app.rdkafka_config import (
     Deliveries,
     consumer_config,
     inbound,
+    listed_partitions,
     load,
     producer_config,
     take,
@@ -89,10 +90,10 @@ class RdkafkaTransport:
         """One partition of ``topic``, picked at random, from its end now."""
         kafka = self._kafka
         try:
-            listed = self._consumer.list_topics(topic, timeout=10).topics.get(topic)
-            if listed is None or listed.error is not None or not listed.partitions:
+            listed = listed_partitions(self._consumer, topic, 10)
+            if listed is None:
                 return None
-            partition = random.choice(sorted(listed.partitions))
+            partition = random.choice(listed)
             part = kafka.TopicPartition(topic, partition)
             _low, high = self._consumer.get_watermark_offsets(part, timeout=10)
             self._consumer.assign([kafka.TopicPartition(topic, partition, high)])

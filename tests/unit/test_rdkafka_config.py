@@ -13,7 +13,7 @@ from confluent_kafka.admin import AdminClient
 
 from app.bus import KafkaLogin
 from app.config import Settings
-from app.rdkafka_bus import admin_config, topic_uuid
+from app.rdkafka_bus import topic_uuid
 from app.rdkafka_config import consumer_config, producer_config, rdkafka_config, take
 from app.stack.tls import ensure_ca
 
@@ -65,9 +65,7 @@ def test_the_clients_settings_are_librdkafkas_and_partition_as_kafka_python(
     # librdkafka checks every name and value when a client is made (no broker needed)
     confluent_kafka.Producer(producer).flush(0)
     confluent_kafka.Consumer(consumer).close()
-    admin = admin_config(consumer)
-    assert "group.id" not in admin and "fetch.wait.max.ms" not in admin
-    AdminClient(admin)
+    AdminClient(rdkafka_config(settings, login))
 
 
 def test_a_topic_id_reads_as_the_uuid_kafka_python_reports() -> None:
