@@ -19,7 +19,7 @@ from pathlib import Path
 
 from app.stats import durations, percentile
 from workers.agent.build import ensure_agent_dir
-from workers.agent.connection import AgentListener
+from workers.agent.listener import AgentListener
 
 
 def main() -> None:

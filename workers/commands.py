@@ -5,11 +5,13 @@ waits on the agent's socket. Held in a Celery pool thread, sixteen of them fille
 node: a create or a destroy, or another tenant's command, queued behind them. So the
 exec task only claims the command (on its pool thread, so a worker that dies before
 the claim gets the task again, and one that dies after never runs it twice) and hands
-the rest here: each command waits on a thread of its own, up to the node's limit
-(``DSEC_NODE_MAX_COMMANDS``), and the pool thread is free for the next task at once.
+the rest here, up to the node's limit (``DSEC_NODE_MAX_COMMANDS``), and the pool
+thread is free for the next task at once. A command that can start at once does so
+without a thread (:class:`StartableJob`: its agent's answer is waited on by the node's
+one waiter, workers/agent/waiter.py); any other waits on a thread of its own.
 
 Fair share: one tenant holds at most ``DSEC_NODE_MAX_COMMANDS_PER_TENANT`` of those
-threads, so a tenant that floods a node with long commands leaves room for the
+places, so a tenant that floods a node with long commands leaves room for the
 others; commands beyond a limit wait here and start in turn, one tenant after the
 other (round robin), as running ones end. Every claimed command is known by its
 request id from its claim to its answer, which is what a KillCommand finds.
@@ -23,9 +25,9 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from workers.agent.connection import AgentConnection
 from workers.tally import NodeTally, NoNodeTally
@@ -96,6 +98,21 @@ class Running:
 
 
 Job = Callable[[Running], None]
+#: Runs the rest of a command started without a thread (on whichever thread its answer
+#: came on), inside the command's answering; then its place is given to the next.
+Finish = Callable[[Callable[[], None]], None]
+
+
+@runtime_checkable
+class StartableJob(Protocol):
+    """A job that may start without a thread of its own (workers/agent/waiter.py)."""
+
+    def __call__(self, running: Running) -> None: ...
+
+    def begin(self, running: Running, finish: Finish) -> bool:
+        """Start the command and return at once, calling ``finish`` exactly once later
+        with what is left to do; False (nothing done) to be run on a thread instead."""
+        ...
 
 
 class Answering(Protocol):
@@ -108,7 +125,8 @@ class Answering(Protocol):
 
 
 class Commands:
-    """Runs claimed commands, each on its own thread, with their replies' keys."""
+    """Runs claimed commands, started without a thread or each on its own, with their
+    replies' keys."""
 
     def __init__(
         self,
@@ -165,10 +183,36 @@ class Commands:
 
     def _spawn(self, running: Running, reply_key: bytes | None, job: Job) -> None:
         try:
+            if isinstance(job, StartableJob) and self._begin(running, reply_key, job):
+                return
             self._pool.submit(self._run, running, reply_key, job)
         except BaseException:
             self._ended(running)
             raise
+
+    def _begin(self, running: Running, reply_key: bytes | None, job: StartableJob) -> bool:
+        """Start ``job`` without a thread, if it can; its replies are proven with
+        ``reply_key`` from now until it finishes."""
+        answering = ExitStack()
+        answering.enter_context(self._courier.answering(running.request_id, reply_key))
+
+        def finish(rest: Callable[[], None]) -> None:
+            try:
+                rest()
+            except Exception:
+                log.exception("command %s failed", running.request_id)
+            finally:
+                answering.close()
+                self._ended(running)
+
+        try:
+            started = job.begin(running, finish)
+        except Exception:
+            log.exception("command %s could not start without a thread", running.request_id)
+            started = False
+        if not started:
+            answering.close()
+        return started
 
     def _run(self, running: Running, reply_key: bytes | None, job: Job) -> None:
         try:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from app.config import Settings
 from app.domain.base import StopReason, utcnow
@@ -28,11 +28,12 @@ from app.domain.events import CommandCompleted, CommandPayload
 from app.domain.replies import Done, ExecOutput, OutputChunk
 from app.domain.requests import Exec, KillCommand
 from app.domain.trajectory import RecordedStep
-from workers.agent.errors import AgentError, AgentTimeout
-from workers.agent.messages import AgentExecResult
+from workers.agent.errors import AgentError, AgentProtocolError, AgentTimeout
+from workers.agent.messages import AgentExecResult, Response
 from workers.agent.messages import Output as AgentOutput
 from workers.agent.pool import AgentPool
-from workers.commands import Commands, Job, Running
+from workers.agent.waiter import Waiter
+from workers.commands import Commands, Finish, Job, Running
 from workers.containers.port import ContainerDriver
 from workers.courier import Courier
 from workers.errors import CommandInterrupted, NodeError, StaleCommand
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 #: Bytes of each output stream copied into the audit event.
 AUDIT_HEAD = 256
+#: Largest stdin (base64) a command started without a thread carries: its request is
+#: written on the inbox's thread, and a write that fills the socket would wait there.
+INLINE_STDIN_B64 = 64 * 1024
 
 
 class CommandKilled(AgentError):
@@ -67,6 +71,8 @@ class ExecHost(Protocol):
     settings: Settings
     driver: ContainerDriver
     agents: AgentPool
+    #: Waits on the answers of the commands started without a thread.
+    waiter: Waiter
     courier: Courier
     claims: ClaimStore
     steps: StepStore
@@ -138,6 +144,20 @@ def _killed_result(running: Running, duration_s: float) -> AgentExecResult:
     )
 
 
+def _exec_args(request: Exec) -> dict[str, Any]:
+    """What the agent is asked to run for ``request`` (:meth:`AgentConnection.exec`'s
+    arguments)."""
+    command = request.command
+    return {
+        "argv": ["/bin/sh", "-c", command] if isinstance(command, str) else command,
+        "env": dict(request.env) or None,
+        "cwd": request.cwd,
+        "timeout_s": request.timeout_s,
+        "max_output": request.max_output_bytes,
+        "stdin": base64.b64decode(request.stdin_b64),
+    }
+
+
 def _audit_head(data: bytes) -> str:
     """The start of a command's output as text for the log.
 
@@ -205,28 +225,13 @@ class ExecPath:
         if not claimed:
             log.info("exec %s already ran on this node; skipping", request.request_id)
             return None
-        claims = self.node.claims
         traj, step = request.trajectory_id, request.step
         replayed = (
             traj is not None
             and step is not None
             and not self.node.steps.claim(request.tenant, traj, step, str(request.request_id))
         )
-
-        claimed_at = time.monotonic()
-
-        def answering(running: Running) -> None:
-            try:
-                if replayed:
-                    assert traj is not None and step is not None
-                    self._replay_claimed_step(request, traj, step)
-                else:
-                    self._run_exec(request, running)
-            finally:
-                claims.answered(request.scope)
-                self.node.tally.executed(time.monotonic() - claimed_at)
-
-        return answering
+        return _ExecJob(self, request, replayed)
 
     def answer_interrupted(self) -> int:
         """Answer the commands a previous worker of this node claimed and never
@@ -262,30 +267,70 @@ class ExecPath:
         )
 
     def _run_exec(self, request: Exec, running: Running) -> None:
-        argv = (
-            ["/bin/sh", "-c", request.command]
-            if isinstance(request.command, str)
-            else request.command
-        )
         started = time.monotonic()
-        killed_by: str | None = None
         try:
             with self.node.agents.using(request.sandbox_id, AGENT_WAIT_S) as conn:
                 if not running.attach(conn):
                     raise CommandKilled
                 result = conn.exec(
-                    argv,
-                    env=dict(request.env) or None,
-                    cwd=request.cwd,
-                    timeout_s=request.timeout_s,
-                    max_output=request.max_output_bytes,
-                    stdin=base64.b64decode(request.stdin_b64),
+                    **_exec_args(request),
                     on_output=self._streamer(request, running) if request.stream_output else None,
                 )
         except Exception as exc:
+            self._exec_ended(request, running, None, exc, started)
+            return
+        self._exec_ended(request, running, result, None, started)
+
+    def begin_exec(self, request: Exec, running: Running, finish: Finish) -> bool:
+        """Start a command without a thread of its own: its request written to an idle
+        connection of its agent here, its answer waited on by the node's one waiter
+        thread, which then calls ``finish`` with the rest (record and answer it). False
+        (nothing done) where a thread serves better: no idle connection right now (the
+        thread waits for the agent's next), a large stdin (a write that may wait), or
+        an agent too old to stream a streamed command."""
+        if len(request.stdin_b64) > INLINE_STDIN_B64:
+            return False
+        agents = self.node.agents
+        conn = agents.hold_idle(request.sandbox_id)
+        if conn is None:
+            return False
+        if (request.stream_output and conn.hello.version < 2) or not running.attach(conn):
+            agents.release(request.sandbox_id, conn)
+            return False
+        agent_request, wait = conn.exec_request(**_exec_args(request), stream=request.stream_output)
+        started = time.monotonic()
+
+        def answered(response: Response | None, error: AgentError | None) -> None:
+            agents.release(request.sandbox_id, conn)
+            result = response if isinstance(response, AgentExecResult) else None
+            if result is None and error is None:
+                error = AgentProtocolError(f"agent answered an exec with {response!r}")
+            finish(lambda: self._exec_ended(request, running, result, error, started))
+
+        self.node.waiter.watch(
+            conn,
+            agent_request,
+            wait,
+            answered,
+            self._streamer(request, running) if request.stream_output else None,
+        )
+        return True
+
+    def _exec_ended(
+        self,
+        request: Exec,
+        running: Running,
+        result: AgentExecResult | None,
+        error: Exception | None,
+        started: float,
+    ) -> None:
+        """Record and answer a command whose agent answered (``result``) or did not
+        (``error``): a failure, unless a kill broke its connection."""
+        killed_by: str | None = None
+        if result is None:
             killed_by = running.killed_by  # the kill broke its connection
             if killed_by is None:
-                self._exec_failed(request, exc)
+                self._exec_failed(request, error or AgentError("no answer"))
                 return
             result = _killed_result(running, time.monotonic() - started)
         self._exec_done(request, result, killed_by)
@@ -394,3 +439,47 @@ class ExecPath:
                     StopReason.OOM,
                     f"out of memory: the kernel killed {kills} process(es)",
                 )
+
+
+class _ExecJob:
+    """A claimed command: run on a thread of its own (called), or started without one
+    (:meth:`begin`); either way its claim is answered once it ends."""
+
+    def __init__(self, path: ExecPath, request: Exec, replayed: bool) -> None:
+        self._path = path
+        self._request = request
+        self._replayed = replayed
+        self._claimed_at = time.monotonic()
+
+    def __call__(self, running: Running) -> None:
+        request = self._request
+        try:
+            if self._replayed:
+                assert request.trajectory_id is not None and request.step is not None
+                self._path._replay_claimed_step(request, request.trajectory_id, request.step)
+            else:
+                self._path._run_exec(request, running)
+        finally:
+            self._answered()
+
+    def begin(self, running: Running, finish: Finish) -> bool:
+        """Start it without a thread (:meth:`ExecPath.begin_exec`); a step answered
+        from another request's run waits for that one: on a thread."""
+        if self._replayed:
+            return False
+
+        def rest(work: Callable[[], None]) -> None:
+            def answered() -> None:
+                try:
+                    work()
+                finally:
+                    self._answered()
+
+            finish(answered)
+
+        return self._path.begin_exec(self._request, running, rest)
+
+    def _answered(self) -> None:
+        node = self._path.node
+        node.claims.answered(self._request.scope)
+        node.tally.executed(time.monotonic() - self._claimed_at)

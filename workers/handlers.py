@@ -49,6 +49,7 @@ from app.domain.requests import (
     WriteFile,
 )
 from workers.agent.pool import AgentPool
+from workers.agent.waiter import Waiter
 from workers.commands import Commands, Job
 from workers.containers.port import ContainerDriver
 from workers.containers.spec import AGENT_SOCKET_NAME
@@ -138,6 +139,8 @@ class Node:
         self.activity: dict[str, Activity] = {}
         #: A request's failure, told to the log and its trainer.
         self.failures = Failures(node_id, self.courier, driver, agents, self.tally)
+        #: Waits on the agents' answers to commands started without a thread.
+        self.waiter = Waiter()
         #: Commands in flight, off the Celery pool (workers/commands.py).
         self.commands = Commands(
             self.courier,

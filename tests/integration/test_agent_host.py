@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from workers.agent.build import ensure_agent_dir, is_static_elf
-from workers.agent.connection import AgentConnection, AgentListener
+from workers.agent.connection import AgentConnection
 from workers.agent.errors import AgentBuildError, AgentRefused, AgentUnavailable
+from workers.agent.listener import AgentListener
 from workers.agent.messages import Output
 from workers.agent.pool import IDLE_KEPT, AgentPool
 

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from workers.commands import Commands, FairQueue, Running
+from workers.commands import Commands, FairQueue, Finish, Running
 from workers.tally import NoNodeTally
 
 
@@ -147,4 +147,51 @@ def test_the_node_counts_its_commands_through_its_tally() -> None:
     assert (2, 1) in tally.seen
     gate.release.set()
     gate.wait_began(2)
+    commands.close()
+
+
+class _Startable:
+    """A job started without a thread: its rest is run when the test says so."""
+
+    def __init__(self, name: str, starts: bool, log: list[str]) -> None:
+        self.name, self.starts, self.log = name, starts, log
+        self.finish: Finish | None = None
+
+    def __call__(self, _running: Running) -> None:
+        self.log.append(f"{self.name} on {threading.current_thread().name}")
+
+    def begin(self, _running: Running, finish: Finish) -> bool:
+        if self.starts:
+            self.finish = finish
+            self.log.append(f"{self.name} began")
+        return self.starts
+
+    def end(self) -> None:
+        assert self.finish is not None
+        self.finish(lambda: self.log.append(f"{self.name} ended"))
+
+
+def test_a_command_started_without_a_thread_holds_its_place_until_it_finishes() -> None:
+    # Given room for one command, and a job that starts without a thread
+    log: list[str] = []
+    commands = Commands(_Courier(), limit=1)
+    first = _Startable("first", starts=True, log=log)
+    commands.submit(_running("a"), None, first)
+    assert log == ["first began"] and commands.in_flight() == 1
+    # When another comes, it waits: the first still holds the only place
+    second = _Startable("second", starts=True, log=log)
+    commands.submit(_running("b"), None, second)
+    assert log == ["first began"] and commands.in_flight() == 2
+    # Then the first's end runs its rest and lets the second begin
+    first.end()
+    assert log == ["first began", "first ended", "second began"]
+    second.end()
+    assert commands.in_flight() == 0
+    # And a job that cannot start so runs on a thread of its own, as any job
+    commands.submit(_running("a"), None, _Startable("third", starts=False, log=log))
+    for _ in range(100):
+        if commands.in_flight() == 0:
+            break
+        threading.Event().wait(0.01)
+    assert log[-1].startswith("third on dsec-command")
     commands.close()

@@ -6,7 +6,9 @@ New behaviour gets its first test here."""
 
 from __future__ import annotations
 
+import base64
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,12 +19,13 @@ from app.domain.base import RejectReason, StopReason
 from app.domain.codec import decode_event
 from app.domain.egress import NetworkPolicy
 from app.domain.events import SandboxStarted, SandboxStopped
-from app.domain.replies import ErrorReply
+from app.domain.replies import ErrorReply, ExecOutput
 from app.errors import SandboxFailedError, SandboxNotFound, SandboxRejectedError
 from app.sdk import Client, Sandbox
 from app.sdk.results import exec_request
 from tests.unit.in_process import HOST_CPUS, NODE, PARTITIONS, Platform
 from workers import runtime
+from workers.agent.double import scripted
 from workers.agent.messages import ExecRequest
 from workers.containers.port import SandboxContainer
 from workers.upkeep import held, reconcile
@@ -218,3 +221,35 @@ def test_a_sandbox_destroyed_while_the_reconciler_lists_stays_ended(
     platform.settle()
     ends = [e for e in _events(platform) if isinstance(e, SandboxStopped)]
     assert [e.sandbox_id for e in ends] == [sandbox.id]
+
+
+def test_commands_wait_for_their_agents_without_a_thread_each(platform: Platform) -> None:
+    # Given sandboxes whose agents hold every command until told to answer
+    sandboxes = [_create(platform) for _ in range(4)]
+    release = threading.Event()
+    platform.agent.run = lambda request: (release.wait(2), scripted(request))[1]
+    client = sandboxes[0].client
+    assert isinstance(client, Client)
+    # When a command is sent to each at once
+    futures = [
+        client.send(exec_request(client.request_fields(s.id), f"echo {n}", timeout_s=10), node=NODE)
+        for n, s in enumerate(sandboxes)
+    ]
+    deadline = time.monotonic() + 0.5
+    while platform.node.waiter.watched() < len(sandboxes):
+        platform.pump()
+        assert time.monotonic() < deadline, "the commands were not all started"
+    # Then all of them are in flight, and no thread waits on any of them: the node's
+    # one waiter does
+    assert platform.node.commands.in_flight() == len(sandboxes)
+    assert not [t for t in threading.enumerate() if t.name.startswith("dsec-command")]
+    # And each is answered with what its own agent said once the agents answer
+    release.set()
+    deadline = time.monotonic() + 0.5
+    while not all(future.done() for future in futures):
+        platform.pump()
+        assert time.monotonic() < deadline, "the commands were not all answered"
+    for n, future in enumerate(futures):
+        reply = future.result(timeout=0)
+        assert isinstance(reply, ExecOutput) and reply.exit_code == 0
+        assert base64.b64decode(reply.stdout_b64) == f"{n}\n".encode()

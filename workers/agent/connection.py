@@ -7,7 +7,8 @@ arrives on the socket is still untrusted: frames are size-checked before allocat
 and a HELLO must arrive within a deadline. The code in a sandbox is hostile to its
 agent: the node accepts only the container's init (:func:`peer_is_sandbox_init`,
 from the socket's peer credentials), and never reads more than a request asked for.
-:mod:`workers.agent.pool` keeps the connections of every sandbox of a node.
+:mod:`workers.agent.pool` keeps the connections of every sandbox of a node, and
+:mod:`workers.agent.listener` listens for them.
 """
 
 from __future__ import annotations
@@ -15,15 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import select
 import socket
-import stat
 import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 from workers.agent.errors import (
     AgentError,
@@ -59,7 +57,6 @@ from workers.agent.protocol import (
     op_of,
     response_limit,
 )
-from workers.containers.spec import AGENT_SOCKET_NAME
 from workers.socket_timeout import set_read_timeout, set_write_timeout
 
 log = logging.getLogger(__name__)
@@ -143,6 +140,10 @@ class AgentConnection:
         self._timeout: float | None = None
         self._deadline: float | None = None
         self._reading = False
+        # Sent by send() and read by one thread that waits on many (workers/agent/
+        # waiter.py): close() then leaves the descriptor to that thread, which sees the
+        # end on it (a descriptor closed under epoll is dropped without an event).
+        self._watched = False
         self.hello = hello
         self.io_timeout_s = io_timeout_s
         self.exec_margin_s = exec_margin_s
@@ -215,6 +216,30 @@ class AgentConnection:
         ``max_output`` caps stdout and stderr separately. A program that cannot be
         started exits 127 (not found) or 126, with the reason on stderr.
         """
+        request, wait = self.exec_request(
+            argv, env, cwd, timeout_s, max_output, stdin, stream=on_output is not None
+        )
+        result = self.request(request, wait, on_output)
+        assert isinstance(result, AgentExecResult)
+        if on_output is not None and not request.stream:
+            for stream, data in ((1, result.stdout), (2, result.stderr)):
+                if data:
+                    on_output(Output(stream, data))
+        return result
+
+    def exec_request(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        max_output: int = 1 << 20,
+        stdin: bytes = b"",
+        *,
+        stream: bool = False,
+    ) -> tuple[ExecRequest, float | None]:
+        """The request :meth:`exec` sends (``stream``: output frames while it runs, if
+        this agent can), and how long its round trip may take (None: without end)."""
         if isinstance(argv, str | bytes):
             raise TypeError("argv must be a sequence of strings, not a string")
         timeout_ms = 0
@@ -228,16 +253,9 @@ class AgentConnection:
             timeout_ms=timeout_ms,
             max_output=max_output,
             stdin=stdin,
-            stream=on_output is not None and self.hello.version >= 2,
+            stream=stream and self.hello.version >= 2,
         )
-        wait = None if timeout_s is None else timeout_s + self.exec_margin_s
-        result = self.request(request, wait, on_output)
-        assert isinstance(result, AgentExecResult)
-        if on_output is not None and not request.stream:
-            for stream, data in ((1, result.stdout), (2, result.stderr)):
-                if data:
-                    on_output(Output(stream, data))
-        return result
+        return request, None if timeout_s is None else timeout_s + self.exec_margin_s
 
     def signal_all(self, signo: int) -> None:
         """Send ``signo`` (SIGSTOP, SIGCONT or SIGKILL) to every process of the sandbox
@@ -367,6 +385,83 @@ class AgentConnection:
             raise AgentUnavailable("agent closed the connection")
         return got
 
+    # ------------------------------ a request waited on by another thread (waiter.py)
+
+    def fileno(self) -> int:
+        """The socket's descriptor (to wait on it with epoll)."""
+        return self._sock.fileno()
+
+    def send(self, request: Request) -> None:
+        """Send ``request`` and return without waiting for its answer, which
+        :meth:`read_frames` takes as it arrives: one thread then waits on many
+        connections (:mod:`workers.agent.waiter`) instead of one thread on each. Until
+        :meth:`unwatch`, :meth:`close` only shuts the socket down."""
+        data = encode_request(request)
+        with self._lock:
+            if self._closed:
+                raise AgentUnavailable("agent connection is closed")
+            self._watched = True
+            try:
+                if self._write_timeout != self.io_timeout_s:
+                    set_write_timeout(self._sock, self.io_timeout_s)
+                    self._write_timeout = self.io_timeout_s
+                self._sock.sendall(data)
+            except BlockingIOError as exc:
+                self._shut_down()
+                raise AgentTimeout(f"agent took no request for {self.io_timeout_s} s") from exc
+            except OSError as exc:
+                self._shut_down()
+                raise AgentUnavailable(f"agent connection broke: {exc}") from exc
+
+    def read_frames(self, limit: int) -> list[bytearray]:
+        """The payloads of the frames complete after one read of what has arrived
+        (never waits; each at most ``limit`` bytes). Raises :class:`AgentUnavailable`
+        once the connection ended and :class:`AgentProtocolError` for a frame above
+        ``limit``."""
+        with self._lock:
+            if self._closed:
+                raise AgentUnavailable("agent connection is closed")
+            view = memoryview(self._chunk)
+            try:
+                got = self._sock.recv_into(view, READ_CHUNK, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                got = -1
+            except OSError as exc:
+                raise AgentUnavailable(f"agent connection broke: {exc}") from exc
+            if got == 0:
+                raise AgentUnavailable("agent closed the connection")
+            if got > 0:
+                self._pending += view[:got]
+            frames = []
+            while len(self._pending) >= HEADER_LEN:
+                end = HEADER_LEN + frame_length(self._pending[:HEADER_LEN], limit)
+                if len(self._pending) < end:
+                    break
+                frames.append(self._pending[HEADER_LEN:end])
+                del self._pending[:end]
+            return frames
+
+    @property
+    def unread(self) -> int:
+        """Bytes read from the socket and not yet part of a frame handed over."""
+        return len(self._pending)
+
+    def unwatch(self, *, failed: bool) -> None:
+        """The waiting thread is done with the request :meth:`send` sent: the
+        connection is closed for good if it ``failed`` or was closed meanwhile."""
+        with self._lock:
+            self._watched = False
+            if failed or self._closed:
+                self._close_locked()
+
+    def _shut_down(self) -> None:
+        """Closed: for good, or (while another thread waits on it) shut down."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        if not self._watched:
+            self._close_locked()
+
     def _close_locked(self) -> None:
         self._closed = True
         with contextlib.suppress(OSError):
@@ -379,86 +474,4 @@ class AgentConnection:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with self._lock:
-            self._close_locked()
-
-
-class AgentListener:
-    """The listening socket of one sandbox: ``<run_dir>/agent.sock``, mode 0666 so the
-    sandbox's unprivileged mapped uid can connect (``run_dir`` is created if missing;
-    it must be host-owned and is mounted read-only into the sandbox)."""
-
-    def __init__(self, run_dir: Path, *, socket_name: str = AGENT_SOCKET_NAME) -> None:
-        run_dir = Path(run_dir)
-        # 0755: the sandbox's mapped uid must traverse it to reach the socket.
-        run_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-        self.path = run_dir / socket_name
-        if len(os.fsencode(self.path)) >= 108:
-            raise AgentError(f"socket path too long for AF_UNIX (max 107 bytes): {self.path}")
-        with contextlib.suppress(FileNotFoundError):
-            # The run dir is host-owned: whatever is here is a stale socket of ours.
-            if stat.S_ISDIR(os.lstat(self.path).st_mode):
-                raise AgentError(f"{self.path} is a directory")
-            os.unlink(self.path)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.bind(os.fspath(self.path))
-            os.chmod(self.path, 0o666)
-            st = os.lstat(self.path)
-            self._identity = (st.st_dev, st.st_ino)
-            self._sock.listen(16)
-        except OSError:
-            self._sock.close()
-            raise
-
-    def fileno(self) -> int:
-        """The listening socket's descriptor (for selectors)."""
-        return self._sock.fileno()
-
-    def accept(
-        self, timeout_s: float | None, *, io_timeout_s: float = IO_TIMEOUT_S
-    ) -> AgentConnection:
-        """Wait for an agent to connect and send a valid HELLO.
-
-        Raises :class:`AgentUnavailable` if none does within ``timeout_s``.
-        """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._sock.settimeout(timeout_s)
-        try:
-            sock, _ = self._sock.accept()
-        except TimeoutError as exc:
-            raise AgentUnavailable(f"no agent connected to {self.path} in {timeout_s} s") from exc
-        try:
-            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
-            sock.settimeout(remaining)
-            raw = bytearray()
-            while len(raw) < HELLO_FRAME_LEN:
-                chunk = sock.recv(HELLO_FRAME_LEN - len(raw))
-                if not chunk:
-                    raise AgentUnavailable("agent hung up before HELLO")
-                raw += chunk
-            hello = check_hello(raw)
-        except TimeoutError as exc:
-            sock.close()
-            raise AgentUnavailable("agent connected but sent no HELLO in time") from exc
-        except BaseException:
-            sock.close()
-            raise
-        return AgentConnection(sock, hello, io_timeout_s=io_timeout_s)
-
-    def accept_nowait(self) -> socket.socket | None:
-        """A pending raw connection, or None (non-blocking; for :class:`AgentPool`)."""
-        self._sock.setblocking(False)
-        try:
-            sock, _ = self._sock.accept()
-        except BlockingIOError:
-            return None
-        sock.setblocking(False)
-        return sock
-
-    def close(self) -> None:
-        """Stop listening and remove the socket file (if it is still ours)."""
-        self._sock.close()
-        with contextlib.suppress(OSError):
-            st = os.lstat(self.path)
-            if (st.st_dev, st.st_ino) == self._identity:
-                os.unlink(self.path)
+            self._shut_down()

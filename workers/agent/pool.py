@@ -20,7 +20,6 @@ from workers.agent.connection import (
     HELLO_FRAME_LEN,
     IO_TIMEOUT_S,
     AgentConnection,
-    AgentListener,
     check_hello,
 )
 from workers.agent.errors import (
@@ -28,6 +27,7 @@ from workers.agent.errors import (
     AgentProtocolError,
     AgentUnavailable,
 )
+from workers.agent.listener import AgentListener
 
 log = logging.getLogger(__name__)
 
@@ -172,21 +172,37 @@ class AgentPool:
         :data:`SPARE_WAIT_S` (or the agent speaks an older protocol) one that is
         busy, whose requests then run one after another. Errors as :meth:`connection`."""
         conn = self._pick(sandbox_id, wait_s, hold=True)
-        surplus = False
         try:
             yield conn
         finally:
-            with self._cond:
-                conn.users -= 1
-                slot = self._slots.get(sandbox_id)
-                if conn.concurrent and conn.users == 0 and slot is not None:
-                    idle = sum(1 for c in slot.conns if c.users == 0)
-                    surplus = idle > IDLE_KEPT and conn in slot.conns
-                    if surplus:
-                        slot.conns.remove(conn)
-                self._cond.notify_all()
-            if surplus:
-                conn.close()
+            self.release(sandbox_id, conn)
+
+    def hold_idle(self, sandbox_id: str) -> AgentConnection | None:
+        """An idle live connection of ``sandbox_id``, held until :meth:`release`, if
+        one is there right now; None rather than wait (or share a busy one)."""
+        with self._cond:
+            slot = self._slots.get(sandbox_id)
+            for conn in slot.conns if slot else ():
+                # Only the one chosen is asked whether it lives, as in using().
+                if conn.users == 0 and not conn.closed and conn.is_alive():
+                    conn.users += 1
+                    return conn
+        return None
+
+    def release(self, sandbox_id: str, conn: AgentConnection) -> None:
+        """Give back a connection held through :meth:`hold_idle` (or :meth:`using`)."""
+        surplus = False
+        with self._cond:
+            conn.users -= 1
+            slot = self._slots.get(sandbox_id)
+            if conn.concurrent and conn.users == 0 and slot is not None:
+                idle = sum(1 for c in slot.conns if c.users == 0)
+                surplus = idle > IDLE_KEPT and conn in slot.conns
+                if surplus:
+                    slot.conns.remove(conn)
+            self._cond.notify_all()
+        if surplus:
+            conn.close()
 
     def _pick(self, sandbox_id: str, wait_s: float, *, hold: bool) -> AgentConnection:
         start = time.monotonic()
