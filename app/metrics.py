@@ -29,6 +29,11 @@ FORGED = Counter(
     ["consumer", "kind"],
 )
 TASKS = Counter("dsec_node_tasks_total", "Node tasks run", ["task", "outcome"])
+GC_SECONDS = Counter(
+    "dsec_gc_seconds_total",
+    "Time this process spent in the garbage collector, by generation (app/heap.py)",
+    ["generation"],
+)
 COMMANDS_IN_FLIGHT = Gauge(
     "dsec_node_commands_in_flight", "Commands claimed by the node and not yet answered"
 )

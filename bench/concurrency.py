@@ -78,6 +78,7 @@ def main() -> None:
             for b in boxes
         ]
         answered: list[float] = []
+        print(f"sending {len(requests)} x sleep {args.sleep:g}", flush=True)
         started = time.perf_counter()
         # Each straight to its sandbox's node where it may (the direct route), as exec does.
         futures = [client.send(r, node=b.route(r)) for r, b in zip(requests, boxes, strict=True)]

@@ -13,7 +13,7 @@ import resource
 import threading
 from typing import cast
 
-from app import credentials, metrics
+from app import credentials, heap, metrics
 from app.bus import KafkaLogin, Publisher
 from app.config import Settings, get_settings
 from app.consuming import PositionedConsumer
@@ -131,6 +131,7 @@ def run(node_id: str, concurrency: int = 16) -> None:
         node_id, socket_url, settings.node_queue(node_id), node.warm.sizes or "off",
     )  # fmt: skip
     restore_unacked(settings.node_queue(node_id))
+    heap.settle()
     try:
         _serve(settings.node_queue(node_id), node_id, concurrency)
     finally:

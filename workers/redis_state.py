@@ -111,12 +111,12 @@ class _KernelTimed(redis.Connection):
         return sock
 
 
-#: Connections one client keeps to Redis at most. Every command thread of a node
-#: (up to ``DSEC_NODE_MAX_COMMANDS`` where commands wait on threads) may call at once; redis-py's own pool
-#: refuses a caller past its cap (100 since redis-py 6) with "Too many connections",
-#: and a command whose ``answered`` was refused stayed in flight, to be answered again
-#: as interrupted at the worker's next start. These calls take well under a
-#: millisecond each: past the cap a thread waits for a connection instead.
+#: Connections one client keeps to Redis at most. Every command thread of a node (up
+#: to ``DSEC_NODE_MAX_COMMANDS`` where commands wait on threads) may call at once;
+#: redis-py's own pool refuses a caller past its cap (100 since redis-py 6) with "Too
+#: many connections", and a command whose ``answered`` was refused stayed in flight,
+#: to be answered again as interrupted at the worker's next start. These calls take
+#: well under a millisecond each: past the cap a thread waits for a connection instead.
 POOL_SIZE = 32
 
 

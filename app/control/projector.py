@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from sqlalchemy import Connection
 
-from app import metrics
+from app import heap, metrics
 from app.bus import Publisher
 from app.config import Settings
 from app.consuming import IDLE_POLL_MS, PositionedConsumer, dead_letter
@@ -411,4 +411,5 @@ def main(settings: Settings, partitions: Sequence[int] | None = None) -> None:
     projector = Projector(settings, partitions)
     signal.signal(signal.SIGTERM, projector.stop)
     signal.signal(signal.SIGINT, projector.stop)
+    heap.settle()
     projector.run()

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 from sqlalchemy import Connection, text
 
-from app import bus, kafka_admin, metrics
+from app import bus, heap, kafka_admin, metrics
 from app.config import Settings
 from app.consuming import IDLE_POLL_MS, BusWatch, PositionedConsumer, dead_letter, key_partition
 from app.control.dispatch import NAME, Dispatcher, LiveSandbox
@@ -494,4 +494,5 @@ def main(settings: Settings) -> None:
     metrics.watch_placement(lambda: scheduler.placement.nodes.values())
     signal.signal(signal.SIGTERM, scheduler.stop)
     signal.signal(signal.SIGINT, scheduler.stop)
+    heap.settle()
     scheduler.run()
