@@ -294,7 +294,7 @@ class ExecPath:
         conn = agents.hold_idle(request.sandbox_id)
         if conn is None:
             return False
-        if (request.stream_output and conn.hello.version < 2) or not running.attach(conn):
+        if not conn.concurrent or not running.attach(conn):
             agents.release(request.sandbox_id, conn)
             return False
         agent_request, wait = conn.exec_request(**_exec_args(request), stream=request.stream_output)

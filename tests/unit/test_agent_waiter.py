@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,8 +27,10 @@ from workers.agent.messages import (
     Output,
     Response,
 )
-from workers.agent.protocol import encode_response
-from workers.agent.waiter import Waiter
+from workers.agent.pool import AgentPool
+from workers.agent.protocol import encode_hello, encode_response
+from workers.agent.waiter import COMPACT_AFTER, Waiter
+from workers.containers.spec import AGENT_SOCKET_NAME
 
 
 class Answers:
@@ -204,3 +207,43 @@ def test_a_request_that_cannot_be_sent_is_answered_on_the_callers_thread() -> No
     assert answers.got[0][0][2] == threading.current_thread().name
     assert isinstance(answers.got[0][0][1], AgentUnavailable)
     assert conn.closed and waiter.watched() == 0
+
+
+def test_answered_requests_do_not_pile_up_behind_their_deadlines() -> None:
+    # Long timeouts, answered at once: their deadlines must not keep every answered
+    # request alive until they pass.
+    waiter, answers = Waiter(), Answers()
+    conn, agent = _pair()
+    for n in range(3 * COMPACT_AFTER):
+        request, _ = _exec(conn, ["true"])
+        waiter.watch(conn, request, 3600, answers.done(n))
+        _read_request(agent)
+        agent.sendall(encode_response(AgentExecResult(0, b"", b"")))
+        answers.wait(n + 1)
+    assert len(waiter._deadlines) <= 2 * waiter.watched() + COMPACT_AFTER + 1
+
+
+def test_a_connection_a_waiter_reads_is_never_shared(tmp_path: Path) -> None:
+    # Given a sandbox whose agent holds one connection (an agent that queues requests
+    # on it, so callers share it), held for a request another thread waits on
+    pool = AgentPool(hello_timeout_s=1.0)
+    pool.register("sbx", tmp_path)
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    agent.connect(str(tmp_path / AGENT_SOCKET_NAME))
+    agent.sendall(encode_hello(Hello(version=2, pid=1)))
+    deadline = time.monotonic() + 2
+    while not pool.connections("sbx"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    held = pool.hold_idle("sbx")
+    assert held is not None
+    # When another caller asks for a connection of it, it waits instead of writing its
+    # request where the first one's answer is read
+    with pytest.raises(AgentUnavailable), pool.using("sbx", 0.3):
+        pass
+    # Then once it is given back, the next caller gets it
+    pool.release("sbx", held)
+    with pool.using("sbx", 0.3) as conn:
+        assert conn is held
+    pool.close()
+    agent.close()

@@ -166,6 +166,10 @@ class AgentConnection:
         self.default_env: Mapping[str, str] = {}
         #: Callers holding it through :meth:`AgentPool.using` (guarded by the pool).
         self.users = 0
+        #: Held through :meth:`AgentPool.hold_idle` for a request another thread waits
+        #: on: never shared, since a second request on it would read the first's answer
+        #: (guarded by the pool).
+        self.exclusive = False
 
     @property
     def concurrent(self) -> bool:

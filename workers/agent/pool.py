@@ -178,14 +178,16 @@ class AgentPool:
             self.release(sandbox_id, conn)
 
     def hold_idle(self, sandbox_id: str) -> AgentConnection | None:
-        """An idle live connection of ``sandbox_id``, held until :meth:`release`, if
-        one is there right now; None rather than wait (or share a busy one)."""
+        """An idle live connection of ``sandbox_id``, held until :meth:`release` and
+        shared with nobody meanwhile, if one is there right now; None rather than wait
+        (or share a busy one)."""
         with self._cond:
             slot = self._slots.get(sandbox_id)
             for conn in slot.conns if slot else ():
                 # Only the one chosen is asked whether it lives, as in using().
                 if conn.users == 0 and not conn.closed and conn.is_alive():
                     conn.users += 1
+                    conn.exclusive = True
                     return conn
         return None
 
@@ -194,6 +196,7 @@ class AgentPool:
         surplus = False
         with self._cond:
             conn.users -= 1
+            conn.exclusive = False
             slot = self._slots.get(sandbox_id)
             if conn.concurrent and conn.users == 0 and slot is not None:
                 idle = sum(1 for c in slot.conns if c.users == 0)
@@ -220,16 +223,17 @@ class AgentPool:
                     slot.conns = alive
                     now = time.monotonic()
                     chosen = next((conn for conn in alive if conn.users == 0), None)
+                    shared = [conn for conn in alive if not conn.exclusive]
                     if (
                         chosen is None
-                        and alive
+                        and shared
                         and (
                             not alive[-1].concurrent
                             or len(alive) >= MAX_AGENT_CONNECTIONS
                             or now >= start + SPARE_WAIT_S
                         )
                     ):
-                        chosen = min(alive, key=lambda conn: conn.users)
+                        chosen = min(shared, key=lambda conn: conn.users)
                     if chosen is not None and not chosen.is_alive():
                         # Only the one chosen is asked (a system call under the pool's
                         # lock, on every command); the others when their turn comes.

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 #: timeout; the host's deadline is the margin beyond it).
 TICK_S = 1.0
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP
+#: Deadlines of answered requests the heap may hold beyond twice those watched.
+COMPACT_AFTER = 1024
 
 #: Called once per request, on the waiter's thread: its response, or why there is none.
 Done = Callable[[Response | None, AgentError | None], None]
@@ -198,6 +200,12 @@ class Waiter:
                 del self._watched[exchange.fd]
                 with contextlib.suppress(OSError):
                     self._epoll.unregister(exchange.fd)
+            if len(self._deadlines) > 2 * len(self._watched) + COMPACT_AFTER:
+                # An answered request's deadline stays in the heap until it passes (a
+                # command's timeout and more): kept, thousands of answers a second would
+                # hold every answered request for minutes.
+                self._deadlines = [d for d in self._deadlines if self._watched.get(d[2].fd) is d[2]]
+                heapq.heapify(self._deadlines)
         if failed:
             conn.close()
         conn.unwatch(failed=failed)
