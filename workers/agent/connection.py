@@ -114,6 +114,33 @@ def check_hello(raw: bytes | bytearray) -> Hello:
     return hello
 
 
+class Answer:
+    """The answer to one request as its frames come, whoever reads them (a request's
+    own thread, or the node's waiter): each frame held to what the request asked for,
+    output frames passed on, the final response handed back."""
+
+    def __init__(self, request: Request, on_output: Callable[[Output], None] | None) -> None:
+        self.op = op_of(request)
+        #: Largest frame the request's answer may hold.
+        self.limit = response_limit(request)
+        self._caps = CapCheck(request)
+        self._on_output = on_output
+
+    def take(self, payload: bytes | bytearray) -> Response | None:
+        """The final response, if ``payload`` is it; None for an output frame."""
+        response = decode_response(self.op, payload)
+        self._caps.check(response)
+        if not isinstance(response, Output):
+            return response
+        if self._on_output is not None:
+            try:
+                self._on_output(response)
+            except Exception:  # the command's result must still be read
+                log.exception("output handler failed: no more output passed on")
+                self._on_output = None
+        return None
+
+
 class AgentConnection:
     """One connection to an agent. Thread-safe: a lock keeps one request in flight,
     which is all a connection carries (an agent of protocol 3 holds several, one
@@ -305,19 +332,9 @@ class AgentConnection:
                     self._sock.sendall(data)
                 except BlockingIOError as exc:
                     raise TimeoutError from exc
-                op = op_of(request)
-                limit, caps = response_limit(request), CapCheck(request)
-                while True:
-                    response = decode_response(op, self._read_frame(limit))
-                    caps.check(response)
-                    if not isinstance(response, Output):
-                        break
-                    if on_output is not None:
-                        try:
-                            on_output(response)
-                        except Exception:  # the command's result must still be read
-                            log.exception("output handler failed: no more output passed on")
-                            on_output = None
+                answer = Answer(request, on_output)
+                while (response := answer.take(self._read_frame(answer.limit))) is None:
+                    pass
                 if self._pending:
                     # More than the request asked for: whatever it is, it would be
                     # read as the next request's answer.
@@ -478,4 +495,5 @@ class AgentConnection:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with self._lock:
-            self._shut_down()
+            if not self._watched:
+                self._close_locked()

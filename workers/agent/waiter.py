@@ -21,12 +21,11 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from workers.agent.connection import AgentConnection
+from workers.agent.connection import AgentConnection, Answer
 from workers.agent.errors import AgentError, AgentProtocolError, AgentRefused, AgentTimeout
 from workers.agent.messages import AgentErrorReply, Output, Request, Response
-from workers.agent.protocol import CapCheck, decode_response, op_of, response_limit
 
 log = logging.getLogger(__name__)
 
@@ -47,44 +46,25 @@ class _Exchange:
     """One request in flight on one connection."""
 
     conn: AgentConnection
-    request: Request
     deadline: float | None
-    on_output: Callable[[Output], None] | None
+    answer: Answer
     done: Done
     #: The connection's descriptor while watched (-1: never was).
     fd: int = -1
-    limit: int = field(init=False)
-    caps: CapCheck = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.limit = response_limit(self.request)
-        self.caps = CapCheck(self.request)
 
     def read(self) -> Response | None:
         """The final response, once it is complete; None until then. Output frames on
-        the way go to ``on_output``."""
-        op = op_of(self.request)
-        frames = self.conn.read_frames(self.limit)
+        the way go to the answer's ``on_output``."""
+        frames = self.conn.read_frames(self.answer.limit)
         for i, payload in enumerate(frames):
-            response = decode_response(op, payload)
-            self.caps.check(response)
-            if isinstance(response, Output):
-                self._output(response)
+            response = self.answer.take(payload)
+            if response is None:
                 continue
             if i + 1 < len(frames) or self.conn.unread:
                 # Whatever follows would be read as the next request's answer.
                 raise AgentProtocolError("agent sent more after its response")
             return response
         return None
-
-    def _output(self, output: Output) -> None:
-        if self.on_output is None:
-            return
-        try:
-            self.on_output(output)
-        except Exception:  # the command's result must still be read
-            log.exception("output handler failed: no more output passed on")
-            self.on_output = None
 
 
 class Waiter:
@@ -114,7 +94,7 @@ class Waiter:
         could not be sent, else on the waiter's. ``timeout_s`` bounds the round trip
         (None: without end); ``on_output`` gets a streaming command's output frames."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        exchange = _Exchange(conn, request, deadline, on_output, done)
+        exchange = _Exchange(conn, deadline, Answer(request, on_output), done)
         try:
             conn.send(request)
         except AgentError as exc:
