@@ -16,10 +16,12 @@ import itertools
 import logging
 import shlex
 import signal
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from app.config import Settings
@@ -142,6 +144,12 @@ def _killed_result(running: Running, duration_s: float) -> AgentExecResult:
         stderr=bytes(running.stderr),
         duration_s=duration_s,
     )
+
+
+def _oom_suspect(result: AgentExecResult) -> bool:
+    """True if the kernel's OOM killer may have ended the command (SIGKILL, and not at
+    its timeout): its sandbox's OOM count is then read, and the sandbox ended if hit."""
+    return result.exit_code == -signal.SIGKILL and not result.timed_out
 
 
 def _exec_args(request: Exec) -> dict[str, Any]:
@@ -305,7 +313,14 @@ class ExecPath:
             result = response if isinstance(response, AgentExecResult) else None
             if result is None and error is None:
                 error = AgentProtocolError(f"agent answered an exec with {response!r}")
-            finish(lambda: self._exec_ended(request, running, result, error, started))
+            ended = partial(self._exec_ended, request, running, result, error, started)
+            rest = partial(finish, ended)
+            if result is not None and _oom_suspect(result):
+                # Its end may stop the sandbox through Podman (seconds): not on the
+                # thread that answers every other command of the node.
+                threading.Thread(target=rest, name="dsec-command-oom", daemon=True).start()
+            else:
+                rest()
 
         self.node.waiter.watch(
             conn,
@@ -362,7 +377,7 @@ class ExecPath:
             request.command if isinstance(request.command, str) else shlex.join(request.command)
         )
         seen.last_command, seen.last_exit_code = command[:200], result.exit_code
-        if result.exit_code == -signal.SIGKILL and not result.timed_out and killed_by is None:
+        if killed_by is None and _oom_suspect(result):
             self._end_if_oom(request)
         node.courier.reply_with_data(
             request.reply_to,
