@@ -4,7 +4,9 @@ meanwhile.
     .venv/bin/python bench/concurrency.py [--n 200] [--sleep 10] [--probes 20]
 
 Creates N sandboxes, then sends `sleep S` to all of them at once through the SDK and
-times until the last answer (ideal: S). While they run, it times `--probes` short
+times until the last answer (ideal: S), with the CPU each process spent meanwhile:
+the sandboxes' own (their agents starting and reaping the commands) sets a floor
+above S on these cores, printed beside it. While they run, it times `--probes` short
 execs in a sandbox of its own and a few creates (each destroyed again), and compares
 them with the same probes on the idle node just before. Needs `dsec up`.
 """
@@ -12,12 +14,17 @@ them with the same probes on the idle node just before. Needs `dsec up`.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from app.config import get_settings
+from procstat import cpu_seconds, machine_busy_seconds, sandboxes_cpu_seconds, stack_processes
+from rich.console import Console
+from rich.table import Table
+
+from app.config import Settings, get_settings
 from app.control import tenants
 from app.domain.requests import Exec
 from app.sdk import Client, Sandbox
@@ -53,6 +60,42 @@ def timed(what: str, fn: Callable[[], object]) -> float:
     return took
 
 
+def burst_cpu(settings: Settings) -> dict[str, float]:
+    """CPU seconds spent so far by each of the stack's processes, this one (the SDK),
+    the node's sandboxes and the whole machine."""
+    spent = cpu_seconds(stack_processes(settings.state_dir, settings.node_id))
+    spent["client (SDK)"] = time.process_time()
+    spent["sandboxes"] = sandboxes_cpu_seconds(settings.node_id)
+    spent["machine"] = machine_busy_seconds()
+    return spent
+
+
+def print_cpu(spent: dict[str, float], n: int, wall: float, sleep: float) -> float:
+    """Print the burst's CPU by process; return the wall time the sandboxes' own CPU
+    alone would take on this machine's cores beyond the sleep."""
+    cores = os.cpu_count() or 1
+    table = Table(title=f"CPU during the burst ({wall:.1f} s, {cores} cores)")
+    table.add_column("process")
+    table.add_column("CPU s", justify="right")
+    table.add_column("ms per command", justify="right")
+    named = {k: v for k, v in spent.items() if k != "machine"}
+    for name, seconds in sorted(named.items(), key=lambda kv: -kv[1]):
+        table.add_row(name, f"{seconds:.2f}", f"{seconds / n * 1000:.2f}")
+    unnamed = spent["machine"] - sum(named.values())
+    table.add_row(
+        "the rest (kernel, conmon of others)", f"{unnamed:.2f}", f"{unnamed / n * 1000:.2f}"
+    )
+    table.add_row("machine", f"{spent['machine']:.2f}", f"{spent['machine'] / n * 1000:.2f}")
+    Console().print(table)
+    floor = spent["sandboxes"] / cores
+    print(
+        f"the machine was busy {spent['machine'] / (wall * cores):.0%} of the burst;"
+        f" the sandboxes' own CPU alone needs {floor:.2f}s of every core:"
+        f" a floor of {sleep + floor:.2f}s with the platform spending nothing"
+    )
+    return floor
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=200)
@@ -79,6 +122,7 @@ def main() -> None:
         ]
         answered: list[float] = []
         print(f"sending {len(requests)} x sleep {args.sleep:g}", flush=True)
+        before = burst_cpu(settings)
         started = time.perf_counter()
         # Each straight to its sandbox's node where it may (the direct route), as exec does.
         futures = [client.send(r, node=b.route(r)) for r, b in zip(requests, boxes, strict=True)]
@@ -90,6 +134,8 @@ def main() -> None:
         for request, future in zip(requests, futures, strict=True):
             client.wait(request, future, 600)
         wall = time.perf_counter() - started
+        after = burst_cpu(settings)
+        spent = {k: after[k] - before[k] for k in after}
         # The figures first: destroying thousands of sandboxes takes a while.
         print(f"{args.n} x sleep {args.sleep:g}: all answered after {wall:.2f}s", flush=True)
         # Where the time past the sleep went: sending, the node starting them, answering.
@@ -103,8 +149,14 @@ def main() -> None:
             f" create p50: idle {p50(idle_creates):.1f} ms,"
             f" meanwhile {p50(busy_creates):.1f} ms"
         )
+        floor = print_cpu(spent, args.n, wall, args.sleep)
+        platform = sum(v for k, v in spent.items() if k not in ("machine", "sandboxes", "broker"))
         print(
             f"RESULT concurrency n={args.n} sleep={args.sleep:g} wall_s={wall:.2f}"
+            f" floor_s={args.sleep + floor:.2f}"
+            f" sandboxes_cpu_ms={spent['sandboxes'] / args.n * 1000:.2f}"
+            f" platform_cpu_ms={platform / args.n * 1000:.2f}"
+            f" broker_cpu_ms={spent['broker'] / args.n * 1000:.2f}"
             f" exec_p50_ms={p50(idle_execs):.1f}/{p50(busy_execs):.1f}"
             f" create_p50_ms={p50(idle_creates):.1f}/{p50(busy_creates):.1f}",
             flush=True,

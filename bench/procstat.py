@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from workers.containers.limits import CgroupLayout, parse_flat_keyed, parse_mountinfo
+
 #: Clock ticks per second (/proc/PID/stat counts in these).
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -87,3 +89,29 @@ def stack_processes(state_dir: Path, node_id: str) -> dict[str, list[int]]:
 def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
     """CPU seconds spent so far by each group of processes."""
     return {name: sum(map(ticks, pids)) / HZ for name, pids in groups.items()}
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy (user, system, interrupts,
+    steal) since boot: what no process list misses, the kernel's own work included."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / HZ
+
+
+def sandboxes_cpu_seconds(node_id: str) -> float:
+    """CPU seconds a node's sandboxes have spent (every process in them, the agents and
+    their commands), from the cgroup above theirs: removed sandboxes' time stays
+    counted there. 0 where the node has no such cgroup."""
+    hierarchy = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    if hierarchy is None:
+        return 0.0
+    node_dirs = CgroupLayout(hierarchy, node_id).node_dirs()
+    try:
+        if hierarchy.version == 1:
+            return int((node_dirs["cpuacct"] / "cpuacct.usage").read_text()) / 1e9
+        stat = parse_flat_keyed((node_dirs[""] / "cpu.stat").read_text())
+        return stat["usage_usec"] / 1e6
+    except (OSError, KeyError, ValueError):
+        return 0.0
