@@ -78,8 +78,8 @@ from app.domain.requests import CreateSandbox, DestroySandbox, Exec
 from app.partition_cache import PartitionCache
 from workers import direct
 from workers.agent.messages import AgentExecResult
+from workers.command_record import command_completed
 from workers.courier import Courier
-from workers.exec_path import command_completed
 from workers.failures import envelope
 from workers.redis_state import Claims, claim_ttl_s, connect
 

@@ -26,13 +26,13 @@ from app.domain.hub_access import HubReference
 from app.domain.replies import SandboxReady
 from app.domain.requests import CreateSandbox, Exec
 from workers.agent.pool import AgentPool
+from workers.command_record import command_completed
 from workers.containers import label
 from workers.containers.port import ContainerDriver
 from workers.containers.spec import SandboxSpec
 from workers.courier import Courier
 from workers.deadlines import Deadlines, Due
 from workers.errors import EgressDisabled, ImageNotFound, NoSpace, StaleCreate
-from workers.exec_path import command_completed
 from workers.failures import AGENT_WAIT_S, Failures, envelope
 from workers.lifecycle import Lifecycle
 from workers.state_port import RouteStore

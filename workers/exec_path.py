@@ -15,18 +15,16 @@ import base64
 import itertools
 import logging
 import shlex
-import signal
 import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 from app.config import Settings
 from app.domain.base import StopReason, utcnow
-from app.domain.events import CommandCompleted, CommandPayload
 from app.domain.replies import Done, ExecOutput, OutputChunk
 from app.domain.requests import Exec, KillCommand
 from app.domain.trajectory import RecordedStep
@@ -35,18 +33,17 @@ from workers.agent.messages import AgentExecResult, Response
 from workers.agent.messages import Output as AgentOutput
 from workers.agent.pool import AgentPool
 from workers.agent.waiter import Waiter
+from workers.command_record import command_completed, exec_args, killed_result, oom_suspect
 from workers.commands import Commands, Finish, Job, Running
 from workers.containers.port import ContainerDriver
 from workers.courier import Courier
 from workers.errors import CommandInterrupted, NodeError, StaleCommand
-from workers.failures import AGENT_WAIT_S, Failures, envelope
+from workers.failures import AGENT_WAIT_S, Failures
 from workers.state_port import ClaimStore, StepStore
 from workers.tally import NodeTally
 
 log = logging.getLogger(__name__)
 
-#: Bytes of each output stream copied into the audit event.
-AUDIT_HEAD = 256
 #: Largest stdin (base64) a command started without a thread carries: its request is
 #: written on the inbox's thread, and a write that fills the socket would wait there.
 INLINE_STDIN_B64 = 64 * 1024
@@ -93,86 +90,6 @@ class Ender(Protocol):
     def stop(
         self, sandbox_id: str, tenant: str, job_id: str, reason: StopReason, detail: str = ""
     ) -> None: ...
-
-
-def command_completed(
-    request: Exec,
-    result: AgentExecResult,
-    node_id: str,
-    step_output_bytes: int,
-    killed_by: str | None = None,
-) -> CommandCompleted:
-    """The log's record of one command that ran. A trajectory command's carries the
-    outputs its replays answer with, each cut to what the log keeps
-    (``step_output_bytes``: an event must stay within the log's message size)."""
-    truncated = result.stdout_truncated or result.stderr_truncated
-    stdout_b64 = stderr_b64 = None
-    if request.trajectory_id is not None:
-        cap = step_output_bytes
-        truncated |= len(result.stdout) > cap or len(result.stderr) > cap
-        stdout_b64 = base64.b64encode(result.stdout[:cap]).decode()
-        stderr_b64 = base64.b64encode(result.stderr[:cap]).decode()
-    return CommandCompleted(
-        event_id=request.event_of("completed"),
-        **envelope(request, node_id),
-        payload=CommandPayload(
-            request_id=request.request_id,
-            actor=request.actor,
-            command=request.command,
-            exit_code=result.exit_code,
-            duration_ms=result.duration_s * 1000,
-            stdout_bytes=len(result.stdout),
-            stderr_bytes=len(result.stderr),
-            stdout_head=_audit_head(result.stdout),
-            stderr_head=_audit_head(result.stderr),
-            timed_out=result.timed_out,
-            truncated=truncated,
-            killed_by=killed_by,
-            trajectory_id=request.trajectory_id,
-            step=request.step,
-            stdout_b64=stdout_b64,
-            stderr_b64=stderr_b64,
-        ),
-    )
-
-
-def _killed_result(running: Running, duration_s: float) -> AgentExecResult:
-    """What a killed command answers: SIGKILL, and the output it streamed."""
-    return AgentExecResult(
-        exit_code=-signal.SIGKILL,
-        stdout=bytes(running.stdout),
-        stderr=bytes(running.stderr),
-        duration_s=duration_s,
-    )
-
-
-def _oom_suspect(result: AgentExecResult) -> bool:
-    """True if the kernel's OOM killer may have ended the command (SIGKILL, and not at
-    its timeout): its sandbox's OOM count is then read, and the sandbox ended if hit."""
-    return result.exit_code == -signal.SIGKILL and not result.timed_out
-
-
-def _exec_args(request: Exec) -> dict[str, Any]:
-    """What the agent is asked to run for ``request`` (:meth:`AgentConnection.exec`'s
-    arguments)."""
-    command = request.command
-    return {
-        "argv": ["/bin/sh", "-c", command] if isinstance(command, str) else command,
-        "env": dict(request.env) or None,
-        "cwd": request.cwd,
-        "timeout_s": request.timeout_s,
-        "max_output": request.max_output_bytes,
-        "stdin": base64.b64decode(request.stdin_b64),
-    }
-
-
-def _audit_head(data: bytes) -> str:
-    """The start of a command's output as text for the log.
-
-    NUL becomes U+FFFD: Postgres' jsonb refuses ``\\u0000``, and one such event would
-    stop the projector (a sandbox printing /proc/*/cmdline did).
-    """
-    return data[:AUDIT_HEAD].decode(errors="replace").replace("\x00", "\ufffd")
 
 
 class ExecPath:
@@ -281,7 +198,7 @@ class ExecPath:
                 if not running.attach(conn):
                     raise CommandKilled
                 result = conn.exec(
-                    **_exec_args(request),
+                    **exec_args(request),
                     on_output=self._streamer(request, running) if request.stream_output else None,
                 )
         except Exception as exc:
@@ -305,7 +222,7 @@ class ExecPath:
         if not conn.concurrent or not running.attach(conn):
             agents.release(request.sandbox_id, conn)
             return False
-        agent_request, wait = conn.exec_request(**_exec_args(request), stream=request.stream_output)
+        agent_request, wait = conn.exec_request(**exec_args(request), stream=request.stream_output)
         started = time.monotonic()
 
         def answered(response: Response | None, error: AgentError | None) -> None:
@@ -315,7 +232,7 @@ class ExecPath:
                 error = AgentProtocolError(f"agent answered an exec with {response!r}")
             ended = partial(self._exec_ended, request, running, result, error, started)
             rest = partial(finish, ended)
-            if result is not None and _oom_suspect(result):
+            if result is not None and oom_suspect(result):
                 # Its end may stop the sandbox through Podman (seconds): not on the
                 # thread that answers every other command of the node.
                 threading.Thread(target=rest, name="dsec-command-oom", daemon=True).start()
@@ -347,7 +264,7 @@ class ExecPath:
             if killed_by is None:
                 self._exec_failed(request, error or AgentError("no answer"))
                 return
-            result = _killed_result(running, time.monotonic() - started)
+            result = killed_result(running, time.monotonic() - started)
         self._exec_done(request, result, killed_by)
 
     def _exec_failed(self, request: Exec, exc: Exception) -> None:
@@ -377,7 +294,7 @@ class ExecPath:
             request.command if isinstance(request.command, str) else shlex.join(request.command)
         )
         seen.last_command, seen.last_exit_code = command[:200], result.exit_code
-        if killed_by is None and _oom_suspect(result):
+        if killed_by is None and oom_suspect(result):
             self._end_if_oom(request)
         node.courier.reply_with_data(
             request.reply_to,
