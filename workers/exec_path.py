@@ -32,7 +32,7 @@ from workers.agent.errors import AgentError, AgentProtocolError, AgentTimeout
 from workers.agent.messages import AgentExecResult, Response
 from workers.agent.messages import Output as AgentOutput
 from workers.agent.pool import AgentPool
-from workers.agent.waiter import Waiter
+from workers.agent.waiter import RoundBatch, Waiter
 from workers.command_record import command_completed, exec_args, killed_result, oom_suspect
 from workers.commands import Commands, Finish, Job, Running
 from workers.containers.port import ContainerDriver
@@ -72,6 +72,8 @@ class ExecHost(Protocol):
     agents: AgentPool
     #: Waits on the answers of the commands started without a thread.
     waiter: Waiter
+    #: Commands answered, told to the claims (per round where the waiter answered).
+    answered: RoundBatch[str]
     courier: Courier
     claims: ClaimStore
     steps: StepStore
@@ -413,5 +415,5 @@ class _ExecJob:
 
     def _answered(self) -> None:
         node = self._path.node
-        node.claims.answered(self._request.scope)
+        node.answered.add(self._request.scope)
         node.tally.executed(time.monotonic() - self._claimed_at)

@@ -49,7 +49,7 @@ from app.domain.requests import (
     WriteFile,
 )
 from workers.agent.pool import AgentPool
-from workers.agent.waiter import Waiter
+from workers.agent.waiter import RoundBatch, Waiter
 from workers.commands import Commands, Job
 from workers.containers.port import ContainerDriver
 from workers.containers.spec import AGENT_SOCKET_NAME
@@ -141,6 +141,8 @@ class Node:
         self.failures = Failures(node_id, self.courier, driver, agents, self.tally)
         #: Waits on the agents' answers to commands started without a thread.
         self.waiter = Waiter()
+        #: Commands answered, told to the claims once per round of the waiter's answers.
+        self.answered: RoundBatch[str] = self.waiter.batch(claims.answered_many)
         #: Commands in flight, off the Celery pool (workers/commands.py).
         self.commands = Commands(
             self.courier,

@@ -43,6 +43,11 @@ class InMemoryClaims:
             self._in_flight.pop(scope, None)
             self._tasks.pop(scope, None)
 
+    def answered_many(self, scopes: list[str]) -> None:
+        """:meth:`answered` for each of ``scopes``."""
+        for scope in scopes:
+            self.answered(scope)
+
     def hold(self, scope: str, task: str, args: list[str]) -> None:
         """Keep the task until :meth:`answered`."""
         with self._lock:

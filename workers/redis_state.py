@@ -90,12 +90,6 @@ return 0
 
 
 # Both hashes in one round trip (a command's scope is in one of them).
-_ANSWERED = """
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-"""
-
-
 #: How long a call on the claims' connection may wait for Redis.
 CLAIMS_TIMEOUT_S = 5.0
 
@@ -176,7 +170,6 @@ class Claims:
         self._in_flight = f"dsec:inflight:{node_id}"
         self._tasks = f"dsec:inflight-tasks:{node_id}"
         self._claim: Any = client.register_script(_CLAIM)
-        self._answered: Any = client.register_script(_ANSWERED)
 
     @_translated
     def claim(self, request: Exec, reply_key: bytes | None) -> bool:
@@ -202,11 +195,19 @@ class Claims:
             "args": [self._node_id, self._claim_ttl_s, request.scope, json.dumps(record)],
         }
 
-    @_translated
     def answered(self, scope: str) -> None:
         """The command or task of the request of ``scope`` was answered (or will never
         need to be)."""
-        self._answered(keys=[self._in_flight, self._tasks], args=[scope])
+        self.answered_many([scope])
+
+    @_translated
+    def answered_many(self, scopes: list[str]) -> None:
+        """:meth:`answered` for each of ``scopes``, in one round trip."""
+        if scopes:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hdel(self._in_flight, *scopes)
+            pipe.hdel(self._tasks, *scopes)
+            pipe.execute()
 
     @_translated
     def hold(self, scope: str, task: str, args: list[str]) -> None:

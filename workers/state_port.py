@@ -33,6 +33,10 @@ class ClaimStore(Protocol):
         """The command or task of the request of ``scope`` was answered."""
         ...
 
+    def answered_many(self, scopes: list[str]) -> None:
+        """:meth:`answered` for each of ``scopes``, at once."""
+        ...
+
     def hold(self, scope: str, task: str, args: list[str]) -> None:
         """A lifecycle or file task is being done here until :meth:`answered`."""
         ...

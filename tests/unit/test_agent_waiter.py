@@ -247,3 +247,43 @@ def test_a_connection_a_waiter_reads_is_never_shared(tmp_path: Path) -> None:
         assert conn is held
     pool.close()
     agent.close()
+
+
+def test_work_of_a_round_of_answers_is_handed_over_once_for_the_round() -> None:
+    waiter, answers = Waiter(), Answers()
+    handed: list[tuple[list[int], str]] = []
+    batch = waiter.batch(lambda items: handed.append((items, threading.current_thread().name)))
+    pairs = [_pair() for _ in range(50)]
+    everyone_answered = threading.Event()
+
+    def done(n: int):
+        told = answers.done(n)
+
+        def call(response: Response | None, error: AgentError | None) -> None:
+            batch.add(n)
+            if n == 0:  # hold the first round until every other agent has answered
+                assert everyone_answered.wait(10)
+            told(response, error)
+
+        return call
+
+    for n, (conn, agent) in enumerate(pairs):
+        request, wait = _exec(conn, ["true"])
+        waiter.watch(conn, request, wait, done(n))
+        _read_request(agent)
+    pairs[0][1].sendall(encode_response(AgentExecResult(0, b"", b"")))
+    for _conn, agent in pairs[1:]:
+        agent.sendall(encode_response(AgentExecResult(0, b"", b"")))
+    everyone_answered.set()
+    answers.wait(50)
+    deadline = time.monotonic() + 5
+    while sum(len(items) for items, _ in handed) < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # The first answer's round (the others may have come in it), then at most one for
+    # those that came meanwhile: each answer handed over once, not one round trip each.
+    assert len(handed) <= 2
+    assert sorted(n for items, _ in handed for n in items) == list(range(50))
+    assert {thread for _, thread in handed} == {"dsec-waiter"}
+    # Off the waiter's thread, an item is handed over at once, alone.
+    batch.add(99)
+    assert handed[-1] == ([99], threading.current_thread().name)

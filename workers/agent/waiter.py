@@ -7,7 +7,9 @@ after the first (docs/BENCHMARKS.md, sessions 27-31). Here the caller sends the 
 itself (:meth:`Waiter.watch`, a few microseconds of a socket write) and this thread
 reads every answer as it arrives (epoll, level-triggered), streamed output included,
 ending each request at its deadline. What an answer sets off runs on this thread too,
-so it must not block for long (the exec path hands anything slow to a thread).
+so it must not block for long (the exec path hands anything slow to a thread); what it
+would tell another service once per answer can wait for the end of the round of
+answers and go in one round trip (:class:`RoundBatch`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from workers.agent.connection import AgentConnection, Answer
 from workers.agent.errors import AgentError, AgentProtocolError, AgentRefused, AgentTimeout
@@ -39,6 +42,8 @@ COMPACT_AFTER = 1024
 
 #: Called once per request, on the waiter's thread: its response, or why there is none.
 Done = Callable[[Response | None, AgentError | None], None]
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -80,6 +85,7 @@ class Waiter:
         self._deadlines: list[tuple[float, int, _Exchange]] = []
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
+        self._batches: list[RoundBatch[Any]] = []
 
     def watch(
         self,
@@ -114,6 +120,16 @@ class Waiter:
             with contextlib.suppress(BlockingIOError):
                 os.write(self._wake_w, b"x")
 
+    def on_thread(self) -> bool:
+        """True on the waiter's own thread (inside a round of answers)."""
+        return threading.current_thread() is self._thread
+
+    def batch(self, flush: Callable[[list[T]], None]) -> RoundBatch[T]:
+        """A :class:`RoundBatch` this waiter flushes at the end of each round."""
+        batch = RoundBatch(self, flush)
+        self._batches.append(batch)
+        return batch
+
     def watched(self) -> int:
         """Requests waiting for their answer now."""
         with self._lock:
@@ -141,6 +157,8 @@ class Waiter:
             if exchange is not None:
                 self._read(exchange)
         self._expire(time.monotonic())
+        for batch in self._batches:
+            batch.flush()
 
     def _read(self, exchange: _Exchange) -> None:
         try:
@@ -193,3 +211,31 @@ class Waiter:
             exchange.done(response, error)
         except Exception:
             log.exception("handling an agent's answer failed")
+
+
+class RoundBatch(Generic[T]):
+    """Items gathered on a waiter's thread through one round of answers, handed to
+    ``flush`` once at the round's end (made by :meth:`Waiter.batch`): one round trip to
+    another service for a burst of answers where each would have made its own. An item
+    added on any other thread is handed over at once, alone."""
+
+    def __init__(self, waiter: Waiter, flush: Callable[[list[T]], None]) -> None:
+        self._waiter = waiter
+        self._flush = flush
+        self._items: list[T] = []  # only the waiter's thread touches it
+
+    def add(self, item: T) -> None:
+        """Hand ``item`` over: at the end of the round on the waiter's thread, else now."""
+        if self._waiter.on_thread():
+            self._items.append(item)
+        else:
+            self._flush([item])
+
+    def flush(self) -> None:
+        """Hand over what the round gathered (called by the waiter)."""
+        items, self._items = self._items, []
+        if items:
+            try:
+                self._flush(items)
+            except Exception:
+                log.exception("handing over %d answers' work failed", len(items))
