@@ -167,6 +167,11 @@ class Commands:
         with self._lock:
             return self._known.get((sandbox_id, request_id))
 
+    def running_in(self, sandbox_id: str) -> bool:
+        """True while a claimed command of ``sandbox_id`` has not been answered."""
+        with self._lock:
+            return any(sandbox == sandbox_id for sandbox, _ in self._known)
+
     def in_flight(self) -> int:
         """Commands claimed and not yet answered (running or waiting their turn)."""
         with self._lock:

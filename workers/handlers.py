@@ -118,6 +118,9 @@ class Node:
         # listing shows a sandbox as it was when the listing began, and one destroyed
         # since must not get its listener back (nor a second end).
         self._ended: dict[str, float] = {}
+        #: When the reconciler first saw each sandbox the OOM killer hit while a command
+        #: ran there (monotonic; workers/upkeep.py, its thread alone).
+        self.oom_seen: dict[str, float] = {}
         #: When the last transition ended (monotonic): the warm pool refills after a lull.
         self.last_transition = 0.0
         #: Warm containers creates claim (workers/warm_pool.py); None: always cold.

@@ -2,7 +2,8 @@
 
 Every few seconds the node compares what Podman runs with what it should: a
 container that exited is stopped in the log with the reason Podman gives (OOM or
-failure), one whose cgroup saw an OOM kill is ended (oom), an expired one is reaped
+failure), one whose cgroup saw an OOM kill is ended (oom; once a command in flight
+there has been answered, for a little while at most), an expired one is reaped
 (ttl), and a live one gets its agent listener back after a worker restart. Cgroups
 left without a container are removed, and so are the agent listener and run directory
 of a sandbox whose container vanished behind the node's back (the scheduler ends it in
@@ -63,6 +64,10 @@ ROUND_SPACING = 10.0
 ROUND_PAUSE_MAX_S = 30.0
 #: Podman states of a container whose process has ended.
 ENDED_STATES = frozenset({"exited", "stopped", "dead"})
+#: Longest the reconciler leaves a running sandbox the OOM killer hit to a command in
+#: flight there: the killed command's answer (exit -9) goes to its trainer first, and
+#: the exec path ends the sandbox right after it.
+OOM_ANSWER_GRACE_S = 10.0
 
 
 def _host_memory_mb() -> int:
@@ -169,6 +174,8 @@ def reconcile(node: Node) -> list[str]:
                 box.sandbox_id, tenant, job, StopReason.TTL, "time to live reached",
                 ended_at=deadline,
             )  # fmt: skip
+        elif box.running and box.oom_killed and _answer_first(node, box.sandbox_id):
+            live.add(box.sandbox_id)
         elif box.running and box.oom_killed:
             node.lifecycle.stop(
                 box.sandbox_id, tenant, job, StopReason.OOM, "out of memory (OOM kill)"
@@ -205,6 +212,20 @@ def reconcile(node: Node) -> list[str]:
     if warm is not None:
         warm.forget(live | busy)
     return sorted(live | node.busy_ids())
+
+
+def _answer_first(node: Node, sandbox_id: str) -> bool:
+    """True while a sandbox the OOM killer hit is left to the command in flight there
+    (the one killed, most likely) for up to :data:`OOM_ANSWER_GRACE_S`. Stopped here at
+    once, the sandbox took the agent down before the command's answer was read, and the
+    trainer got "sandbox not running" instead of its command's -9."""
+    now = time.monotonic()
+    for other, seen in list(node.oom_seen.items()):
+        if now - seen > 2 * OOM_ANSWER_GRACE_S:
+            del node.oom_seen[other]  # ended since, or stopped below
+    if not node.commands.running_in(sandbox_id):
+        return False
+    return now - node.oom_seen.setdefault(sandbox_id, now) < OOM_ANSWER_GRACE_S
 
 
 def pause_after(round_s: float, interval_s: float) -> float:

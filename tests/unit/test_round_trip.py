@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,44 @@ def test_commands_wait_for_their_agents_without_a_thread_each(platform: Platform
         reply = future.result(timeout=0)
         assert isinstance(reply, ExecOutput) and reply.exit_code == 0
         assert base64.b64decode(reply.stdout_b64) == f"{n}\n".encode()
+
+
+def test_a_command_the_oom_killer_ended_is_answered_before_its_sandbox_stops(
+    platform: Platform, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a command in flight in a sandbox whose agent holds it until told to answer
+    sandbox = _create(platform)
+    release = threading.Event()
+    platform.agent.run = lambda request: (release.wait(2), scripted(request))[1]
+    client = sandbox.client
+    assert isinstance(client, Client)
+    future = client.send(
+        exec_request(client.request_fields(sandbox.id), "true", timeout_s=10), node=NODE
+    )
+    deadline = time.monotonic() + 0.5
+    while platform.node.commands.in_flight() < 1:
+        platform.pump()
+        assert time.monotonic() < deadline, "the command did not start"
+    # When the reconciler lists the sandbox as hit by the OOM killer (its Podman state
+    # says so before the command's answer is read)
+    listed = platform.driver.list_sandboxes
+    monkeypatch.setattr(
+        platform.driver,
+        "list_sandboxes",
+        lambda: [replace(box, oom_killed=True) for box in listed()],
+    )
+    # Then its round leaves the sandbox to the command: still running and listed
+    assert reconcile(platform.node) == [sandbox.id]
+    assert platform.driver.get(sandbox.id) is not None
+    # And the command is answered with its own result
+    release.set()
+    deadline = time.monotonic() + 0.5
+    while not future.done():
+        platform.pump()
+        assert time.monotonic() < deadline, "the command was not answered"
+    assert isinstance(future.result(timeout=0), ExecOutput)
+    # And once nothing runs there, the next round ends the sandbox with reason oom
+    assert reconcile(platform.node) == []
+    platform.settle()
+    ends = [e for e in _events(platform) if isinstance(e, SandboxStopped)]
+    assert [(e.sandbox_id, e.payload.reason) for e in ends] == [(sandbox.id, StopReason.OOM)]
