@@ -251,18 +251,25 @@ def _drop(settings: Settings) -> None:
     drop_database(settings)
 
 
-@pytest.fixture
-def conn(migrated: Settings) -> Iterator[Connection]:
-    """A service-role connection in a transaction that is always rolled back: what a
-    test appends to the log or folds into the projections is gone after it."""
+@contextlib.contextmanager
+def rolled_back(settings: Settings) -> Iterator[Connection]:
+    """A service-role connection in a transaction that is always rolled back."""
     from app.db.engine import engine_for
 
-    with engine_for(migrated.database_url).connect() as c:
+    with engine_for(settings.database_url).connect() as c:
         tx = c.begin()
         try:
             yield c
         finally:
             tx.rollback()
+
+
+@pytest.fixture
+def conn(migrated: Settings) -> Iterator[Connection]:
+    """A service-role connection in a transaction that is always rolled back: what a
+    test appends to the log or folds into the projections is gone after it."""
+    with rolled_back(migrated) as c:
+        yield c
 
 
 def wait_for(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition") -> Any:

@@ -26,6 +26,7 @@ from rich.console import Console
 from sqlalchemy import Connection, text
 from typer.testing import CliRunner
 
+from app.config import Settings
 from app.db import billing, projections, queries
 from app.db.log import SourcedEvent, append
 from app.domain.base import FailReason, RejectReason, StopReason
@@ -49,6 +50,7 @@ from app.domain.events import (
     StartedPayload,
     StoppedPayload,
 )
+from tests.conftest import rolled_back, scratch_database
 
 pytestmark = pytest.mark.integration
 
@@ -184,6 +186,22 @@ def figures(rows: list[dict[str, Any]]) -> dict[tuple[str, date], tuple[Any, ...
 def lives(conn: Connection, tenant: str) -> list[dict[str, Any]]:
     query = text("SELECT * FROM sandbox_lives WHERE tenant = :t ORDER BY started_at")
     return [dict(r._mapping) for r in conn.execute(query, {"t": tenant})]
+
+
+@pytest.fixture(scope="module")
+def billing_db(migrated: Settings) -> Iterator[Settings]:
+    """A database of this module's own: the check after each test reads the raw log's
+    views over every tenant, and the stack's log grows with every run (~4 s a test
+    over 190,000 events)."""
+    with scratch_database(migrated) as settings:
+        yield settings
+
+
+@pytest.fixture
+def conn(billing_db: Settings) -> Iterator[Connection]:
+    """As everywhere (a transaction always rolled back), on this module's database."""
+    with rolled_back(billing_db) as c:
+        yield c
 
 
 @pytest.fixture(autouse=True)
