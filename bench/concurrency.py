@@ -20,7 +20,13 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from procstat import cpu_seconds, machine_busy_seconds, sandboxes_cpu_seconds, stack_processes
+from procstat import (
+    cpu_seconds,
+    kernel_threads,
+    machine_seconds,
+    sandboxes_cpu_seconds,
+    stack_processes,
+)
 from rich.console import Console
 from rich.table import Table
 
@@ -63,10 +69,14 @@ def timed(what: str, fn: Callable[[], object]) -> float:
 def burst_cpu(settings: Settings) -> dict[str, float]:
     """CPU seconds spent so far by each of the stack's processes, this one (the SDK),
     the node's sandboxes and the whole machine."""
-    spent = cpu_seconds(stack_processes(settings.state_dir, settings.node_id))
+    groups = stack_processes(settings.state_dir, settings.node_id)
+    groups["kernel threads"] = kernel_threads()
+    spent = cpu_seconds(groups)
     spent["client (SDK)"] = time.process_time()
     spent["sandboxes"] = sandboxes_cpu_seconds(settings.node_id)
-    spent["machine"] = machine_busy_seconds()
+    machine = machine_seconds()
+    spent["interrupts"] = machine["interrupts"]
+    spent["machine"] = sum(machine.values())
     return spent
 
 
@@ -82,9 +92,7 @@ def print_cpu(spent: dict[str, float], n: int, wall: float, sleep: float) -> flo
     for name, seconds in sorted(named.items(), key=lambda kv: -kv[1]):
         table.add_row(name, f"{seconds:.2f}", f"{seconds / n * 1000:.2f}")
     unnamed = spent["machine"] - sum(named.values())
-    table.add_row(
-        "the rest (kernel, conmon of others)", f"{unnamed:.2f}", f"{unnamed / n * 1000:.2f}"
-    )
+    table.add_row("the rest (other processes)", f"{unnamed:.2f}", f"{unnamed / n * 1000:.2f}")
     table.add_row("machine", f"{spent['machine']:.2f}", f"{spent['machine'] / n * 1000:.2f}")
     Console().print(table)
     floor = spent["sandboxes"] / cores
@@ -150,7 +158,8 @@ def main() -> None:
             f" meanwhile {p50(busy_creates):.1f} ms"
         )
         floor = print_cpu(spent, args.n, wall, args.sleep)
-        platform = sum(v for k, v in spent.items() if k not in ("machine", "sandboxes", "broker"))
+        outside = ("machine", "sandboxes", "broker", "kernel threads", "interrupts")
+        platform = sum(v for k, v in spent.items() if k not in outside)
         print(
             f"RESULT concurrency n={args.n} sleep={args.sleep:g} wall_s={wall:.2f}"
             f" floor_s={args.sleep + floor:.2f}"

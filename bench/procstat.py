@@ -91,13 +91,40 @@ def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
     return {name: sum(map(ticks, pids)) / HZ for name, pids in groups.items()}
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds every core of the machine has spent busy (user, system, interrupts,
-    steal) since boot: what no process list misses, the kernel's own work included."""
+def machine_seconds() -> dict[str, float]:
+    """CPU seconds every core of the machine has spent since boot, by kind: ``user``
+    (with nice), ``system``, ``interrupts`` (hard and soft, outside any process) and
+    ``steal`` (wanted, but the hypervisor ran something else)."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:]]
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / HZ
+    return {
+        "user": (user + nice) / HZ,
+        "system": system / HZ,
+        "interrupts": (irq + softirq) / HZ,
+        "steal": steal / HZ,
+    }
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy since boot: what no
+    process list misses, the kernel's own work included."""
+    return sum(machine_seconds().values())
+
+
+def kernel_threads() -> list[int]:
+    """Pids of the kernel's own threads (no command line): workqueues, softirq
+    threads, memory scanners."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if not f.read(1):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
 
 
 def sandboxes_cpu_seconds(node_id: str) -> float:
