@@ -10,6 +10,8 @@ from workers.containers.limits import CgroupLayout, parse_flat_keyed, parse_moun
 
 #: Clock ticks per second (/proc/PID/stat counts in these).
 HZ = os.sysconf("SC_CLK_TCK")
+#: The flag (/proc/PID/stat's ninth field) of a kernel thread.
+PF_KTHREAD = 0x00200000
 
 
 def ticks(pid: int) -> int:
@@ -113,17 +115,19 @@ def machine_busy_seconds() -> float:
 
 
 def kernel_threads() -> list[int]:
-    """Pids of the kernel's own threads (no command line): workqueues, softirq
-    threads, memory scanners."""
+    """Pids of the kernel's own threads (workqueues, softirq threads, memory scanners):
+    the kernel marks them PF_KTHREAD. (An empty command line is no sign: a process
+    that exited and waits to be reaped has none either.)"""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if not f.read(1):
-                        pids.append(int(entry))
-            except OSError:
+                with open(f"/proc/{entry}/stat") as f:
+                    flags = int(f.read().rsplit(")", 1)[1].split()[6])
+            except (OSError, ValueError, IndexError):
                 continue
+            if flags & PF_KTHREAD:
+                pids.append(int(entry))
     return pids
 
 
