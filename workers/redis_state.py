@@ -89,7 +89,6 @@ return 0
 """
 
 
-# Both hashes in one round trip (a command's scope is in one of them).
 #: How long a call on the claims' connection may wait for Redis.
 CLAIMS_TIMEOUT_S = 5.0
 
@@ -202,7 +201,8 @@ class Claims:
 
     @_translated
     def answered_many(self, scopes: list[str]) -> None:
-        """:meth:`answered` for each of ``scopes``, in one round trip."""
+        """:meth:`answered` for each of ``scopes``, in one round trip (from both hashes:
+        a command's scope is in one, a task's in the other)."""
         if scopes:
             pipe = self._redis.pipeline(transaction=False)
             pipe.hdel(self._in_flight, *scopes)
