@@ -10,31 +10,44 @@ from workers.containers.limits import CgroupLayout, parse_flat_keyed, parse_moun
 
 #: Clock ticks per second (/proc/PID/stat counts in these).
 HZ = os.sysconf("SC_CLK_TCK")
-#: The flag (/proc/PID/stat's ninth field) of a kernel thread.
+#: The flag of a kernel thread (in /proc/PID/stat's flags).
 PF_KTHREAD = 0x00200000
+# Indexes into /proc/PID/stat's fields after the command name (man 5 proc's numbers
+# less 3).
+_PPID, _FLAGS, _UTIME, _STIME = 1, 6, 11, 12
+
+
+def _pids() -> list[int]:
+    """Every process's pid."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and
+    parentheses); None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def ticks(pid: int) -> int:
     """utime + stime of a process, in clock ticks (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])
+    fields = _stat(pid)
+    return 0 if fields is None else int(fields[_UTIME]) + int(fields[_STIME])
 
 
 def named(prefix: str) -> list[int]:
     """Pids of the processes whose command name starts with ``prefix``."""
     pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/comm") as f:
-                    if f.read().startswith(prefix):
-                        pids.append(int(entry))
-            except OSError:
-                continue
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().startswith(prefix):
+                    pids.append(pid)
+        except OSError:
+            continue
     return pids
 
 
@@ -48,15 +61,10 @@ def _pidfile(state_dir: Path, name: str) -> list[int]:
 def descendants(pids: list[int]) -> list[int]:
     """``pids`` and every process below them (a JVM's or a service's children)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
+    for pid in _pids():
+        fields = _stat(pid)
+        if fields is not None:
+            children.setdefault(int(fields[_PPID]), []).append(pid)
     out, todo = [], list(pids)
     while todo:
         pid = todo.pop()
@@ -108,27 +116,15 @@ def machine_seconds() -> dict[str, float]:
     }
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds every core of the machine has spent busy since boot: what no
-    process list misses, the kernel's own work included."""
-    return sum(machine_seconds().values())
-
-
 def kernel_threads() -> list[int]:
     """Pids of the kernel's own threads (workqueues, softirq threads, memory scanners):
     the kernel marks them PF_KTHREAD. (An empty command line is no sign: a process
     that exited and waits to be reaped has none either.)"""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    flags = int(f.read().rsplit(")", 1)[1].split()[6])
-            except (OSError, ValueError, IndexError):
-                continue
-            if flags & PF_KTHREAD:
-                pids.append(int(entry))
-    return pids
+    return [
+        pid
+        for pid in _pids()
+        if (fields := _stat(pid)) is not None and int(fields[_FLAGS]) & PF_KTHREAD
+    ]
 
 
 def sandboxes_cpu_seconds(node_id: str) -> float:
