@@ -164,10 +164,7 @@ def test_a_container_removed_behind_the_nodes_back_ends_failed(
 ) -> None:
     box = client.create()
     # A warm create answers before its container takes the sandbox's name.
-    deadline = time.monotonic() + 10
-    while driver.get(box.id) is None:
-        assert time.monotonic() < deadline, "the claimed container never took its name"
-        time.sleep(0.05)
+    wait_for(lambda: driver.get(box.id), 10, "the claimed container to take its name")
     # When its container disappears without the node doing it
     assert driver.remove(box.id)
     # Then the scheduler, missing it in two heartbeats, ends it: failed, vanished

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -167,6 +168,14 @@ class Platform:
             self.dispatcher.answer_for_lost(out, record)
         self._send(out)
         return len(records)
+
+    def pump_until(self, done: Callable[[], bool], what: str, within_s: float) -> None:
+        """Pump until ``done()`` holds; fail saying ``what`` did not happen if it does
+        not within ``within_s``."""
+        deadline = time.monotonic() + within_s
+        while not done():
+            self.pump()
+            assert time.monotonic() < deadline, what
 
     def settle(self) -> None:
         """Pump until nothing moves and no command runs on the node."""

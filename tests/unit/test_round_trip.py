@@ -236,20 +236,22 @@ def test_commands_wait_for_their_agents_without_a_thread_each(platform: Platform
         client.send(exec_request(client.request_fields(s.id), f"echo {n}", timeout_s=10), node=NODE)
         for n, s in enumerate(sandboxes)
     ]
-    deadline = time.monotonic() + 0.5
-    while platform.node.waiter.watched() < len(sandboxes):
-        platform.pump()
-        assert time.monotonic() < deadline, "the commands were not all started"
+    platform.pump_until(
+        lambda: platform.node.waiter.watched() >= len(sandboxes),
+        "the commands were not all started",
+        within_s=0.5,
+    )
     # Then all of them are in flight, and no thread waits on any of them: the node's
     # one waiter does
     assert platform.node.commands.in_flight() == len(sandboxes)
     assert not [t for t in threading.enumerate() if t.name.startswith("dsec-command")]
     # And each is answered with what its own agent said once the agents answer
     release.set()
-    deadline = time.monotonic() + 0.5
-    while not all(future.done() for future in futures):
-        platform.pump()
-        assert time.monotonic() < deadline, "the commands were not all answered"
+    platform.pump_until(
+        lambda: all(future.done() for future in futures),
+        "the commands were not all answered",
+        within_s=0.5,
+    )
     for n, future in enumerate(futures):
         reply = future.result(timeout=0)
         assert isinstance(reply, ExecOutput) and reply.exit_code == 0
@@ -268,12 +270,11 @@ def test_a_command_the_oom_killer_ended_is_answered_before_its_sandbox_stops(
     future = client.send(
         exec_request(client.request_fields(sandbox.id), "true", timeout_s=10), node=NODE
     )
-    deadline = time.monotonic() + 0.5
-    while platform.node.commands.in_flight() < 1:
-        platform.pump()
-        assert time.monotonic() < deadline, "the command did not start"
-    # When the reconciler lists the sandbox as hit by the OOM killer (its Podman state
-    # says so before the command's answer is read)
+    platform.pump_until(
+        lambda: platform.node.commands.in_flight() >= 1, "the command did not start", within_s=0.5
+    )
+    # When the reconciler lists the sandbox as hit by the OOM killer (its cgroup counts
+    # the kill before the command's answer is read)
     listed = platform.driver.list_sandboxes
     monkeypatch.setattr(
         platform.driver,
@@ -285,10 +286,7 @@ def test_a_command_the_oom_killer_ended_is_answered_before_its_sandbox_stops(
     assert platform.driver.get(sandbox.id) is not None
     # And the command is answered with its own result
     release.set()
-    deadline = time.monotonic() + 0.5
-    while not future.done():
-        platform.pump()
-        assert time.monotonic() < deadline, "the command was not answered"
+    platform.pump_until(future.done, "the command was not answered", within_s=0.5)
     assert isinstance(future.result(timeout=0), ExecOutput)
     # And once nothing runs there, the next round ends the sandbox with reason oom
     assert reconcile(platform.node) == []
